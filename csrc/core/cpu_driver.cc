@@ -1,0 +1,185 @@
+// tfclip core, CPU: the norm, scale and apply passes over the chunk plan of a whole list.
+#include "csrc/core/cpu_driver.h"
+
+#include <cmath>
+
+namespace tfclip {
+namespace {
+
+// Calls fn(StorageType{}) for a runtime dtype.
+template <typename Fn>
+void DispatchDType(DType t, Fn&& fn) {
+  switch (t) {
+#define TFCLIP_DISPATCH_CASE(E, S, M, N) \
+  case DType::E:                         \
+    fn(S{});                             \
+    break;
+    TFCLIP_FOR_EACH_TYPE(TFCLIP_DISPATCH_CASE)
+#undef TFCLIP_DISPATCH_CASE
+  }
+}
+
+// Sum of squares of one chunk in a fixed order: four fp64 lanes, then lane 0..3 added.
+template <typename T>
+double ChunkSumSquares(const T* p, int64_t b, int64_t e) {
+  double acc[4] = {0, 0, 0, 0};
+  int64_t i = b;
+  for (; i + 4 <= e; i += 4) {
+    for (int k = 0; k < 4; ++k) {
+      const double x = static_cast<double>(Elem<T>::Load(p[i + k]));
+      acc[k] += x * x;
+    }
+  }
+  for (int k = 0; i < e; ++i, ++k) {
+    const double x = static_cast<double>(Elem<T>::Load(p[i]));
+    acc[k] += x * x;
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+template <typename T>
+void ScaleChunk(const T* in, T* out, int64_t b, int64_t e, double scale) {
+  using M = typename Elem<T>::Math;
+  const M s = RoundTo<T>(static_cast<M>(scale));
+  for (int64_t i = b; i < e; ++i) out[i] = Elem<T>::Store(Elem<T>::Load(in[i]) * s);
+}
+
+template <typename M>
+inline M Clamp(M g, M lo, M hi) {
+  // NaN stays NaN (comparisons with NaN are false), as tf.clip_by_value.
+  return g < lo ? lo : (g > hi ? hi : g);
+}
+
+template <typename Rule, typename V, typename G>
+void ApplyChunk(const StepConsts<typename Elem<V>::Math>& c, const ApplyTensor& t, int nslots,
+                const ClipFactor& f, int64_t b, int64_t e) {
+  using M = typename Elem<V>::Math;
+  V* var = static_cast<V*>(t.var);
+  const G* grad = static_cast<const G*>(t.grad);
+  V* slot[kMaxSlots];
+  for (int k = 0; k < kMaxSlots; ++k) slot[k] = static_cast<V*>(t.slots[k]);
+  const M scale = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(f.scale)));
+  const bool scaled = f.scale != 1.0;
+  const M lo = static_cast<M>(f.lo), hi = static_cast<M>(f.hi);
+  const bool clamped = std::isfinite(f.lo) || std::isfinite(f.hi);
+  for (int64_t i = b; i < e; ++i) {
+    M g = static_cast<M>(Elem<G>::Load(grad[i]));
+    if (scaled) g = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(g * scale)));
+    if (clamped) g = Clamp(g, lo, hi);
+    M s[kMaxSlots];
+    for (int k = 0; k < nslots; ++k) s[k] = Elem<V>::Load(slot[k][i]);
+    M v = DecayVar(c, Elem<V>::Load(var[i]));
+    Rule::Update(c, g, v, s);
+    var[i] = Elem<V>::Store(v);
+    for (int k = 0; k < nslots; ++k) slot[k][i] = Elem<V>::Store(s[k]);
+  }
+}
+
+// Calls fn(V{}, G{}) for the allowed (variable, gradient) dtype pairs.
+template <typename Fn>
+void DispatchPair(DType var, DType grad, Fn&& fn) {
+  if (var == DType::kFloat && grad == DType::kHalf) return fn(float{}, half{});
+  if (var == DType::kFloat && grad == DType::kBFloat16) return fn(float{}, bfloat16{});
+  DispatchDType(var, [&](auto v) { fn(v, v); });
+}
+
+}  // namespace
+
+void SumSquaresCpu(const TensorView* ts, int n, const std::vector<Chunk>& plan, double* partials,
+                   double* per_tensor, double* total, const CpuExecutor& exec) {
+  const int64_t nchunks = static_cast<int64_t>(plan.size());
+  if (nchunks > 0) {
+    exec.parallel_for(nchunks, kChunkElems * kNormCostPerElem, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        const Chunk& ch = plan[c];
+        const TensorView& t = ts[ch.tensor];
+        DispatchDType(t.dtype, [&](auto tag) {
+          using T = decltype(tag);
+          partials[c] = ChunkSumSquares(static_cast<const T*>(t.data), ch.begin, ch.end);
+        });
+      }
+    });
+  }
+  // Reduce in slot order: the same bits whatever the partition above.
+  if (per_tensor != nullptr) {
+    for (int i = 0; i < n; ++i) per_tensor[i] = 0.0;
+  }
+  double sum = 0.0;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    sum += partials[c];
+    if (per_tensor != nullptr) per_tensor[plan[c].tensor] += partials[c];
+  }
+  *total = sum;
+}
+
+void ScaleCpu(const TensorView* in, const TensorView* out, const std::vector<Chunk>& plan,
+              double scale, const CpuExecutor& exec) {
+  const int64_t nchunks = static_cast<int64_t>(plan.size());
+  if (nchunks == 0) return;
+  exec.parallel_for(nchunks, kChunkElems * kNormCostPerElem, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      const Chunk& ch = plan[c];
+      DispatchDType(in[ch.tensor].dtype, [&](auto tag) {
+        using T = decltype(tag);
+        ScaleChunk(static_cast<const T*>(in[ch.tensor].data), static_cast<T*>(out[ch.tensor].data),
+                   ch.begin, ch.end, scale);
+      });
+    }
+  });
+}
+
+void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
+              const std::vector<Chunk>& plan, const ClipFactor* factors, const CpuExecutor& exec) {
+  const int64_t nchunks = static_cast<int64_t>(plan.size());
+  if (nchunks == 0) return;
+  const int nslots = NumSlots(rule, hp);
+  const StepConsts<float> cf = MakeStepConsts<float>(hp);
+  const StepConsts<double> cd = MakeStepConsts<double>(hp);
+  DispatchRule(rule, [&](auto rule_tag) {
+    using Rule = decltype(rule_tag);
+    exec.parallel_for(nchunks, kChunkElems * kApplyCostPerElem, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        const Chunk& ch = plan[c];
+        const ApplyTensor& t = ts[ch.tensor];
+        DispatchPair(t.var_dtype, t.grad_dtype, [&](auto vtag, auto gtag) {
+          using V = decltype(vtag);
+          using G = decltype(gtag);
+          if constexpr (std::is_same_v<typename Elem<V>::Math, double>) {
+            ApplyChunk<Rule, V, G>(cd, t, nslots, factors[ch.tensor], ch.begin, ch.end);
+          } else {
+            ApplyChunk<Rule, V, G>(cf, t, nslots, factors[ch.tensor], ch.begin, ch.end);
+          }
+        });
+      }
+    });
+  });
+}
+
+StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
+                        const ApplyTensor* ts, int n, StepScratch* s, const CpuExecutor& exec) {
+  s->sizes.resize(n);
+  s->grads.resize(n);
+  for (int i = 0; i < n; ++i) {
+    s->sizes[i] = ts[i].size;
+    s->grads[i] = TensorView{const_cast<void*>(ts[i].grad), ts[i].size, ts[i].grad_dtype};
+  }
+  PlanChunks(s->sizes.data(), n, kChunkElems, &s->plan);
+  s->per_tensor.assign(n, 0.0);
+  s->factors.resize(n);
+  double total = 0.0;
+  if (NeedsNormPass(cfg)) {
+    s->partials.resize(s->plan.size());
+    SumSquaresCpu(s->grads.data(), n, s->plan, s->partials.data(), s->per_tensor.data(), &total,
+                  exec);
+  }
+  const ClipOutcome oc = ComputeClipFactors(cfg, s->per_tensor.data(), total, n, s->factors.data());
+  StepResult r;
+  r.global_norm = oc.global_norm;
+  r.nonfinite = !oc.finite;
+  if (!oc.finite && cfg.policy != NonFinitePolicy::kPropagate) return r;  // nothing written
+  ApplyCpu(rule, hp, ts, s->plan, s->factors.data(), exec);
+  r.applied = true;
+  return r;
+}
+
+}  // namespace tfclip

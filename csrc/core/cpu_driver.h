@@ -1,0 +1,57 @@
+// tfclip core, CPU: the multi-tensor driver. One parallel region per pass over the chunk plan
+// of the whole list; the executor is whatever thread pool the adapter has (TF's intra-op
+// pool in the OpKernel, a pool of our own in the pybind11 module).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "csrc/core/multi_tensor.h"
+
+namespace tfclip {
+
+// parallel_for(num_units, cost_per_unit_in_cycles, fn(begin, end)) must call fn over a
+// partition of [0, num_units). How it partitions does not change any result.
+struct CpuExecutor {
+  std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)> parallel_for;
+};
+
+// Norm pass: fp64 sum of squares per chunk into partials[chunk], then reduced in chunk order
+// into per_tensor[n] (may be null) and *total. fp64 accumulation keeps float32 values near
+// 1e20 (whose squares overflow float32) and subnormals exact enough for a right norm.
+void SumSquaresCpu(const TensorView* ts, int n, const std::vector<Chunk>& plan, double* partials,
+                   double* per_tensor, double* total, const CpuExecutor& exec);
+
+// Clip op's second pass: out[i] = in[i] * cast<T>(scale).
+void ScaleCpu(const TensorView* in, const TensorView* out, const std::vector<Chunk>& plan,
+              double scale, const CpuExecutor& exec);
+
+// Apply pass: for each element, the clip factor of its tensor, decoupled weight decay, then
+// the rule; reads grad, var and slots once and writes var and slots once.
+void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
+              const std::vector<Chunk>& plan, const ClipFactor* factors, const CpuExecutor& exec);
+
+// Both passes of a clip-and-apply step, with the non-finite policy. Callers validate first.
+struct StepResult {
+  double global_norm = 0.0;
+  bool applied = false;
+  bool nonfinite = false;  // with kRaise: the caller reports the error; nothing was written
+};
+// scratch is reused across calls when the caller keeps it.
+struct StepScratch {
+  std::vector<Chunk> plan;
+  std::vector<double> partials, per_tensor;
+  std::vector<ClipFactor> factors;
+  std::vector<TensorView> grads;
+  std::vector<int64_t> sizes;
+};
+StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
+                        const ApplyTensor* ts, int n, StepScratch* scratch,
+                        const CpuExecutor& exec);
+
+// Cycles of work per element, for the executor's cost model.
+constexpr int64_t kNormCostPerElem = 2;
+constexpr int64_t kApplyCostPerElem = 10;
+
+}  // namespace tfclip

@@ -1,0 +1,214 @@
+// tfclip core: chunk planning, clip policy and validation shared by every adapter.
+#include "csrc/core/multi_tensor.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace tfclip {
+
+const char* DTypeName(DType t) {
+  switch (t) {
+#define TFCLIP_NAME_CASE(E, S, M, N) \
+  case DType::E:                     \
+    return N;
+    TFCLIP_FOR_EACH_TYPE(TFCLIP_NAME_CASE)
+#undef TFCLIP_NAME_CASE
+  }
+  return "unknown";
+}
+
+int DTypeSize(DType t) {
+  switch (t) {
+#define TFCLIP_SIZE_CASE(E, S, M, N) \
+  case DType::E:                     \
+    return static_cast<int>(sizeof(S));
+    TFCLIP_FOR_EACH_TYPE(TFCLIP_SIZE_CASE)
+#undef TFCLIP_SIZE_CASE
+  }
+  return 0;
+}
+
+const char* RuleName(RuleKind r) {
+  switch (r) {
+    case RuleKind::kSgd: return "sgd";
+    case RuleKind::kMomentum: return "momentum";
+    case RuleKind::kKerasMomentum: return "keras_momentum";
+    case RuleKind::kAdam: return "adam";
+  }
+  return "unknown";
+}
+
+int NumSlots(RuleKind rule, const HParams& hp) {
+  switch (rule) {
+    case RuleKind::kSgd: return 0;
+    case RuleKind::kMomentum:
+    case RuleKind::kKerasMomentum: return 1;
+    case RuleKind::kAdam: return hp.amsgrad ? 3 : 2;
+  }
+  return 0;
+}
+
+void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, std::vector<Chunk>* plan) {
+  plan->clear();
+  for (int i = 0; i < n; ++i) {
+    for (int64_t b = 0; b < sizes[i]; b += chunk_elems) {
+      const int64_t e = b + chunk_elems < sizes[i] ? b + chunk_elems : sizes[i];
+      plan->push_back(Chunk{static_cast<int32_t>(i), b, e});
+    }
+  }
+}
+
+bool ParseClipMode(const std::string& s, ClipMode* out) {
+  if (s == "none") *out = ClipMode::kNone;
+  else if (s == "global_norm") *out = ClipMode::kGlobalNorm;
+  else if (s == "norm") *out = ClipMode::kNorm;
+  else if (s == "value") *out = ClipMode::kValue;
+  else return false;
+  return true;
+}
+
+bool ParseNonFinitePolicy(const std::string& s, NonFinitePolicy* out) {
+  if (s == "skip") *out = NonFinitePolicy::kSkip;
+  else if (s == "propagate") *out = NonFinitePolicy::kPropagate;
+  else if (s == "raise") *out = NonFinitePolicy::kRaise;
+  else return false;
+  return true;
+}
+
+bool ParseRule(const std::string& s, RuleKind* out) {
+  if (s == "sgd") *out = RuleKind::kSgd;
+  else if (s == "momentum") *out = RuleKind::kMomentum;
+  else if (s == "keras_momentum") *out = RuleKind::kKerasMomentum;
+  else if (s == "adam") *out = RuleKind::kAdam;
+  else return false;
+  return true;
+}
+
+double GlobalClipScale(double clip_norm, double norm) {
+  const double inv_n = 1.0 / norm, inv_c = 1.0 / clip_norm;
+  return clip_norm * (inv_n < inv_c ? inv_n : inv_c) + (norm - norm);
+}
+
+bool NeedsNormPass(const ClipConfig& cfg) {
+  return !(cfg.has_use_norm && cfg.mode != ClipMode::kNorm);
+}
+
+ClipOutcome ComputeClipFactors(const ClipConfig& cfg, const double* per_tensor_sumsq,
+                               double total_sumsq, int n, ClipFactor* factors) {
+  ClipOutcome out;
+  out.global_norm = cfg.has_use_norm ? cfg.use_norm : std::sqrt(total_sumsq);
+  out.finite = std::isfinite(out.global_norm);
+  for (int i = 0; i < n; ++i) factors[i] = ClipFactor{};
+  switch (cfg.mode) {
+    case ClipMode::kNone: break;
+    case ClipMode::kGlobalNorm: {
+      const double s = GlobalClipScale(cfg.clip, out.global_norm);
+      for (int i = 0; i < n; ++i) factors[i].scale = s;
+      break;
+    }
+    case ClipMode::kNorm:
+      // TF clip_by_norm: t * c / max(||t||, c); NaN norms propagate through the max.
+      for (int i = 0; i < n; ++i) {
+        const double nt = std::sqrt(per_tensor_sumsq[i]);
+        const double m = std::isnan(nt) ? nt : (nt > cfg.clip ? nt : cfg.clip);
+        factors[i].scale = cfg.clip / m;
+      }
+      break;
+    case ClipMode::kValue:
+      for (int i = 0; i < n; ++i) {
+        factors[i].lo = -cfg.clip;
+        factors[i].hi = cfg.clip;
+      }
+      break;
+  }
+  return out;
+}
+
+namespace {
+std::string Fmt(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+std::string CheckRange(const char* name, double v, double lo, bool lo_open, double hi,
+                       bool hi_open) {
+  const bool ok = std::isfinite(v) && (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
+  if (ok) return "";
+  std::ostringstream os;
+  os << name << " must be finite and in " << (lo_open ? "(" : "[") << lo << ", "
+     << (std::isinf(hi) ? "inf" : Fmt(hi)) << (hi_open ? ")" : "]") << ", got " << v;
+  return os.str();
+}
+}  // namespace
+
+std::string ValidateClipNorm(double clip_norm, const char* what) {
+  if (std::isfinite(clip_norm) && clip_norm > 0) return "";
+  return std::string(what) + " must be finite and > 0, got " + Fmt(clip_norm);
+}
+
+std::string ValidateClipConfig(const ClipConfig& cfg) {
+  switch (cfg.mode) {
+    case ClipMode::kNone: break;
+    case ClipMode::kGlobalNorm: {
+      auto e = ValidateClipNorm(cfg.clip, "global_clipnorm");
+      if (!e.empty()) return e;
+      break;
+    }
+    case ClipMode::kNorm: {
+      auto e = ValidateClipNorm(cfg.clip, "clipnorm");
+      if (!e.empty()) return e;
+      break;
+    }
+    case ClipMode::kValue: {
+      auto e = ValidateClipNorm(cfg.clip, "clipvalue");
+      if (!e.empty()) return e;
+      break;
+    }
+  }
+  if (cfg.has_use_norm && cfg.use_norm < 0) {
+    return "use_norm must be >= 0 (it is a norm), got " + Fmt(cfg.use_norm);
+  }
+  return "";
+}
+
+std::string ValidateHParams(RuleKind rule, const HParams& hp) {
+  const double inf = INFINITY;
+  std::string e = CheckRange("learning_rate", hp.lr, 0, false, inf, false);
+  if (e.empty()) e = CheckRange("weight_decay", hp.weight_decay, 0, false, inf, false);
+  if (!e.empty()) return e;
+  switch (rule) {
+    case RuleKind::kSgd: break;
+    case RuleKind::kMomentum:
+    case RuleKind::kKerasMomentum:
+      e = CheckRange("momentum", hp.momentum, 0, false, 1, false);
+      break;
+    case RuleKind::kAdam:
+      e = CheckRange("beta_1", hp.beta_1, 0, false, 1, true);
+      if (e.empty()) e = CheckRange("beta_2", hp.beta_2, 0, false, 1, true);
+      if (e.empty()) e = CheckRange("epsilon", hp.epsilon, 0, false, inf, false);
+      if (e.empty()) e = CheckRange("step", hp.step, 1, false, inf, false);
+      break;
+  }
+  return e;
+}
+
+bool GradDTypeAllowed(DType var, DType grad) {
+  // Same dtype, or low-precision gradients for float32 variables (mixed precision).
+  return var == grad || (var == DType::kFloat && (grad == DType::kHalf || grad == DType::kBFloat16));
+}
+
+std::string ValidateApplyDTypes(const ApplyTensor* ts, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (!GradDTypeAllowed(ts[i].var_dtype, ts[i].grad_dtype)) {
+      std::ostringstream os;
+      os << "grads[" << i << "] has dtype " << DTypeName(ts[i].grad_dtype) << " but vars[" << i
+         << "] has dtype " << DTypeName(ts[i].var_dtype)
+         << " (gradients must match their variable's dtype, or be half/bfloat16 for a float "
+            "variable)";
+      return os.str();
+    }
+  }
+  return "";
+}
+
+}  // namespace tfclip

@@ -1,0 +1,89 @@
+// tfclip core: what every adapter hands the core — raw tensors, the chunk plan over the
+// flattened list, the clip configuration and its per-tensor outcome, validation. No TF header.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "csrc/core/rules.h"
+#include "csrc/core/types.h"
+
+namespace tfclip {
+
+// Work is split into fixed-size chunks over all tensors flattened together. A chunk never
+// spans two tensors, and its boundaries depend only on the tensor sizes, never on the thread
+// count or launch shape: that is what makes the norm bitwise deterministic.
+constexpr int64_t kChunkElems = int64_t{1} << 16;
+
+struct TensorView {
+  void* data = nullptr;
+  int64_t size = 0;  // elements
+  DType dtype = DType::kFloat;
+};
+
+struct ApplyTensor {
+  void* var = nullptr;
+  const void* grad = nullptr;
+  void* slots[kMaxSlots] = {nullptr, nullptr, nullptr};
+  int64_t size = 0;
+  DType var_dtype = DType::kFloat;  // slots share the variable's dtype
+  DType grad_dtype = DType::kFloat;
+};
+
+struct Chunk {
+  int32_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// Appends the chunks of tensors with the given sizes (empty tensors get none).
+void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, std::vector<Chunk>* plan);
+
+enum class ClipMode : int { kNone = 0, kGlobalNorm = 1, kNorm = 2, kValue = 3 };
+enum class NonFinitePolicy : int { kSkip = 0, kPropagate = 1, kRaise = 2 };
+
+bool ParseClipMode(const std::string& s, ClipMode* out);
+bool ParseNonFinitePolicy(const std::string& s, NonFinitePolicy* out);
+bool ParseRule(const std::string& s, RuleKind* out);
+
+struct ClipConfig {
+  ClipMode mode = ClipMode::kNone;
+  double clip = 0.0;  // global_clipnorm, clipnorm or clipvalue, by mode
+  bool has_use_norm = false;
+  double use_norm = 0.0;  // a global norm computed elsewhere (e.g. all-reduced across shards)
+  NonFinitePolicy policy = NonFinitePolicy::kSkip;
+};
+
+// The clip folded into the apply pass, per tensor: g' = clamp(g * scale, lo, hi), with the
+// scale first rounded to the gradient's dtype as TF's `v * cast(scale, v.dtype)` does.
+struct ClipFactor {
+  double scale = 1.0;
+  double lo = -INFINITY;
+  double hi = INFINITY;
+};
+
+// TF's clip_by_global_norm scale: clip * min(1/norm, 1/clip) + (norm - norm); NaN when the
+// norm is inf or NaN.
+double GlobalClipScale(double clip_norm, double norm);
+
+// Whether the norm pass is needed: always, except a global-norm clip given `use_norm`.
+bool NeedsNormPass(const ClipConfig& cfg);
+
+// From the per-tensor sums of squares, the global norm and each tensor's clip factor.
+struct ClipOutcome {
+  double global_norm = 0.0;
+  bool finite = true;
+};
+ClipOutcome ComputeClipFactors(const ClipConfig& cfg, const double* per_tensor_sumsq,
+                               double total_sumsq, int n, ClipFactor* factors);
+
+// Validation shared by the adapters. Each returns "" when fine, else a message naming the
+// culprit by list index. Shapes are the adapters' business (the core only sees sizes).
+std::string ValidateClipNorm(double clip_norm, const char* what);
+std::string ValidateClipConfig(const ClipConfig& cfg);
+std::string ValidateHParams(RuleKind rule, const HParams& hp);
+std::string ValidateApplyDTypes(const ApplyTensor* ts, int n);
+bool GradDTypeAllowed(DType var, DType grad);
+
+}  // namespace tfclip

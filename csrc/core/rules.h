@@ -1,0 +1,136 @@
+// tfclip core: the optimizer update rules, each written once as a per-element TFCLIP_HD body.
+// The CPU driver (csrc/core/cpu_driver.cc) and the CUDA kernels (cuda/) both call these; no rule
+// is written twice. Math is in float for half/bfloat16/float storage and double for double.
+//
+// Each rule mirrors TensorFlow's own training op / Keras 3 optimizer, operation for operation,
+// so results agree to the last bit or two with the stock path:
+//   SgdRule            ResourceApplyGradientDescent / keras SGD(momentum=0)
+//   MomentumRule       ResourceApplyMomentum (tf.compat.v1.train.MomentumOptimizer)
+//   KerasMomentumRule  ResourceApplyKerasMomentum / keras SGD(momentum>0)
+//   AdamRule           ResourceApplyAdam / keras Adam, AdamW (decoupled weight decay), amsgrad
+#pragma once
+
+#include <cmath>
+
+#include "csrc/core/types.h"
+
+namespace tfclip {
+
+enum class RuleKind : int { kSgd = 0, kMomentum = 1, kKerasMomentum = 2, kAdam = 3 };
+
+constexpr int kMaxSlots = 3;  // Adam with amsgrad: m, v, vhat
+
+const char* RuleName(RuleKind r);
+
+// Hyper-parameters as the user gave them (one POD for every rule, so a launcher can upload
+// it with the tensor table). Rules read the fields they need.
+struct HParams {
+  double lr = 0.0;
+  double momentum = 0.0;  // Momentum rules
+  double beta_1 = 0.9;    // Adam
+  double beta_2 = 0.999;  // Adam
+  double epsilon = 1e-7;  // Adam
+  double weight_decay = 0.0;  // decoupled: var -= var * weight_decay * lr, before the step
+  double step = 1.0;          // Adam bias correction: 1-based step
+  bool nesterov = false;
+  bool amsgrad = false;
+};
+
+int NumSlots(RuleKind rule, const HParams& hp);
+
+// Per-step constants in the math type M, computed as Keras computes them (in the variable's
+// dtype): alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t).
+template <typename M>
+struct StepConsts {
+  M lr, momentum, one_minus_beta_1, one_minus_beta_2, epsilon, alpha, wd_lr_factor;
+  M weight_decay;
+  bool nesterov, amsgrad, decay;
+};
+
+template <typename M>
+StepConsts<M> MakeStepConsts(const HParams& hp) {
+  StepConsts<M> c;
+  c.lr = static_cast<M>(hp.lr);
+  c.momentum = static_cast<M>(hp.momentum);
+  const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
+  c.one_minus_beta_1 = M(1) - b1;
+  c.one_minus_beta_2 = M(1) - b2;
+  c.epsilon = static_cast<M>(hp.epsilon);
+  const M t = static_cast<M>(hp.step);
+  const M b1p = std::pow(b1, t), b2p = std::pow(b2, t);
+  c.alpha = c.lr * std::sqrt(M(1) - b2p) / (M(1) - b1p);
+  c.weight_decay = static_cast<M>(hp.weight_decay);
+  c.decay = hp.weight_decay != 0.0;
+  c.wd_lr_factor = c.weight_decay * c.lr;
+  c.nesterov = hp.nesterov;
+  c.amsgrad = hp.amsgrad;
+  return c;
+}
+
+// Keras applies decoupled weight decay as `var - var * wd * lr` before the rule.
+template <typename M>
+TFCLIP_HD M DecayVar(const StepConsts<M>& c, M var) {
+  return c.decay ? var - var * c.weight_decay * c.lr : var;
+}
+
+struct SgdRule {
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* /*slots*/) {
+    var = var - g * c.lr;
+  }
+};
+
+struct MomentumRule {
+  // accum = accum * momentum + grad; var -= lr * accum  (nesterov: var -= grad*lr + accum*momentum*lr)
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* s) {
+    M accum = s[0] * c.momentum + g;
+    s[0] = accum;
+    if (c.nesterov) {
+      var = var - (g * c.lr + accum * c.momentum * c.lr);
+    } else {
+      var = var - accum * c.lr;
+    }
+  }
+};
+
+struct KerasMomentumRule {
+  // m = -grad*lr + m*momentum; var += m  (nesterov: var += -grad*lr + m*momentum)
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* s) {
+    const M neg_g_lr = -g * c.lr;
+    const M m = neg_g_lr + s[0] * c.momentum;
+    s[0] = m;
+    var = c.nesterov ? var + (neg_g_lr + m * c.momentum) : var + m;
+  }
+};
+
+struct AdamRule {
+  // m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2); [vhat = max(vhat, v)]; var -= m*alpha/(sqrt(v)+eps)
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* s) {
+    const M m = s[0] + (g - s[0]) * c.one_minus_beta_1;
+    M v = s[1] + (g * g - s[1]) * c.one_minus_beta_2;
+    s[0] = m;
+    s[1] = v;
+    if (c.amsgrad) {
+      const M vhat = s[2] > v ? s[2] : v;
+      s[2] = vhat;
+      v = vhat;
+    }
+    var = var - (m * c.alpha) / (std::sqrt(v) + c.epsilon);
+  }
+};
+
+// Calls fn(RuleType{}) for a runtime rule kind.
+template <typename Fn>
+void DispatchRule(RuleKind r, Fn&& fn) {
+  switch (r) {
+    case RuleKind::kSgd: fn(SgdRule{}); break;
+    case RuleKind::kMomentum: fn(MomentumRule{}); break;
+    case RuleKind::kKerasMomentum: fn(KerasMomentumRule{}); break;
+    case RuleKind::kAdam: fn(AdamRule{}); break;
+  }
+}
+
+}  // namespace tfclip
