@@ -1,0 +1,388 @@
+// tfclip TF glue: CPU OpKernels. Each Compute() validates, looks up and locks the variables,
+// allocates, and calls the core (csrc/core/). Nothing else happens here.
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "csrc/core/cpu_driver.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/threadpool.h"
+
+namespace tfclip {
+namespace {
+
+namespace tf = ::tensorflow;
+using tf::OpKernel;
+using tf::OpKernelConstruction;
+using tf::OpKernelContext;
+using tf::Tensor;
+
+CpuExecutor TfExecutor(OpKernelContext* ctx) {
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return CpuExecutor{[pool](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
+    pool->ParallelFor(n, cost, fn);
+  }};
+}
+
+bool ToCoreDType(tf::DataType t, DType* out) {
+  switch (t) {
+    case tf::DT_HALF: *out = DType::kHalf; return true;
+    case tf::DT_BFLOAT16: *out = DType::kBFloat16; return true;
+    case tf::DT_FLOAT: *out = DType::kFloat; return true;
+    case tf::DT_DOUBLE: *out = DType::kDouble; return true;
+    default: return false;
+  }
+}
+
+// Reads a scalar input as double, or names it in the error.
+absl::Status ScalarInput(OpKernelContext* ctx, const char* name, double* out) {
+  const Tensor* t;
+  TF_RETURN_IF_ERROR(ctx->input(name, &t));
+  if (!tf::TensorShapeUtils::IsScalar(t->shape())) {
+    return tf::errors::InvalidArgument(name, " must be a scalar, got shape ",
+                                       t->shape().DebugString());
+  }
+  switch (t->dtype()) {
+    case tf::DT_FLOAT: *out = t->scalar<float>()(); break;
+    case tf::DT_DOUBLE: *out = t->scalar<double>()(); break;
+    default: return tf::errors::InvalidArgument(name, " must be float or double");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ViewList(const tf::OpInputList& list, const char* what, std::vector<TensorView>* out) {
+  out->resize(list.size());
+  for (int i = 0; i < list.size(); ++i) {
+    DType dt;
+    if (!ToCoreDType(list[i].dtype(), &dt)) {
+      return tf::errors::InvalidArgument(what, "[", i, "] has unsupported dtype ",
+                                         tf::DataTypeString(list[i].dtype()));
+    }
+    (*out)[i] = TensorView{const_cast<char*>(list[i].tensor_data().data()),
+                           list[i].NumElements(), dt};
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- TfclipGlobalNorm
+template <typename Tnorm>
+class GlobalNormOp : public OpKernel {
+ public:
+  explicit GlobalNormOp(OpKernelConstruction* c) : OpKernel(c) {}
+  void Compute(OpKernelContext* ctx) override {
+    tf::OpInputList t;
+    OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
+    std::vector<TensorView> views;
+    OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &views));
+    std::vector<int64_t> sizes(views.size());
+    for (size_t i = 0; i < views.size(); ++i) sizes[i] = views[i].size;
+    std::vector<Chunk> plan;
+    PlanChunks(sizes.data(), static_cast<int>(sizes.size()), kChunkElems, &plan);
+    std::vector<double> partials(plan.size());
+    double total = 0;
+    SumSquaresCpu(views.data(), static_cast<int>(views.size()), plan, partials.data(), nullptr,
+                  &total, TfExecutor(ctx));
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
+    out->scalar<Tnorm>()() = static_cast<Tnorm>(std::sqrt(total));
+  }
+};
+
+// ---------------------------------------------------------------- TfclipClipByGlobalNorm
+template <typename Tnorm>
+class ClipByGlobalNormOp : public OpKernel {
+ public:
+  explicit ClipByGlobalNormOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &use_given_norm_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    tf::OpInputList t;
+    OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
+    double clip_norm = 0, use_norm = 0;
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "clip_norm", &clip_norm));
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "use_norm", &use_norm));
+    const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
+    OP_REQUIRES(ctx, err.empty(), tf::errors::InvalidArgument(err));
+    std::vector<TensorView> in;
+    OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &in));
+    const int n = static_cast<int>(in.size());
+    std::vector<int64_t> sizes(n);
+    for (int i = 0; i < n; ++i) sizes[i] = in[i].size;
+    std::vector<Chunk> plan;
+    PlanChunks(sizes.data(), n, kChunkElems, &plan);
+    const CpuExecutor exec = TfExecutor(ctx);
+
+    double norm = use_norm;
+    if (!use_given_norm_) {
+      std::vector<double> partials(plan.size());
+      double total = 0;
+      SumSquaresCpu(in.data(), n, plan, partials.data(), nullptr, &total, exec);
+      norm = std::sqrt(total);
+    }
+    // The norm the caller sees is in Tnorm; TF computes the scale from that value.
+    const Tnorm norm_t = static_cast<Tnorm>(norm);
+    const double scale = GlobalClipScale(clip_norm, static_cast<double>(norm_t));
+
+    int start, stop;
+    OP_REQUIRES_OK(ctx, ctx->op_kernel().InputRange("t", &start, &stop));
+    std::vector<TensorView> out(n);
+    for (int i = 0; i < n; ++i) {
+      Tensor* o;
+      // Reuse the input buffer when nobody else holds it, as TF's element-wise ops do.
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({start + i}, i, t[i].shape(), &o));
+      out[i] = TensorView{const_cast<char*>(o->tensor_data().data()), o->NumElements(), in[i].dtype};
+    }
+    ScaleCpu(in.data(), out.data(), plan, scale, exec);
+    Tensor* norm_out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(n, tf::TensorShape({}), &norm_out));
+    norm_out->scalar<Tnorm>()() = norm_t;
+  }
+
+ private:
+  bool use_given_norm_ = false;
+};
+
+// ---------------------------------------------------------------- clip-and-apply ops
+// Which slot inputs and hyper-parameters each op has.
+struct RuleSpec {
+  RuleKind kind;
+  std::vector<const char*> slots;   // resource list inputs after "var"
+  std::vector<const char*> hparams; // scalar double inputs
+};
+
+absl::Status ReadHParams(OpKernelContext* ctx, const RuleSpec& spec, HParams* hp) {
+  for (const char* name : spec.hparams) {
+    double v = 0;
+    TF_RETURN_IF_ERROR(ScalarInput(ctx, name, &v));
+    const std::string n(name);
+    if (n == "lr") hp->lr = v;
+    else if (n == "momentum") hp->momentum = v;
+    else if (n == "beta_1") hp->beta_1 = v;
+    else if (n == "beta_2") hp->beta_2 = v;
+    else if (n == "epsilon") hp->epsilon = v;
+    else if (n == "weight_decay") hp->weight_decay = v;
+    else if (n == "step") hp->step = v;
+  }
+  const std::string e = ValidateHParams(spec.kind, *hp);
+  if (!e.empty()) return tf::errors::InvalidArgument(e);
+  return absl::OkStatus();
+}
+
+// One resource variable input: where it came from (for errors) and the looked-up Var.
+struct VarRef {
+  std::string name;  // e.g. "vars[3]" or "m[3]"
+  tf::core::RefCountPtr<tf::Var> var;
+};
+
+absl::Status LookupVars(OpKernelContext* ctx, const char* input, const char* label, int n,
+                        std::vector<VarRef>* out) {
+  int start, stop;
+  TF_RETURN_IF_ERROR(ctx->op_kernel().InputRange(input, &start, &stop));
+  if (stop - start != n) {
+    return tf::errors::InvalidArgument("got ", stop - start, " ", label, " for ", n, " variables");
+  }
+  for (int i = 0; i < n; ++i) {
+    VarRef r;
+    r.name = absl::StrCat(label, "[", i, "]");
+    const absl::Status s = tf::LookupResource(ctx, tf::HandleFromInput(ctx, start + i), &r.var);
+    if (!s.ok()) {
+      return tf::errors::FailedPrecondition(r.name, " is not initialized (or was deleted): ",
+                                            s.message());
+    }
+    out->push_back(std::move(r));
+  }
+  return absl::OkStatus();
+}
+
+// Replaces a variable's buffer by a private copy when a reader still aliases it, so the
+// in-place update cannot change a value someone already read (TF's copy-on-write rule).
+absl::Status EnsureExclusive(OpKernelContext* ctx, tf::Var* var) {
+  Tensor* t = var->tensor();
+  if (!var->copy_on_read_mode.load() && t->RefCountIsOne()) return absl::OkStatus();
+  Tensor copy;
+  tf::AllocatorAttributes attr;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy, attr));
+  std::memcpy(const_cast<char*>(copy.tensor_data().data()), t->tensor_data().data(),
+              t->TotalBytes());
+  *t = copy;
+  return absl::OkStatus();
+}
+
+class ClipApplyOp : public OpKernel {
+ public:
+  ClipApplyOp(OpKernelConstruction* c, RuleSpec spec) : OpKernel(c), spec_(std::move(spec)) {
+    std::string mode, policy;
+    OP_REQUIRES_OK(c, c->GetAttr("N", &n_));
+    OP_REQUIRES_OK(c, c->GetAttr("clip_mode", &mode));
+    OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
+    OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
+    OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
+    OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
+                tf::errors::InvalidArgument("nonfinite ", policy));
+    if (c->HasAttr("use_nesterov")) OP_REQUIRES_OK(c, c->GetAttr("use_nesterov", &hp_.nesterov));
+    if (c->HasAttr("amsgrad")) {
+      OP_REQUIRES_OK(c, c->GetAttr("amsgrad", &hp_.amsgrad));
+      int nvhat = 0;
+      OP_REQUIRES_OK(c, c->GetAttr("Nvhat", &nvhat));
+      OP_REQUIRES(c, nvhat == (hp_.amsgrad ? n_ : 0),
+                  tf::errors::InvalidArgument("amsgrad=", hp_.amsgrad, " needs ",
+                                              hp_.amsgrad ? n_ : 0, " vhat slots, got ", nvhat));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    HParams hp = hp_;
+    OP_REQUIRES_OK(ctx, ReadHParams(ctx, spec_, &hp));
+    ClipConfig cfg = cfg_;
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "clip", &cfg.clip));
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "use_norm", &cfg.use_norm));
+    const std::string cerr = ValidateClipConfig(cfg);
+    OP_REQUIRES(ctx, cerr.empty(), tf::errors::InvalidArgument(cerr));
+
+    tf::OpInputList grads;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grad", &grads));
+    OP_REQUIRES(ctx, grads.size() == n_,
+                tf::errors::InvalidArgument("got ", grads.size(), " gradients for ", n_, " variables"));
+
+    // Look up every resource: vars, then each slot list (slot k of var i is slots[k][i]).
+    const int nslots = NumSlots(spec_.kind, hp);
+    std::vector<VarRef> refs;
+    OP_REQUIRES_OK(ctx, LookupVars(ctx, "var", "vars", n_, &refs));
+    for (int k = 0; k < nslots; ++k) {
+      OP_REQUIRES_OK(ctx, LookupVars(ctx, spec_.slots[k], spec_.slots[k], n_, &refs));
+    }
+
+    // The same variable twice would be updated twice (and would deadlock a naive lock): an error.
+    std::map<tf::Var*, const std::string*> seen;
+    for (const VarRef& r : refs) {
+      auto it = seen.emplace(r.var.get(), &r.name);
+      OP_REQUIRES(ctx, it.second,
+                  tf::errors::InvalidArgument(r.name, " and ", *it.first->second,
+                                              " are the same variable; each may appear once"));
+    }
+    // Lock in increasing mutex address, as TF's own multi-variable ops do.
+    std::vector<tf::Var*> order;
+    for (const VarRef& r : refs) order.push_back(r.var.get());
+    std::sort(order.begin(), order.end(),
+              [](tf::Var* a, tf::Var* b) { return a->mu() < b->mu(); });
+    std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+    locks.reserve(order.size());
+    for (tf::Var* v : order) locks.push_back(std::make_unique<tf::mutex_lock>(*v->mu()));
+
+    // Validate everything before the first write.
+    std::vector<ApplyTensor> ts(n_);
+    for (int i = 0; i < n_; ++i) {
+      tf::Var* var = refs[i].var.get();
+      OP_REQUIRES(ctx, var->is_initialized,
+                  tf::errors::FailedPrecondition("vars[", i, "] is not initialized"));
+      const Tensor& vt = *var->tensor();
+      OP_REQUIRES(ctx, ToCoreDType(vt.dtype(), &ts[i].var_dtype),
+                  tf::errors::InvalidArgument("vars[", i, "] has dtype ",
+                                              tf::DataTypeString(vt.dtype()),
+                                              "; only half, bfloat16, float and double variables"));
+      OP_REQUIRES(ctx, ToCoreDType(grads[i].dtype(), &ts[i].grad_dtype),
+                  tf::errors::InvalidArgument("grads[", i, "] has unsupported dtype"));
+      if (vt.shape() != grads[i].shape()) {
+        if (vt.NumElements() != grads[i].NumElements()) {
+          ctx->CtxFailure(tf::errors::InvalidArgument(
+              "grads[", i, "] has ", grads[i].NumElements(), " elements (shape ",
+              grads[i].shape().DebugString(), ") but vars[", i, "] has ", vt.NumElements(),
+              " (shape ", vt.shape().DebugString(), ")"));
+        } else {
+          ctx->CtxFailure(tf::errors::InvalidArgument(
+              "grads[", i, "] has shape ", grads[i].shape().DebugString(), " but vars[", i,
+              "] has shape ", vt.shape().DebugString()));
+        }
+        return;
+      }
+      ts[i].size = vt.NumElements();
+      for (int k = 0; k < nslots; ++k) {
+        const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
+        OP_REQUIRES(ctx, s.var->is_initialized,
+                    tf::errors::FailedPrecondition(s.name, " is not initialized"));
+        const Tensor& st = *s.var->tensor();
+        OP_REQUIRES(ctx, st.dtype() == vt.dtype() && st.shape() == vt.shape(),
+                    tf::errors::InvalidArgument(
+                        s.name, " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(),
+                        " but vars[", i, "] is ", tf::DataTypeString(vt.dtype()),
+                        vt.shape().DebugString(), "; a slot must match its variable"));
+      }
+    }
+    const std::string derr = ValidateApplyDTypes(ts.data(), n_);
+    OP_REQUIRES(ctx, derr.empty(), tf::errors::InvalidArgument(derr));
+
+    // Private buffers (no value changes), then raw pointers for the core.
+    for (const VarRef& r : refs) OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, r.var.get()));
+    for (int i = 0; i < n_; ++i) {
+      ts[i].var = const_cast<char*>(refs[i].var->tensor()->tensor_data().data());
+      ts[i].grad = grads[i].tensor_data().data();
+      for (int k = 0; k < nslots; ++k) {
+        ts[i].slots[k] = const_cast<char*>(
+            refs[static_cast<size_t>((k + 1) * n_ + i)].var->tensor()->tensor_data().data());
+      }
+    }
+
+    StepScratch scratch;
+    const StepResult r = ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, &scratch, TfExecutor(ctx));
+    OP_REQUIRES(ctx, !(r.nonfinite && cfg.policy == NonFinitePolicy::kRaise),
+                tf::errors::InvalidArgument("the global norm of the gradients is ", r.global_norm,
+                                            " (non-finite) and nonfinite='raise'; no variable "
+                                            "was updated"));
+    Tensor* norm_out;
+    Tensor* applied_out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &norm_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
+    norm_out->scalar<float>()() = static_cast<float>(r.global_norm);
+    applied_out->scalar<bool>()() = r.applied;
+  }
+
+ private:
+  RuleSpec spec_;
+  int n_ = 0;
+  HParams hp_;
+  ClipConfig cfg_;
+};
+
+template <RuleKind K>
+class RuleOp : public ClipApplyOp {
+ public:
+  explicit RuleOp(OpKernelConstruction* c) : ClipApplyOp(c, Spec()) {}
+  static RuleSpec Spec() {
+    switch (K) {
+      case RuleKind::kSgd: return {K, {}, {"lr", "weight_decay"}};
+      case RuleKind::kMomentum:
+      case RuleKind::kKerasMomentum: return {K, {"accum"}, {"lr", "momentum", "weight_decay"}};
+      case RuleKind::kAdam:
+        return {K, {"m", "v", "vhat"}, {"lr", "beta_1", "beta_2", "epsilon", "weight_decay", "step"}};
+    }
+    return {K, {}, {}};
+  }
+};
+
+}  // namespace
+
+using ::tensorflow::DEVICE_CPU;
+
+REGISTER_KERNEL_BUILDER(Name("TfclipGlobalNorm").Device(DEVICE_CPU).TypeConstraint<float>("Tnorm"),
+                        GlobalNormOp<float>);
+REGISTER_KERNEL_BUILDER(Name("TfclipGlobalNorm").Device(DEVICE_CPU).TypeConstraint<double>("Tnorm"),
+                        GlobalNormOp<double>);
+REGISTER_KERNEL_BUILDER(
+    Name("TfclipClipByGlobalNorm").Device(DEVICE_CPU).TypeConstraint<float>("Tnorm"),
+    ClipByGlobalNormOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("TfclipClipByGlobalNorm").Device(DEVICE_CPU).TypeConstraint<double>("Tnorm"),
+    ClipByGlobalNormOp<double>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplySgd").Device(DEVICE_CPU), RuleOp<RuleKind::kSgd>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyMomentum").Device(DEVICE_CPU),
+                        RuleOp<RuleKind::kMomentum>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyKerasMomentum").Device(DEVICE_CPU),
+                        RuleOp<RuleKind::kKerasMomentum>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam").Device(DEVICE_CPU), RuleOp<RuleKind::kAdam>);
+
+}  // namespace tfclip

@@ -1,0 +1,128 @@
+// tfclip TF glue: op declarations (attrs, inputs, shape functions). Kernels live in kernels.cc.
+//
+// Every op takes its tensors as lists: one norm pass and one apply pass cover the whole list,
+// whatever its length. Hyper-parameters are scalar tensors (double), so schedules and
+// tf.Variables work; the Python layer (tfclip/ops.py) casts them.
+#include "csrc/core/types.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tfclip {
+namespace {
+
+using ::tensorflow::shape_inference::InferenceContext;
+
+// "half, bfloat16, float, double" from the one dtype list.
+#define TFCLIP_ATTR_NAME(E, S, M, N) N ", "
+constexpr char kTypeList[] = TFCLIP_FOR_EACH_TYPE(TFCLIP_ATTR_NAME);
+#undef TFCLIP_ATTR_NAME
+
+std::string TypeAttr(const char* name, const char* suffix) {
+  std::string list(kTypeList);
+  list.resize(list.size() - 2);  // drop the trailing ", "
+  return std::string(name) + ": list({" + list + "})" + suffix;
+}
+
+absl::Status ScalarOutputs(InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
+  return absl::OkStatus();
+}
+
+// clipped[i] has the shape of t[i]; the norm is a scalar.
+absl::Status ClipShapes(InferenceContext* c) {
+  std::vector<::tensorflow::shape_inference::ShapeHandle> shapes;
+  TF_RETURN_IF_ERROR(c->input("t", &shapes));
+  TF_RETURN_IF_ERROR(c->set_output("clipped", shapes));
+  std::vector<::tensorflow::shape_inference::ShapeHandle> norm{c->Scalar()};
+  return c->set_output("norm", norm);
+}
+
+}  // namespace
+
+// Global L2 norm of a list of tensors (tf.linalg.global_norm), fp64-accumulated, deterministic.
+REGISTER_OP("TfclipGlobalNorm")
+    .Input("t: T")
+    .Output("norm: Tnorm")
+    .Attr(TypeAttr("T", " >= 1"))
+    .Attr("Tnorm: {float, double} = DT_FLOAT")
+    .SetShapeFn(ScalarOutputs);
+
+// tf.clip_by_global_norm in two passes: norm (unless use_given_norm), then t * scale.
+REGISTER_OP("TfclipClipByGlobalNorm")
+    .Input("t: T")
+    .Input("clip_norm: Tnorm")
+    .Input("use_norm: Tnorm")
+    .Output("clipped: T")
+    .Output("norm: Tnorm")
+    .Attr(TypeAttr("T", " >= 1"))
+    .Attr("Tnorm: {float, double} = DT_FLOAT")
+    .Attr("use_given_norm: bool = false")
+    .SetShapeFn(ClipShapes);
+
+// Clip-and-apply ops: N resource variables updated in place from N gradients (same shapes;
+// the gradient's dtype equals the variable's, or is half/bfloat16 for a float variable), with
+// the rule's slots as further lists of N resources. Outputs the pre-clip global norm and
+// whether the update was applied (false only when nonfinite='skip' met a non-finite norm).
+#define TFCLIP_APPLY_COMMON                                           \
+  Input("clip: double")                                               \
+      .Input("use_norm: double")                                      \
+      .Output("global_norm: float")                                   \
+      .Output("applied: bool")                                        \
+      .Attr("N: int >= 1")                                            \
+      .Attr(TypeAttr("Tgrad", " >= 1"))                               \
+      .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'") \
+      .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")    \
+      .Attr("use_given_norm: bool = false")                           \
+      .SetShapeFn(ScalarOutputs)
+
+// var -= lr * g  (ResourceApplyGradientDescent, keras SGD without momentum)
+REGISTER_OP("TfclipClipApplySgd")
+    .Input("var: N * resource")
+    .Input("grad: Tgrad")
+    .Input("lr: double")
+    .Input("weight_decay: double")
+    .TFCLIP_APPLY_COMMON;
+
+// tf.compat.v1 MomentumOptimizer form (ResourceApplyMomentum).
+REGISTER_OP("TfclipClipApplyMomentum")
+    .Input("var: N * resource")
+    .Input("accum: N * resource")
+    .Input("grad: Tgrad")
+    .Input("lr: double")
+    .Input("momentum: double")
+    .Input("weight_decay: double")
+    .Attr("use_nesterov: bool = false")
+    .TFCLIP_APPLY_COMMON;
+
+// Keras SGD(momentum, nesterov) form (ResourceApplyKerasMomentum).
+REGISTER_OP("TfclipClipApplyKerasMomentum")
+    .Input("var: N * resource")
+    .Input("accum: N * resource")
+    .Input("grad: Tgrad")
+    .Input("lr: double")
+    .Input("momentum: double")
+    .Input("weight_decay: double")
+    .Attr("use_nesterov: bool = false")
+    .TFCLIP_APPLY_COMMON;
+
+// Adam / AdamW (weight_decay > 0: decoupled) / AMSGrad (vhat has N entries, else none).
+// Bias correction from `step` (1-based), as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t).
+REGISTER_OP("TfclipClipApplyAdam")
+    .Input("var: N * resource")
+    .Input("m: N * resource")
+    .Input("v: N * resource")
+    .Input("vhat: Nvhat * resource")
+    .Input("grad: Tgrad")
+    .Input("lr: double")
+    .Input("beta_1: double")
+    .Input("beta_2: double")
+    .Input("epsilon: double")
+    .Input("weight_decay: double")
+    .Input("step: double")
+    .Attr("Nvhat: int >= 0")
+    .Attr("amsgrad: bool = false")
+    .TFCLIP_APPLY_COMMON;
+
+#undef TFCLIP_APPLY_COMMON
+
+}  // namespace tfclip
