@@ -1,0 +1,37 @@
+"""tfclip: fused gradient clipping and optimizer updates for TensorFlow.
+
+One norm pass and one clip-and-apply pass over every gradient, in native multi-tensor kernels
+registered as TF custom ops::
+
+    clipped, norm = tfclip.fused_clip_by_global_norm(grads, 5.0)   # = tf.clip_by_global_norm
+    rule = tfclip.rules.Adam(learning_rate=1e-3)
+    tfclip.fused_clip_apply(zip(grads, variables), rule, global_clipnorm=5.0)
+
+`tfclip._core` is the same core on NumPy arrays and imports without TensorFlow.
+"""
+__version__ = "0.1.0"
+
+try:
+    import tensorflow as _tf  # noqa: F401
+except ModuleNotFoundError as _e:  # a host with only tfclip._core (e.g. a GPU test host)
+    _TF_MISSING = _e
+
+    def __getattr__(name):
+        raise ImportError(f"tfclip.{name} needs TensorFlow, which is not installed") from _TF_MISSING
+
+else:
+    from tfclip import rules
+    from tfclip.ops import (
+        ClipApplyResult,
+        fused_clip_apply,
+        fused_clip_by_global_norm,
+        global_norm,
+    )
+
+    __all__ = [
+        "ClipApplyResult",
+        "fused_clip_apply",
+        "fused_clip_by_global_norm",
+        "global_norm",
+        "rules",
+    ]

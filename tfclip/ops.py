@@ -1,0 +1,273 @@
+"""The fused ops: global norm, clip by global norm (with its gradient), and clip-and-apply."""
+import collections
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+from tfclip import _loader
+
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied"])
+ClipApplyResult.__doc__ = """What `fused_clip_apply` returns.
+
+global_norm: float32 scalar, the global norm of the gradients before clipping (or `use_norm`).
+applied: bool scalar; False only when `nonfinite="skip"` met a non-finite norm and nothing was
+    written.
+"""
+
+
+def _check_sequence(t_list, what):
+    if not isinstance(t_list, collections.abc.Sequence) or isinstance(t_list, str):
+        raise TypeError(f"`{what}` should be a sequence of tensors, got {type(t_list).__name__}")
+    return list(t_list)
+
+
+def _float_values(t_list, what):
+    """Tensors (IndexedSlices: their values) of the non-None entries, with their indices."""
+    idx, values = [], []
+    for i, t in enumerate(t_list):
+        if t is None:
+            continue
+        v = t.values if isinstance(t, tf.IndexedSlices) else t
+        v = tf.convert_to_tensor(v, dtype_hint=tf.float32, name=f"t_{i}")
+        if v.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"{what}[{i}] has dtype {v.dtype.name}; tfclip takes float16, bfloat16, float32 "
+                "and float64 tensors"
+            )
+        idx.append(i)
+        values.append(v)
+    if not values:
+        raise ValueError(f"{what} holds no tensor (it is empty or all None)")
+    return idx, values
+
+
+def _norm_dtype(values):
+    return tf.float64 if any(v.dtype == tf.float64 for v in values) else tf.float32
+
+
+def _result_dtype(values, norm_dtype):
+    # As TF: the norm has the tensors' dtype; a mixed list (which TF rejects) gets norm_dtype.
+    dtypes = {v.dtype for v in values}
+    return dtypes.pop() if len(dtypes) == 1 else norm_dtype
+
+
+def _check_clip_number(x, what):
+    if isinstance(x, numbers.Real) and not (np.isfinite(x) and x > 0):
+        raise ValueError(f"{what} must be finite and > 0, got {x}")
+
+
+def global_norm(t_list, name=None):
+    """The global L2 norm of a list of tensors: `tf.linalg.global_norm`, in one fused pass.
+
+    `None` entries are skipped and `tf.IndexedSlices` count their `.values`. The sum of squares
+    is accumulated in float64, in a fixed order, so the result is the same bits on every run.
+
+    >>> tfclip.global_norm([tf.constant([3.0]), None, tf.constant([[4.0]])]).numpy()
+    5.0
+    """
+    t_list = _check_sequence(t_list, "t_list")
+    with tf.name_scope(name or "global_norm"):
+        _, values = _float_values(t_list, "t_list")
+        nd = _norm_dtype(values)
+        norm = _loader.ops().tfclip_global_norm(t=values, Tnorm=nd)
+        return tf.cast(norm, _result_dtype(values, nd))
+
+
+def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
+    """Drop-in for `tf.clip_by_global_norm`: one norm pass, one scale pass, whatever the list length.
+
+    Returns `(list_clipped, global_norm)`. Each tensor becomes
+    `t * clip_norm / max(global_norm, clip_norm)`; `None` entries pass through; `IndexedSlices`
+    keep their indices and dense shape; when the norm is inf or NaN every output is NaN, as in
+    TF. With `use_norm` the norm pass is skipped and `use_norm` is returned. The op has a
+    registered gradient equal to TF's gradient of the unfused composition.
+
+    ```python
+    grads = tape.gradient(loss, model.trainable_variables)
+    grads, norm = tfclip.fused_clip_by_global_norm(grads, 5.0)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    ```
+    """
+    t_list = _check_sequence(t_list, "t_list")
+    _check_clip_number(clip_norm, "clip_norm")
+    with tf.name_scope(name or "clip_by_global_norm"):
+        idx, values = _float_values(t_list, "t_list")
+        nd = _norm_dtype(values)
+        clip_t = tf.cast(clip_norm, nd)
+        if use_norm is None:
+            use_t, given = tf.zeros([], nd), False
+        else:
+            use_t, given = tf.cast(use_norm, nd), True
+        clipped, norm = _loader.ops().tfclip_clip_by_global_norm(
+            t=values, clip_norm=clip_t, use_norm=use_t, use_given_norm=given
+        )
+        out = list(t_list)
+        for i, c in zip(idx, clipped):
+            t = t_list[i]
+            out[i] = tf.IndexedSlices(c, t.indices, t.dense_shape) if isinstance(t, tf.IndexedSlices) else c
+        if given:
+            return out, use_norm
+        return out, tf.cast(norm, _result_dtype(values, nd))
+
+
+@tf.RegisterGradient("TfclipClipByGlobalNorm")
+def _clip_by_global_norm_grad(op, *out_grads):
+    """TF's gradient of `clip_by_global_norm`'s unfused composition, written out.
+
+    scale = c * min(1/n, 1/c) + (n - n); out_i = t_i * cast(scale); n = sqrt(2 * sum l2_loss(t_i)).
+    Ties in the min go to 1/n (TF's Minimum gradient), and n = 0 gives NaN as TF's SqrtGrad does.
+    """
+    k = len(op.outputs) - 1
+    ts, c, given = op.inputs[:k], op.inputs[k], op.get_attr("use_given_norm")
+    n = op.outputs[k]
+    nd = n.dtype
+    g_out, g_norm = out_grads[:k], out_grads[k]
+    inv_n = 1.0 / n
+    inv_c = tf.constant(1.0, nd) / c
+    mn = tf.minimum(inv_n, inv_c)
+    scale = c * mn + (n - n)
+    dscale = tf.zeros([], nd)
+    grads_t = []
+    for t, g in zip(ts, g_out):
+        if g is None:
+            grads_t.append(None)
+            continue
+        dscale += tf.cast(tf.reduce_sum(g * t), nd)
+        grads_t.append(g * tf.cast(scale, t.dtype))
+    take_n = inv_n <= inv_c
+    zero = tf.zeros([], nd)
+    d_mn = dscale * c
+    d_c = dscale * mn + tf.where(take_n, zero, d_mn) * ((-1.0 / c) / c)
+    d_n = tf.where(take_n, d_mn, zero) * ((-1.0 / n) / n) + dscale - dscale
+    if g_norm is not None:
+        d_n += g_norm
+    if given:
+        return grads_t + [d_c, d_n]
+    d_half_sq = 2.0 * (d_n * 0.5 / n)  # sqrt(2h): SqrtGrad, then the constant 2
+    out = []
+    for t, g in zip(ts, grads_t):
+        via_norm = t * tf.cast(d_half_sq, t.dtype)  # L2LossGrad
+        out.append(via_norm if g is None else g + via_norm)
+    return out + [d_c, None]
+
+
+_CLIP_ARGS = ("global_clipnorm", "clipnorm", "clipvalue")
+_CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue": "value"}
+_POLICIES = ("skip", "propagate", "raise")
+
+
+def fused_clip_apply(
+    grads_and_vars,
+    rule,
+    *,
+    global_clipnorm=None,
+    clipnorm=None,
+    clipvalue=None,
+    use_norm=None,
+    nonfinite="skip",
+    name=None,
+):
+    """Clip gradients and apply an update rule to their variables, in one fused step.
+
+    The classic three steps — `compute_gradients`, clip, `apply_gradients` — with the last two
+    fused: one pass computes the global norm of all gradients, one pass clips each gradient and
+    updates its variable and slots in place. Clip arguments are named as in Keras (at most one):
+
+    - `global_clipnorm`: scale all gradients by `min(1, global_clipnorm / global_norm)`
+      (`tf.clip_by_global_norm`);
+    - `clipnorm`: clip each gradient to that norm on its own (`tf.clip_by_norm`);
+    - `clipvalue`: clip each element to `[-clipvalue, clipvalue]` (`tf.clip_by_value`).
+
+    Args:
+      grads_and_vars: (gradient, variable) pairs, as `compute_gradients` or `zip(grads, vars)`
+        give. Pairs whose gradient is `None` (`tf.stop_gradient`, unused variables) are skipped
+        and are not part of the norm; only the listed variables are touched. `IndexedSlices`
+        gradients are densified (a sparse path is planned).
+      rule: a `tfclip.rules` object (`SGD`, `Momentum`, `Adam`, `AdamW`). It holds the
+        hyper-parameters, the step counter and the optimizer slots (see `tfclip.rules`).
+      use_norm: a global norm computed elsewhere (e.g. all-reduced across shards) to use
+        instead of the norm pass.
+      nonfinite: what a non-finite global norm does. "skip" (default): nothing is written, the
+        step counter does not advance, `applied` is False. "propagate": TF's semantics (the
+        clipped gradients are NaN, and so become the variables). "raise": an
+        InvalidArgumentError, nothing written.
+
+    Returns:
+      `ClipApplyResult(global_norm, applied)`. In graph mode, running either runs the step.
+
+    ```python
+    rule = tfclip.rules.Adam(learning_rate=1e-3)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model(x), y)
+    grads = tape.gradient(loss, model.trainable_variables)
+    result = tfclip.fused_clip_apply(zip(grads, model.trainable_variables), rule,
+                                     global_clipnorm=1.0)
+    tf.summary.scalar("grad_norm", result.global_norm)
+    ```
+    """
+    from tfclip.rules import Rule  # rules import this module
+
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a tfclip.rules object (e.g. tfclip.rules.Adam()), got {type(rule).__name__}")
+    given = {k: v for k, v in zip(_CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue)) if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got {sorted(given)}")
+    if nonfinite not in _POLICIES:
+        raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+    clip_mode, clip = "none", 0.0
+    for k, v in given.items():
+        _check_clip_number(v, k)
+        clip_mode, clip = _CLIP_MODES[k], v
+    if use_norm is not None and isinstance(use_norm, numbers.Real) and not use_norm >= 0:
+        if not np.isnan(use_norm):
+            raise ValueError(f"use_norm must be >= 0, got {use_norm}")
+
+    pairs = list(grads_and_vars)
+    if not pairs:
+        raise ValueError("grads_and_vars is empty")
+    grads, variables, seen = [], [], {}
+    for i, pair in enumerate(pairs):
+        try:
+            g, v = pair
+        except (TypeError, ValueError):
+            raise TypeError(f"grads_and_vars[{i}] is not a (gradient, variable) pair") from None
+        if not isinstance(v, tf.Variable) or not hasattr(v, "handle"):
+            raise TypeError(
+                f"grads_and_vars[{i}] holds a {type(v).__name__}, not a resource tf.Variable"
+            )
+        if v.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"grads_and_vars[{i}]: variable {v.name} has dtype {v.dtype.name}; "
+                            "only float16, bfloat16, float32 and float64 variables can be trained")
+        if g is None:
+            continue
+        key = v.ref()
+        if key in seen:
+            raise ValueError(f"grads_and_vars[{i}] and grads_and_vars[{seen[key]}] hold the same "
+                             f"variable {v.name}; each variable may appear once")
+        seen[key] = i
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        g = tf.convert_to_tensor(g, dtype_hint=v.dtype)
+        if not _grad_dtype_ok(v.dtype, g.dtype):
+            raise TypeError(f"grads_and_vars[{i}]: gradient dtype {g.dtype.name} does not match "
+                            f"variable {v.name} of dtype {v.dtype.name}")
+        if g.shape.is_fully_defined() and v.shape.is_fully_defined() and g.shape != v.shape:
+            what = "shape" if g.shape.num_elements() == v.shape.num_elements() else "element count"
+            raise ValueError(f"grads_and_vars[{i}]: gradient {what} differs: gradient "
+                             f"{g.shape} vs variable {v.name} {v.shape}")
+        grads.append(g)
+        variables.append(v)
+    if not grads:
+        raise ValueError("No gradients provided for any variable (every gradient is None): "
+                         f"{[v.name for _, v in pairs]}")
+    with tf.name_scope(name or f"clip_apply_{rule.kind}"):
+        return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite)
+
+
+def _grad_dtype_ok(var_dtype, grad_dtype):
+    return var_dtype == grad_dtype or (
+        var_dtype == tf.float32 and grad_dtype in (tf.float16, tf.bfloat16)
+    )

@@ -1,0 +1,250 @@
+"""Update rules for `tfclip.fused_clip_apply`: hyper-parameters, step counter and slots.
+
+A rule object is a small optimizer without `minimize`: it owns
+
+- the hyper-parameters (Python numbers, tensors, `tf.Variable`s, or a learning-rate schedule
+  — a `keras.optimizers.schedules.LearningRateSchedule` or any callable taking the step);
+- `iterations`, an int64 `tf.Variable` counting the steps actually applied (a step skipped for a
+  non-finite norm does not count); Adam's bias correction uses `iterations + 1`, as Keras;
+- one set of slot variables per model variable, created on first use (zeros, the variable's
+  dtype and shape, not trainable), under `tf.init_scope()` so a first call inside
+  `tf.function` works. `rule.slots(var)` returns them by name; `rule.variables` lists all.
+
+Reuse one rule object for one set of variables across steps, as you would an optimizer. In
+TF1 graph mode, build the step before `tf.compat.v1.global_variables_initializer()`.
+
+The rules match TF's own training ops and the Keras 3 optimizers:
+
+=================  ==========================================================================
+`SGD`              keras.optimizers.SGD (plain, momentum, nesterov)
+`Momentum`         tf.compat.v1.train.MomentumOptimizer (ResourceApplyMomentum)
+`Adam`             keras.optimizers.Adam / ResourceApplyAdam (amsgrad too)
+`AdamW`            keras.optimizers.AdamW (decoupled weight decay before the step)
+=================  ==========================================================================
+
+`weight_decay` on any rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
+"""
+import numbers
+
+import tensorflow as tf
+
+from tfclip import _loader
+from tfclip.ops import ClipApplyResult
+
+
+def _scalar(x, name):
+    """A float64 scalar tensor for an op input (Python numbers converted exactly)."""
+    t = tf.convert_to_tensor(x, dtype_hint=tf.float64, name=name)
+    if not t.dtype.is_floating and not t.dtype.is_integer:
+        raise TypeError(f"{name} must be a number, got dtype {t.dtype.name}")
+    if t.shape.rank is not None and t.shape.rank != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {t.shape}")
+    return tf.cast(t, tf.float64)
+
+
+class Rule:
+    """Base class: see the module docstring. Subclasses set `kind`, `slot_names`, `_hparams`."""
+
+    kind = None
+    slot_names = ()
+
+    def __init__(self, learning_rate, weight_decay=0.0, name=None):
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.name = name or type(self).__name__
+        self._slots = {}
+        self._iterations = None
+        for k, v in self._config_numbers().items():
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):
+                _check_number(k, v)
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def iterations(self):
+        if self._iterations is None:
+            with tf.init_scope():
+                self._iterations = tf.Variable(
+                    0, dtype=tf.int64, trainable=False, name=f"{self.name}/iterations"
+                )
+        return self._iterations
+
+    def slots(self, var):
+        """The slot variables of `var`, by name (created, as zeros, on first call)."""
+        key = var.ref()
+        if key not in self._slots:
+            names = self._slot_names_for(var)
+            with tf.init_scope():
+                base = var.name.split(":")[0]
+                self._slots[key] = {
+                    s: tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False,
+                                   name=f"{base}/{self.name}/{s}")
+                    for s in names
+                }
+        return self._slots[key]
+
+    @property
+    def variables(self):
+        """Every variable this rule owns: iterations, then each model variable's slots."""
+        out = [self.iterations]
+        for slots in self._slots.values():
+            out.extend(slots.values())
+        return out
+
+    def _slot_names_for(self, var):
+        return self.slot_names
+
+    # -- hyper-parameters ---------------------------------------------------------------
+    def current_learning_rate(self):
+        lr = self.learning_rate
+        if callable(lr) and not isinstance(lr, (tf.Variable, tf.Tensor)):
+            try:
+                import keras
+
+                is_schedule = isinstance(lr, keras.optimizers.schedules.LearningRateSchedule)
+            except ImportError:  # keras is optional here
+                is_schedule = False
+            if is_schedule:
+                lr = lr(self.iterations)
+            else:
+                import inspect
+
+                lr = lr(self.iterations) if len(inspect.signature(lr).parameters) else lr()
+        return _scalar(lr, "learning_rate")
+
+    def _config_numbers(self):
+        return {"weight_decay": self.weight_decay}
+
+    # -- the step -----------------------------------------------------------------------
+    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite):
+        slot_lists = {s: [] for s in self._slot_names_all()}
+        for v in variables:
+            for s, var in self.slots(v).items():
+                slot_lists[s].append(var.handle)
+        given = use_norm is not None
+        norm, applied = self._call_op(
+            [v.handle for v in variables],
+            grads,
+            {s: l for s, l in slot_lists.items()},
+            clip=_scalar(clip, "clip"),
+            use_norm=_scalar(use_norm if given else 0.0, "use_norm"),
+            clip_mode=clip_mode,
+            nonfinite=nonfinite,
+            use_given_norm=given,
+        )
+        # The step counter advances only for an applied step.
+        bump = self.iterations.assign_add(tf.cast(applied, tf.int64), read_value=False)
+        with tf.control_dependencies([bump]):
+            return ClipApplyResult(tf.identity(norm), tf.identity(applied))
+
+    def _slot_names_all(self):
+        return self.slot_names
+
+
+def _check_number(name, v):
+    import math
+
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    if name in ("learning_rate", "weight_decay", "epsilon") and v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    if name == "momentum" and not 0 <= v <= 1:
+        raise ValueError(f"momentum must be in [0, 1], got {v}")
+    if name in ("beta_1", "beta_2") and not 0 <= v < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {v}")
+
+
+class SGD(Rule):
+    """Keras SGD: `var -= lr * g`; with `momentum`: `m = momentum*m - lr*g; var += m` (nesterov:
+    `var += momentum*m - lr*g`). Slot `momentum` exists only when momentum is not the number 0."""
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=0.0, name=None):
+        self.momentum = momentum
+        self.nesterov = bool(nesterov)
+        super().__init__(learning_rate, weight_decay, name)
+
+    @property
+    def kind(self):
+        return "keras_momentum" if self._has_momentum() else "sgd"
+
+    def _has_momentum(self):
+        return not (isinstance(self.momentum, numbers.Real) and self.momentum == 0)
+
+    @property
+    def slot_names(self):
+        return ("momentum",) if self._has_momentum() else ()
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "momentum": self.momentum,
+                "weight_decay": self.weight_decay}
+
+    def _call_op(self, var, grad, slots, **kw):
+        ops = _loader.ops()
+        lr, wd = self.current_learning_rate(), _scalar(self.weight_decay, "weight_decay")
+        if not self._has_momentum():
+            return ops.tfclip_clip_apply_sgd(var=var, grad=grad, lr=lr, weight_decay=wd, **kw)
+        return ops.tfclip_clip_apply_keras_momentum(
+            var=var, accum=slots["momentum"], grad=grad, lr=lr,
+            momentum=_scalar(self.momentum, "momentum"), weight_decay=wd,
+            use_nesterov=self.nesterov, **kw)
+
+
+class Momentum(Rule):
+    """tf.compat.v1 MomentumOptimizer: `accum = momentum*accum + g; var -= lr*accum` (nesterov:
+    `var -= lr*g + lr*momentum*accum`). Slot: `momentum`."""
+
+    kind = "momentum"
+    slot_names = ("momentum",)
+
+    def __init__(self, learning_rate, momentum, use_nesterov=False, weight_decay=0.0, name=None):
+        self.momentum = momentum
+        self.use_nesterov = bool(use_nesterov)
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "momentum": self.momentum,
+                "weight_decay": self.weight_decay}
+
+    def _call_op(self, var, grad, slots, **kw):
+        return _loader.ops().tfclip_clip_apply_momentum(
+            var=var, accum=slots["momentum"], grad=grad, lr=self.current_learning_rate(),
+            momentum=_scalar(self.momentum, "momentum"),
+            weight_decay=_scalar(self.weight_decay, "weight_decay"),
+            use_nesterov=self.use_nesterov, **kw)
+
+
+class Adam(Rule):
+    """Keras Adam / ResourceApplyAdam, epsilon outside the sqrt, bias correction from
+    `iterations + 1`. Slots: `m`, `v` (and `vhat` with amsgrad)."""
+
+    kind = "adam"
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 amsgrad=False, weight_decay=0.0, name=None):
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.amsgrad = bool(amsgrad)
+        super().__init__(learning_rate, weight_decay, name)
+
+    @property
+    def slot_names(self):
+        return ("m", "v", "vhat") if self.amsgrad else ("m", "v")
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "beta_1": self.beta_1,
+                "beta_2": self.beta_2, "epsilon": self.epsilon, "weight_decay": self.weight_decay}
+
+    def _call_op(self, var, grad, slots, **kw):
+        step = tf.cast(self.iterations + 1, tf.float64)
+        return _loader.ops().tfclip_clip_apply_adam(
+            var=var, m=slots["m"], v=slots["v"], vhat=slots.get("vhat", []), grad=grad,
+            lr=self.current_learning_rate(), beta_1=_scalar(self.beta_1, "beta_1"),
+            beta_2=_scalar(self.beta_2, "beta_2"), epsilon=_scalar(self.epsilon, "epsilon"),
+            weight_decay=_scalar(self.weight_decay, "weight_decay"), step=step,
+            amsgrad=self.amsgrad, **kw)
+
+
+class AdamW(Adam):
+    """Keras AdamW: Adam with decoupled weight decay (default 0.004, as Keras)."""
+
+    def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999,
+                 epsilon=1e-7, amsgrad=False, name=None):
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, name)
