@@ -3,6 +3,11 @@
 
 #include <cmath>
 
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#define TFCLIP_HAVE_MXCSR 1
+#endif
+
 namespace tfclip {
 namespace {
 
@@ -18,6 +23,20 @@ void DispatchDType(DType t, Fn&& fn) {
 #undef TFCLIP_DISPATCH_CASE
   }
 }
+
+// TF runs kernels with flush-to-zero and denormals-are-zero set; the norm pass must still see
+// subnormal gradients (their norm is small, not zero), so it clears both for its duration.
+class ScopedKeepDenormals {
+ public:
+#if TFCLIP_HAVE_MXCSR
+  ScopedKeepDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFtzDaz); }
+  ~ScopedKeepDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bits 15 (FTZ) and 6 (DAZ)
+  unsigned saved_;
+#endif
+};
 
 // Sum of squares of one chunk in a fixed order: four fp64 lanes, then lane 0..3 added.
 template <typename T>
@@ -90,6 +109,7 @@ void SumSquaresCpu(const TensorView* ts, int n, const std::vector<Chunk>& plan, 
   const int64_t nchunks = static_cast<int64_t>(plan.size());
   if (nchunks > 0) {
     exec.parallel_for(nchunks, kChunkElems * kNormCostPerElem, [&](int64_t cb, int64_t ce) {
+      ScopedKeepDenormals keep;
       for (int64_t c = cb; c < ce; ++c) {
         const Chunk& ch = plan[c];
         const TensorView& t = ts[ch.tensor];

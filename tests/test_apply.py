@@ -1,0 +1,359 @@
+"""fused_clip_apply against NumPy float64, TF's ResourceApply* ops and the Keras 3 optimizers."""
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfclip
+from conftest import TOL, assert_close
+import reference as ref
+
+NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+            "float64": np.float64}
+
+# (name, tfclip rule factory, reference rule, reference hparams)
+RULES = {
+    "sgd": (lambda: tfclip.rules.SGD(0.1), "sgd", {"learning_rate": 0.1}),
+    "sgd_wd": (lambda: tfclip.rules.SGD(0.1, weight_decay=0.05), "sgd",
+               {"learning_rate": 0.1, "weight_decay": 0.05}),
+    "momentum": (lambda: tfclip.rules.Momentum(0.1, 0.9), "momentum",
+                 {"learning_rate": 0.1, "momentum": 0.9}),
+    "momentum_nesterov": (lambda: tfclip.rules.Momentum(0.1, 0.9, use_nesterov=True), "momentum",
+                          {"learning_rate": 0.1, "momentum": 0.9, "nesterov": True}),
+    "keras_momentum": (lambda: tfclip.rules.SGD(0.1, momentum=0.8), "keras_momentum",
+                       {"learning_rate": 0.1, "momentum": 0.8}),
+    "keras_nesterov": (lambda: tfclip.rules.SGD(0.1, momentum=0.8, nesterov=True), "keras_momentum",
+                       {"learning_rate": 0.1, "momentum": 0.8, "nesterov": True}),
+    "adam": (lambda: tfclip.rules.Adam(0.01), "adam", {"learning_rate": 0.01}),
+    "amsgrad": (lambda: tfclip.rules.Adam(0.01, amsgrad=True), "adam",
+                {"learning_rate": 0.01, "amsgrad": True}),
+    "adamw": (lambda: tfclip.rules.AdamW(0.01, weight_decay=0.1), "adam",
+              {"learning_rate": 0.01, "weight_decay": 0.1}),
+}
+MODES = {"none": {}, "global_norm": {"global_clipnorm": 0.7}, "norm": {"clipnorm": 0.4},
+         "value": {"clipvalue": 0.3}}
+
+
+def run_reference(rule, hp, mode, clip, var0, grad_steps, np_dtype):
+    """float64 math, rounding vars, slots and clipped gradients to the storage dtype each step."""
+    rnd = lambda a: np.asarray(a, np.float64).astype(np_dtype).astype(np.float64)
+    vars_ = [rnd(v) for v in var0]
+    slots = [[np.zeros_like(v) for _ in range(ref.num_slots(rule, hp))] for v in vars_]
+    for t, grads in enumerate(grad_steps, start=1):
+        clipped = ref.clip([rnd(g) for g in grads], mode, clip)
+        for i, g in enumerate(clipped):
+            vars_[i] = rnd(ref.step(rule, vars_[i], slots[i], rnd(g), hp, t))
+            for s in slots[i]:
+                s[...] = rnd(s)
+    return vars_, slots
+
+
+def make_problem(rng, shapes, steps, scale=1.0):
+    var0 = [rng.normal(size=s) for s in shapes]
+    grad_steps = [[rng.normal(size=s) * scale for s in shapes] for _ in range(steps)]
+    return var0, grad_steps
+
+
+def run_tfclip(rule_obj, var0, grad_steps, dtype, grad_dtype=None, **kw):
+    variables = [tf.Variable(v, dtype=dtype) for v in var0]
+    for grads in grad_steps:
+        res = tfclip.fused_clip_apply(
+            [(tf.constant(g, grad_dtype or dtype), v) for g, v in zip(grads, variables)],
+            rule_obj, **kw)
+        assert bool(res.applied)
+    return variables
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODES.keys())
+@pytest.mark.parametrize("rule_name", RULES, ids=RULES.keys())
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rules_and_modes_match_float64_reference(rng, rule_name, mode, dtype):
+    make_rule, rule, hp = RULES[rule_name]
+    var0, grad_steps = make_problem(rng, [(5,), (3, 4), ()], steps=10, scale=0.5)
+    kw = MODES[mode]
+    r = make_rule()
+    got = run_tfclip(r, var0, grad_steps, getattr(tf, dtype), **kw)
+    clip = next(iter(kw.values()), None)
+    want, want_slots = run_reference(rule, hp, mode, clip, var0, grad_steps, NP_DTYPE[dtype])
+    for g, w in zip(got, want):
+        assert_close(g.numpy(), w, dtype, scale=10)
+    for v, ws in zip(got, want_slots):
+        for name, s in zip(r.slot_names, ws):
+            assert_close(r.slots(v)[name].numpy(), s, dtype, scale=10)
+    assert int(r.iterations.numpy()) == 10
+
+
+@pytest.mark.parametrize("rule_name", ["sgd", "keras_momentum", "adam", "adamw"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_vars_match_rounded_reference(rng, rule_name, dtype):
+    make_rule, rule, hp = RULES[rule_name]
+    var0, grad_steps = make_problem(rng, [(9,), (2, 3)], steps=3, scale=0.5)
+    got = run_tfclip(make_rule(), var0, grad_steps, getattr(tf, dtype), global_clipnorm=0.7)
+    want, _ = run_reference(rule, hp, "global_norm", 0.7, var0, grad_steps, NP_DTYPE[dtype])
+    rtol, _ = TOL[dtype]
+    for g, w in zip(got, want):
+        # Within a couple of ulps of the value (our math is fp32, the reference fp64).
+        np.testing.assert_allclose(g.numpy().astype(np.float64), w, rtol=2 * rtol, atol=rtol)
+
+
+def test_mixed_dtypes_and_low_precision_grads_in_one_call(rng):
+    var0, grad_steps = make_problem(rng, [(6,), (4,), (5,), (3,)], steps=3)
+    var_dtypes = [tf.float32, tf.float32, tf.float64, tf.float16]
+    grad_dtypes = [tf.bfloat16, tf.float16, tf.float64, tf.float16]
+    r = tfclip.rules.Adam(0.01)
+    variables = [tf.Variable(v, dtype=d) for v, d in zip(var0, var_dtypes)]
+    for grads in grad_steps:
+        tfclip.fused_clip_apply([(tf.constant(g, gd), v) for g, gd, v in
+                                 zip(grads, grad_dtypes, variables)], r, global_clipnorm=1.0)
+    # Reference: gradients rounded to their dtype, one global norm over all of them.
+    rounded = [[np.asarray(g).astype(NP_DTYPE[gd.name]).astype(np.float64) for g, gd in
+                zip(grads, grad_dtypes)] for grads in grad_steps]
+    want = [np.asarray(v).astype(NP_DTYPE[d.name]).astype(np.float64) for v, d in zip(var0, var_dtypes)]
+    slots = [[np.zeros_like(v), np.zeros_like(v)] for v in want]
+    for t, grads in enumerate(rounded, start=1):
+        for i, g in enumerate(ref.clip(grads, "global_norm", 1.0)):
+            want[i] = ref.step("adam", want[i], slots[i], g, {"learning_rate": 0.01}, t)
+    tols = ["bfloat16", "float16", "float64", "float16"]
+    for v, w, tol in zip(variables, want, tols):
+        assert_close(v.numpy(), w, tol, scale=2)
+
+
+@pytest.mark.parametrize("shapes", [
+    [()], [(0,), (4,)], [(7,), (1, 13)], [(200_003,), (5,)], [(i % 5 + 1,) for i in range(1100)]],
+    ids=["scalar", "empty", "odd", "over_chunk", "many"])
+def test_shapes(rng, shapes):
+    var0, grad_steps = make_problem(rng, shapes, steps=2)
+    r = tfclip.rules.Adam(0.01)
+    got = run_tfclip(r, var0, grad_steps, tf.float32, global_clipnorm=1.0)
+    want, _ = run_reference("adam", {"learning_rate": 0.01}, "global_norm", 1.0, var0, grad_steps,
+                            np.float32)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert_close(g.numpy(), w, "float32", scale=10)
+
+
+# ------------------------------------------------------------------ against TF's own ops
+def _tf_raw_step(kind, v, slots, g, t, lr):
+    raw = tf.raw_ops
+    if kind == "sgd":
+        raw.ResourceApplyGradientDescent(var=v.handle, alpha=lr, delta=g)
+    elif kind in ("momentum", "momentum_nesterov"):
+        raw.ResourceApplyMomentum(var=v.handle, accum=slots[0].handle, lr=lr, grad=g,
+                                  momentum=0.9, use_nesterov=kind.endswith("nesterov"))
+    elif kind in ("keras_momentum", "keras_nesterov"):
+        raw.ResourceApplyKerasMomentum(var=v.handle, accum=slots[0].handle, lr=lr, grad=g,
+                                       momentum=0.8, use_nesterov=kind.endswith("nesterov"))
+    elif kind == "adam":
+        raw.ResourceApplyAdam(var=v.handle, m=slots[0].handle, v=slots[1].handle,
+                              beta1_power=0.9 ** t, beta2_power=0.999 ** t, lr=lr, beta1=0.9,
+                              beta2=0.999, epsilon=1e-7, grad=g)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "momentum", "momentum_nesterov", "keras_momentum",
+                                  "keras_nesterov", "adam"])
+def test_matches_tf_resource_apply_ops_after_clip_by_global_norm(rng, kind):
+    var0, grad_steps = make_problem(rng, [(6,), (2, 5)], steps=10)
+    schedule = lambda step: 0.05 * 0.9 ** tf.cast(step, tf.float32)  # a learning-rate schedule
+    lr_t = lambda step: schedule(step)
+    factories = {"sgd": lambda: tfclip.rules.SGD(schedule),
+                 "momentum": lambda: tfclip.rules.Momentum(schedule, 0.9),
+                 "momentum_nesterov": lambda: tfclip.rules.Momentum(schedule, 0.9, use_nesterov=True),
+                 "keras_momentum": lambda: tfclip.rules.SGD(schedule, momentum=0.8),
+                 "keras_nesterov": lambda: tfclip.rules.SGD(schedule, momentum=0.8, nesterov=True),
+                 "adam": lambda: tfclip.rules.Adam(schedule)}
+    r = factories[kind]()
+    got = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    want = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    nslots = {"sgd": 0, "adam": 2}.get(kind, 1)
+    slots = [[tf.Variable(tf.zeros_like(v)) for _ in range(nslots)] for v in want]
+    for step, grads in enumerate(grad_steps):
+        gs = [tf.constant(g, tf.float32) for g in grads]
+        tfclip.fused_clip_apply(zip(gs, got), r, global_clipnorm=1.0)
+        clipped, _ = tf.clip_by_global_norm(gs, 1.0)
+        for v, s, g in zip(want, slots, clipped):
+            _tf_raw_step(kind, v, s, g, step + 1, lr_t(step))
+    for g, w in zip(got, want):
+        assert_close(g.numpy(), w.numpy(), "float32", scale=10)
+    for v, s in zip(got, slots):
+        for name, sv in zip(r.slot_names, s):
+            assert_close(r.slots(v)[name].numpy(), sv.numpy(), "float32", scale=10)
+
+
+KERAS = {
+    "sgd": (lambda lr, **k: keras.optimizers.SGD(lr, **k), lambda lr: tfclip.rules.SGD(lr)),
+    "sgd_momentum": (lambda lr, **k: keras.optimizers.SGD(lr, momentum=0.9, **k),
+                     lambda lr: tfclip.rules.SGD(lr, momentum=0.9)),
+    "sgd_nesterov": (lambda lr, **k: keras.optimizers.SGD(lr, momentum=0.9, nesterov=True, **k),
+                     lambda lr: tfclip.rules.SGD(lr, momentum=0.9, nesterov=True)),
+    "adam": (lambda lr, **k: keras.optimizers.Adam(lr, **k), lambda lr: tfclip.rules.Adam(lr)),
+    "adam_amsgrad": (lambda lr, **k: keras.optimizers.Adam(lr, amsgrad=True, **k),
+                     lambda lr: tfclip.rules.Adam(lr, amsgrad=True)),
+    "adamw": (lambda lr, **k: keras.optimizers.AdamW(lr, weight_decay=0.05, **k),
+              lambda lr: tfclip.rules.AdamW(lr, weight_decay=0.05)),
+}
+
+
+@pytest.mark.parametrize("clip", [{"global_clipnorm": 1.0}, {"clipnorm": 0.5}, {"clipvalue": 0.2}],
+                         ids=["global_clipnorm", "clipnorm", "clipvalue"])
+@pytest.mark.parametrize("name", KERAS, ids=KERAS.keys())
+def test_matches_keras3_optimizers_over_10_steps(rng, name, clip):
+    make_keras, make_rule = KERAS[name]
+    var0, grad_steps = make_problem(rng, [(6,), (3, 4), (1,)], steps=10, scale=2.0)
+    sched = lambda: keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=3, decay_rate=0.5)
+    kopt = make_keras(sched(), **clip)
+    r = make_rule(sched())
+    kvars = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    fvars = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    for grads in grad_steps:
+        gs = [tf.constant(g, tf.float32) for g in grads]
+        kopt.apply_gradients(zip(gs, kvars))
+        tfclip.fused_clip_apply(zip(gs, fvars), r, **clip)
+    for k, f in zip(kvars, fvars):
+        assert_close(f.numpy(), k.numpy(), "float32", scale=10)
+    assert int(r.iterations.numpy()) == int(kopt.iterations.numpy()) == 10
+
+
+# ------------------------------------------------------------------ selection and policies
+def test_none_gradients_and_unlisted_variables_are_untouched(rng):
+    a, b, c = (tf.Variable(rng.normal(size=(4,)).astype(np.float32)) for _ in range(3))
+    b0, c0 = b.numpy().copy(), c.numpy().copy()
+    ga = tf.constant(rng.normal(size=(4,)).astype(np.float32) * 10)
+    r = tfclip.rules.SGD(1.0)
+    res = tfclip.fused_clip_apply([(ga, a), (None, b)], r, global_clipnorm=1.0)  # c unlisted
+    np.testing.assert_array_equal(b.numpy(), b0)
+    np.testing.assert_array_equal(c.numpy(), c0)
+    assert_close(res.global_norm, np.linalg.norm(ga.numpy()), "float32")  # b not in the norm
+    assert b.ref() not in r._slots and c.ref() not in r._slots
+
+
+def _nonfinite_problem(rng, n=500):
+    var0 = [rng.normal(size=(3,)).astype(np.float32) for _ in range(n)]
+    grads = [rng.normal(size=(3,)).astype(np.float32) for _ in range(n)]
+    grads[n * 2 // 3][1] = np.inf
+    return var0, grads
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_nonfinite_skip_writes_nothing(rng, bad):
+    var0, grads = _nonfinite_problem(rng)
+    grads[333][1] = bad
+    variables = [tf.Variable(v) for v in var0]
+    r = tfclip.rules.Adam(0.1)
+    tfclip.fused_clip_apply([(tf.ones_like(v), v) for v in variables], r)  # slots non-zero
+    before = [v.numpy().copy() for v in variables]
+    slots_before = [[s.numpy().copy() for s in r.slots(v).values()] for v in variables]
+    res = tfclip.fused_clip_apply([(tf.constant(g), v) for g, v in zip(grads, variables)], r,
+                                  global_clipnorm=1.0)
+    assert not bool(res.applied) and not np.isfinite(res.global_norm.numpy())
+    for v, b, sb in zip(variables, before, slots_before):
+        np.testing.assert_array_equal(v.numpy(), b)
+        for s, x in zip(r.slots(v).values(), sb):
+            np.testing.assert_array_equal(s.numpy(), x)
+    assert int(r.iterations.numpy()) == 1
+
+
+def test_nonfinite_raise_writes_nothing(rng):
+    var0, grads = _nonfinite_problem(rng)
+    variables = [tf.Variable(v) for v in var0]
+    r = tfclip.rules.Momentum(0.1, 0.9)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+        tfclip.fused_clip_apply([(tf.constant(g), v) for g, v in zip(grads, variables)], r,
+                                clipnorm=1.0, nonfinite="raise")
+    for v, v0 in zip(variables, var0):
+        np.testing.assert_array_equal(v.numpy(), v0)
+    assert int(r.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("mode", ["global_clipnorm", "clipnorm", "clipvalue"])
+def test_nonfinite_propagate_matches_tf(rng, mode):
+    var0, grads = _nonfinite_problem(rng, n=20)
+    grads[0][0], grads[5][2] = np.inf, np.nan
+    got = [tf.Variable(v) for v in var0]
+    want = [tf.Variable(v) for v in var0]
+    gs = [tf.constant(g) for g in grads]
+    res = tfclip.fused_clip_apply(zip(gs, got), tfclip.rules.SGD(0.1), nonfinite="propagate",
+                                  **{mode: 1.0})
+    assert bool(res.applied)
+    clipped = {"global_clipnorm": lambda: tf.clip_by_global_norm(gs, 1.0)[0],
+               "clipnorm": lambda: [tf.clip_by_norm(g, 1.0) for g in gs],
+               "clipvalue": lambda: [tf.clip_by_value(g, -1.0, 1.0) for g in gs]}[mode]()
+    for v, g in zip(want, clipped):
+        tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=0.1, delta=g)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(g.numpy()), np.isnan(w.numpy()))
+        assert_close(np.nan_to_num(g.numpy()), np.nan_to_num(w.numpy()), "float32")
+
+
+def test_use_norm_replaces_the_norm_pass(rng):
+    var0, grad_steps = make_problem(rng, [(5,)], steps=1)
+    v = tf.Variable(var0[0], dtype=tf.float32)
+    g = tf.constant(grad_steps[0][0], tf.float32)
+    res = tfclip.fused_clip_apply([(g, v)], tfclip.rules.SGD(1.0), global_clipnorm=1.0, use_norm=10.0)
+    assert_close(res.global_norm, 10.0, "float32")
+    assert_close(v.numpy(), var0[0] - grad_steps[0][0] * 0.1, "float32")
+
+
+# ------------------------------------------------------------------ execution modes
+def test_tf_function_matches_eager(rng):
+    var0, grad_steps = make_problem(rng, [(5,), (2, 2)], steps=4)
+    eager = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    fn = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    r1, r2 = tfclip.rules.Adam(0.01), tfclip.rules.Adam(0.01)
+
+    @tf.function
+    def step(gs):
+        return tfclip.fused_clip_apply(zip(gs, fn), r2, global_clipnorm=0.5)
+
+    for grads in grad_steps:
+        gs = [tf.constant(g, tf.float32) for g in grads]
+        tfclip.fused_clip_apply(zip(gs, eager), r1, global_clipnorm=0.5)
+        step(gs)
+    for a, b in zip(eager, fn):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(r2.iterations.numpy()) == 4
+
+
+def test_tf1_graph_session_compute_gradients_stop_gradient_var_list(rng):
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+    w0, b0, f0 = (rng.normal(size=s).astype(np.float32) for s in [(3, 1), (1,), (3, 1)])
+
+    def build(fused):
+        w = tf.Variable(w0, name="w")
+        b = tf.Variable(b0, name="b")
+        frozen = tf.Variable(f0, name="frozen")  # behind tf.stop_gradient: gradient None
+        pred = tf.matmul(x, w) + b + tf.matmul(x, tf.stop_gradient(frozen))
+        loss = tf.reduce_mean((pred - y) ** 2) * 100.0
+        opt = tf.compat.v1.train.MomentumOptimizer(0.05, 0.9)
+        gvs = opt.compute_gradients(loss, var_list=[w, b, frozen])
+        if fused:
+            train = tfclip.fused_clip_apply(gvs, tfclip.rules.Momentum(0.05, 0.9), global_clipnorm=1.0)
+        else:
+            grads, variables = zip(*[(g, v) for g, v in gvs if g is not None])
+            grads, _ = tf.clip_by_global_norm(grads, 1.0)
+            train = opt.apply_gradients(zip(grads, variables))
+        return train, [w, b, frozen]
+
+    results = []
+    for fused in (True, False):
+        with tf.Graph().as_default():
+            train, variables = build(fused)
+            init = tf.compat.v1.global_variables_initializer()
+            with tf.compat.v1.Session() as sess:
+                sess.run(init)
+                for _ in range(5):
+                    sess.run(train)
+                results.append(sess.run(variables))
+    for a, b in zip(*results):
+        assert_close(a, b, "float32", scale=10)
+    np.testing.assert_array_equal(results[0][2], f0)  # frozen untouched
+
+
+def test_update_does_not_change_a_value_read_before(rng):
+    v = tf.Variable(rng.normal(size=(6,)).astype(np.float32))
+    before = v.value()  # aliases the buffer; copy-on-write must keep it
+    snapshot = before.numpy().copy()
+    tfclip.fused_clip_apply([(tf.ones([6]), v)], tfclip.rules.SGD(1.0))
+    np.testing.assert_array_equal(before.numpy(), snapshot)
+    np.testing.assert_array_equal(v.numpy(), snapshot - 1)
