@@ -59,6 +59,7 @@ def _check_clip_number(x, what):
         raise ValueError(f"{what} must be finite and > 0, got {x}")
 
 
+@tf.autograph.experimental.do_not_convert
 def global_norm(t_list, name=None):
     """The global L2 norm of a list of tensors: `tf.linalg.global_norm`, in one fused pass.
 
@@ -76,6 +77,7 @@ def global_norm(t_list, name=None):
         return tf.cast(norm, _result_dtype(values, nd))
 
 
+@tf.autograph.experimental.do_not_convert
 def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
     """Drop-in for `tf.clip_by_global_norm`: one norm pass, one scale pass, whatever the list length.
 
@@ -159,6 +161,7 @@ _CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue"
 _POLICIES = ("skip", "propagate", "raise")
 
 
+@tf.autograph.experimental.do_not_convert
 def fused_clip_apply(
     grads_and_vars,
     rule,
@@ -234,10 +237,10 @@ def fused_clip_apply(
             g, v = pair
         except (TypeError, ValueError):
             raise TypeError(f"grads_and_vars[{i}] is not a (gradient, variable) pair") from None
-        if not isinstance(v, tf.Variable) or not hasattr(v, "handle"):
-            raise TypeError(
-                f"grads_and_vars[{i}] holds a {type(v).__name__}, not a resource tf.Variable"
-            )
+        v = _as_tf_variable(v)
+        if v is None:
+            raise TypeError(f"grads_and_vars[{i}] holds a {type(pair[1]).__name__}, not a "
+                            "resource tf.Variable or keras.Variable")
         if v.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"grads_and_vars[{i}]: variable {v.name} has dtype {v.dtype.name}; "
                             "only float16, bfloat16, float32 and float64 variables can be trained")
@@ -265,6 +268,16 @@ def fused_clip_apply(
                          f"{[v.name for _, v in pairs]}")
     with tf.name_scope(name or f"clip_apply_{rule.kind}"):
         return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite)
+
+
+def _as_tf_variable(v):
+    """The resource tf.Variable behind a tf.Variable or a Keras 3 variable, else None."""
+    if isinstance(v, tf.Variable) and hasattr(v, "handle"):
+        return v
+    inner = getattr(v, "value", None)  # keras.Variable (TF backend) wraps a tf.Variable
+    if isinstance(inner, tf.Variable) and hasattr(inner, "handle"):
+        return inner
+    return None
 
 
 def _grad_dtype_ok(var_dtype, grad_dtype):

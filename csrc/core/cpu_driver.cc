@@ -2,6 +2,7 @@
 #include "csrc/core/cpu_driver.h"
 
 #include <cmath>
+#include <type_traits>
 
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -69,28 +70,57 @@ inline M Clamp(M g, M lo, M hi) {
   return g < lo ? lo : (g > hi ? hi : g);
 }
 
+template <typename Rule, typename V, typename G, int kSlots, bool kScaled, bool kClamped>
+void ApplyLoop(const StepConsts<typename Elem<V>::Math> c, V* __restrict__ var,
+               const G* __restrict__ grad, V* __restrict__ s0, V* __restrict__ s1,
+               V* __restrict__ s2, typename Elem<V>::Math scale, typename Elem<V>::Math lo,
+               typename Elem<V>::Math hi, int64_t b, int64_t e) {
+  // The constants are a by-value copy and the pointers are __restrict__: no store can alias
+  // them, so the loop keeps them in registers and vectorizes.
+  using M = typename Elem<V>::Math;
+  for (int64_t i = b; i < e; ++i) {
+    M g = static_cast<M>(Elem<G>::Load(grad[i]));
+    if (kScaled) g = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(g * scale)));
+    if (kClamped) g = Clamp(g, lo, hi);
+    M s[kMaxSlots] = {M(0), M(0), M(0)};
+    if (kSlots > 0) s[0] = Elem<V>::Load(s0[i]);
+    if (kSlots > 1) s[1] = Elem<V>::Load(s1[i]);
+    if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
+    M v = DecayVar(c, Elem<V>::Load(var[i]));
+    Rule::Update(c, g, v, s);
+    var[i] = Elem<V>::Store(v);
+    if (kSlots > 0) s0[i] = Elem<V>::Store(s[0]);
+    if (kSlots > 1) s1[i] = Elem<V>::Store(s[1]);
+    if (kSlots > 2) s2[i] = Elem<V>::Store(s[2]);
+  }
+}
+
 template <typename Rule, typename V, typename G>
 void ApplyChunk(const StepConsts<typename Elem<V>::Math>& c, const ApplyTensor& t, int nslots,
                 const ClipFactor& f, int64_t b, int64_t e) {
   using M = typename Elem<V>::Math;
   V* var = static_cast<V*>(t.var);
   const G* grad = static_cast<const G*>(t.grad);
-  V* slot[kMaxSlots];
-  for (int k = 0; k < kMaxSlots; ++k) slot[k] = static_cast<V*>(t.slots[k]);
+  V* s0 = static_cast<V*>(t.slots[0]);
+  V* s1 = static_cast<V*>(t.slots[1]);
+  V* s2 = static_cast<V*>(t.slots[2]);
   const M scale = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(f.scale)));
-  const bool scaled = f.scale != 1.0;
   const M lo = static_cast<M>(f.lo), hi = static_cast<M>(f.hi);
+  const bool scaled = f.scale != 1.0;
   const bool clamped = std::isfinite(f.lo) || std::isfinite(f.hi);
-  for (int64_t i = b; i < e; ++i) {
-    M g = static_cast<M>(Elem<G>::Load(grad[i]));
-    if (scaled) g = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(g * scale)));
-    if (clamped) g = Clamp(g, lo, hi);
-    M s[kMaxSlots];
-    for (int k = 0; k < nslots; ++k) s[k] = Elem<V>::Load(slot[k][i]);
-    M v = DecayVar(c, Elem<V>::Load(var[i]));
-    Rule::Update(c, g, v, s);
-    var[i] = Elem<V>::Store(v);
-    for (int k = 0; k < nslots; ++k) slot[k][i] = Elem<V>::Store(s[k]);
+  // Compile-time slot count and clip shape: branch-free inner loops.
+  auto run = [&](auto slots_tag) {
+    constexpr int kS = decltype(slots_tag)::value;
+    if (scaled && clamped) ApplyLoop<Rule, V, G, kS, true, true>(c, var, grad, s0, s1, s2, scale, lo, hi, b, e);
+    else if (scaled) ApplyLoop<Rule, V, G, kS, true, false>(c, var, grad, s0, s1, s2, scale, lo, hi, b, e);
+    else if (clamped) ApplyLoop<Rule, V, G, kS, false, true>(c, var, grad, s0, s1, s2, scale, lo, hi, b, e);
+    else ApplyLoop<Rule, V, G, kS, false, false>(c, var, grad, s0, s1, s2, scale, lo, hi, b, e);
+  };
+  switch (nslots) {
+    case 0: run(std::integral_constant<int, 0>{}); break;
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    default: run(std::integral_constant<int, 3>{}); break;
   }
 }
 

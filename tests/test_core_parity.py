@@ -1,0 +1,90 @@
+"""tfclip._core (NumPy, our threads) and the TF op (TF's thread pool) run the same core: same bits.
+Also: the norm is deterministic whatever the thread count."""
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfclip
+from tfclip import _core
+
+SHAPES = [(200_003,), (7,), ()] + [(i % 9 + 1,) for i in range(300)]
+
+
+def test_norm_same_bits_for_any_thread_count(rng):
+    ts = [rng.normal(size=s).astype(np.float32) for s in [(1_000_003,), (70_001,), (5,)]]
+    norms = set()
+    for n in (1, 2, 3, 8):
+        _core.set_num_threads(n)
+        for _ in range(3):
+            norms.add(_core.global_norm(ts))
+    _core.set_num_threads(0)
+    assert len(norms) == 1
+    np.testing.assert_allclose(norms.pop(), np.sqrt(sum((t.astype(np.float64) ** 2).sum() for t in ts)),
+                               rtol=1e-13)
+
+
+@pytest.mark.parametrize("np_dtype,tf_dtype", [(np.float16, tf.float16), (ml_dtypes.bfloat16, tf.bfloat16),
+                                               (np.float32, tf.float32), (np.float64, tf.float64)])
+def test_clip_by_global_norm_parity(rng, np_dtype, tf_dtype):
+    ts = [rng.normal(size=s).astype(np_dtype) for s in SHAPES]
+    out, norm = _core.clip_by_global_norm(ts, 0.5)
+    tf_out, tf_norm = tfclip.fused_clip_by_global_norm([tf.constant(t) for t in ts], 0.5)
+    nd = np.float64 if np_dtype is np.float64 else np.float32
+    assert nd(norm).astype(np_dtype) == tf_norm.numpy()
+    for a, b in zip(out, tf_out):
+        assert a.dtype == b.numpy().dtype
+        assert a.tobytes() == b.numpy().tobytes()
+
+
+@pytest.mark.parametrize("rule_name,rule,slots,hp", [
+    ("sgd", lambda: tfclip.rules.SGD(0.1, weight_decay=0.01), [], {"learning_rate": 0.1, "weight_decay": 0.01}),
+    ("momentum", lambda: tfclip.rules.Momentum(0.1, 0.9, use_nesterov=True), ["momentum"],
+     {"learning_rate": 0.1, "momentum": 0.9, "nesterov": True}),
+    ("keras_momentum", lambda: tfclip.rules.SGD(0.1, momentum=0.9), ["momentum"],
+     {"learning_rate": 0.1, "momentum": 0.9}),
+    ("adam", lambda: tfclip.rules.Adam(0.01, amsgrad=True), ["m", "v", "vhat"],
+     {"learning_rate": 0.01, "amsgrad": True}),
+])
+@pytest.mark.parametrize("mode,kw", [("global_norm", {"global_clipnorm": 1.0}), ("norm", {"clipnorm": 0.3}),
+                                     ("value", {"clipvalue": 0.01}), ("none", {})])
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+def test_apply_parity_bitwise(rng, rule_name, rule, slots, hp, mode, kw, grad_dtype):
+    np_g = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[grad_dtype]
+    var0 = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    grads = [rng.normal(size=s).astype(np_g) for s in SHAPES]
+    r = rule()
+    tvars = [tf.Variable(v) for v in var0]
+    for _ in range(2):
+        res = tfclip.fused_clip_apply([(tf.constant(g), v) for g, v in zip(grads, tvars)], r, **kw)
+    cvars = [v.copy() for v in var0]
+    cslots = [[np.zeros_like(v) for v in var0] for _ in slots]
+    for step in (1, 2):
+        norm, applied = _core.clip_apply(rule_name, cvars, grads, cslots, dict(hp, step=step),
+                                         clip_mode=mode, clip=next(iter(kw.values()), 0.0))
+        assert applied
+    assert np.float32(norm) == res.global_norm.numpy()
+    for a, b in zip(cvars, tvars):
+        np.testing.assert_array_equal(a, b.numpy())
+    for k, name in enumerate(slots):
+        for a, v in zip(cslots[k], tvars):
+            np.testing.assert_array_equal(a, r.slots(v)[name].numpy())
+
+
+def test_core_half_conversion_matches_numpy(rng):
+    # Every float16 bit pattern (finite ones) round-trips through the core's own conversion.
+    bits = np.arange(0, 1 << 16, dtype=np.uint16)
+    h = bits.view(np.float16)
+    h = h[np.isfinite(h)]
+    out, _ = _core.clip_by_global_norm([h], 1.0, use_norm=0.5)  # scale exactly 1
+    np.testing.assert_array_equal(out[0].view(np.uint16), h.view(np.uint16))
+    # float -> half rounding (nearest even, subnormals, overflow) against NumPy's cast.
+    x = np.concatenate([rng.normal(size=20000) * s for s in (1e-7, 1e-5, 1, 1e3, 7e4)]).astype(np.float32)
+    x16 = x.astype(np.float16)
+    out, _ = _core.clip_by_global_norm([x16], 1.0, use_norm=0.5)
+    np.testing.assert_array_equal(out[0].view(np.uint16), x16.view(np.uint16))
+    v = np.zeros_like(x, dtype=np.float32)
+    # var(float32) -= 1 * grad(half): exercises half loads; sgd with lr 1 from zero gives -grad.
+    # (x16 holds infs from the overflow cases: "propagate" applies them as TF would.)
+    _core.clip_apply("sgd", [v], [x16], [], {"learning_rate": 1.0}, nonfinite="propagate")
+    np.testing.assert_array_equal(v, -x16.astype(np.float32))

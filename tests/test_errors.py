@@ -1,0 +1,242 @@
+"""Every bad input is a clear error naming the culprit, and a failed apply writes nothing."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfclip
+from tfclip import _loader
+
+OPS = _loader.ops()
+
+
+def _vars(rng, shapes=((3,), (4,), (2, 2)), dtype=np.float32):
+    return [tf.Variable(rng.normal(size=s).astype(dtype)) for s in shapes]
+
+
+def _snap(variables):
+    return [v.numpy().copy() for v in variables]
+
+
+def _unchanged(variables, before):
+    for v, b in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
+def _sgd_raw(variables, grads, lr=0.1, **kw):
+    kw.setdefault("clip", tf.constant(0.0, tf.float64))
+    kw.setdefault("use_norm", tf.constant(0.0, tf.float64))
+    return OPS.tfclip_clip_apply_sgd(var=[v.handle for v in variables], grad=grads,
+                                     lr=tf.constant(lr, tf.float64),
+                                     weight_decay=tf.constant(0.0, tf.float64), **kw)
+
+
+# ------------------------------------------------------------------ Python layer
+PY_CASES = {
+    "empty_list": (lambda v: [], {}, ValueError, "empty"),
+    "all_none": (lambda v: [(None, x) for x in v], {}, ValueError, "No gradients"),
+    "shape": (lambda v: [(tf.ones([3]), v[0]), (tf.ones([5]), v[1])], {}, ValueError,
+              r"grads_and_vars\[1\]: gradient element count"),
+    "shape_same_count": (lambda v: [(tf.ones([4]), v[2])], {}, ValueError,
+                         r"grads_and_vars\[0\]: gradient shape"),
+    "dtype": (lambda v: [(tf.ones([3]), v[0]), (tf.ones([4], tf.float64), v[1])], {}, TypeError,
+              r"grads_and_vars\[1\]: gradient dtype float64"),
+    "int_var": (lambda v: [(tf.ones([3]), v[0]), (tf.ones([2], tf.int32), tf.Variable([1, 2]))],
+                {}, TypeError, r"grads_and_vars\[1\].*int32"),
+    "not_a_variable": (lambda v: [(tf.ones([3]), tf.ones([3]))], {}, TypeError,
+                       r"grads_and_vars\[0\] holds a"),
+    "not_a_pair": (lambda v: [tf.ones([3])], {}, TypeError, r"grads_and_vars\[0\] is not"),
+    "duplicate": (lambda v: [(tf.ones([3]), v[0]), (tf.ones([4]), v[1]), (tf.ones([3]), v[0])],
+                  {}, ValueError, r"grads_and_vars\[2\] and grads_and_vars\[0\]"),
+    "clip_zero": (lambda v: [(tf.ones([3]), v[0])], {"global_clipnorm": 0.0}, ValueError,
+                  "global_clipnorm must be finite and > 0"),
+    "clip_negative": (lambda v: [(tf.ones([3]), v[0])], {"clipnorm": -1.0}, ValueError,
+                      "clipnorm must be finite and > 0"),
+    "clip_nan": (lambda v: [(tf.ones([3]), v[0])], {"clipvalue": float("nan")}, ValueError,
+                 "clipvalue must be finite"),
+    "clip_inf": (lambda v: [(tf.ones([3]), v[0])], {"global_clipnorm": float("inf")}, ValueError,
+                 "global_clipnorm must be finite"),
+    "two_clips": (lambda v: [(tf.ones([3]), v[0])], {"clipnorm": 1.0, "clipvalue": 1.0}, ValueError,
+                  "at most one"),
+    "policy": (lambda v: [(tf.ones([3]), v[0])], {"nonfinite": "ignore"}, ValueError, "nonfinite"),
+    "negative_use_norm": (lambda v: [(tf.ones([3]), v[0])], {"use_norm": -1.0}, ValueError,
+                          "use_norm must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", PY_CASES, ids=PY_CASES.keys())
+def test_python_layer_errors_write_nothing(rng, case):
+    make, kw, exc, pattern = PY_CASES[case]
+    variables = _vars(rng)
+    before = _snap(variables)
+    rule = tfclip.rules.Adam(0.1)
+    with pytest.raises(exc, match=pattern):
+        tfclip.fused_clip_apply(make(variables), rule, **kw)
+    _unchanged(variables, before)
+    assert int(rule.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("make,pattern", [
+    (lambda: tfclip.rules.SGD(float("nan")), "learning_rate must be finite"),
+    (lambda: tfclip.rules.SGD(-0.1), "learning_rate must be >= 0"),
+    (lambda: tfclip.rules.SGD(0.1, momentum=1.5), "momentum must be in"),
+    (lambda: tfclip.rules.Adam(beta_1=1.0), "beta_1 must be in"),
+    (lambda: tfclip.rules.Adam(epsilon=-1.0), "epsilon must be >= 0"),
+    (lambda: tfclip.rules.AdamW(weight_decay=float("inf")), "weight_decay must be finite"),
+])
+def test_bad_hyperparameters_at_construction(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+@pytest.mark.parametrize("lr,exc,pattern", [
+    (tf.constant([0.1, 0.2]), ValueError, "learning_rate must be a scalar"),
+    (tf.constant(float("nan")), tf.errors.InvalidArgumentError, "learning_rate must be finite"),
+    (tf.constant(-1.0), tf.errors.InvalidArgumentError, "learning_rate must be finite and in"),
+])
+def test_bad_tensor_hyperparameters_write_nothing(rng, lr, exc, pattern):
+    variables = _vars(rng)
+    before = _snap(variables)
+    with pytest.raises(exc, match=pattern):
+        tfclip.fused_clip_apply([(tf.ones(v.shape), v) for v in variables], tfclip.rules.Adam(lr))
+    _unchanged(variables, before)
+
+
+def test_clip_tensor_checked_by_the_op(rng):
+    variables = _vars(rng)
+    before = _snap(variables)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="global_clipnorm must be finite and > 0"):
+        tfclip.fused_clip_apply([(tf.ones(v.shape), v) for v in variables], tfclip.rules.SGD(0.1),
+                                global_clipnorm=tf.constant(-2.0))
+    _unchanged(variables, before)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="clip_norm must be finite and > 0"):
+        tfclip.fused_clip_by_global_norm([tf.ones([2])], tf.constant(0.0))
+
+
+@pytest.mark.parametrize("t_list,exc,pattern", [
+    ([], ValueError, "holds no tensor"),
+    ([None, None], ValueError, "holds no tensor"),
+    ([tf.ones([2]), tf.constant([1, 2])], ValueError, r"t_list\[1\] has dtype int32"),
+    ("abc", TypeError, "should be a sequence"),
+])
+def test_clip_and_norm_bad_lists(t_list, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        tfclip.fused_clip_by_global_norm(t_list, 1.0)
+    with pytest.raises(exc, match=pattern):
+        tfclip.global_norm(t_list)
+
+
+def test_clip_norm_python_number_checked():
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="clip_norm must be finite and > 0"):
+            tfclip.fused_clip_by_global_norm([tf.ones([2])], bad)
+
+
+# ------------------------------------------------------------------ op level (raw op, any caller)
+def test_op_list_length_mismatch(rng):
+    variables = _vars(rng)
+    before = _snap(variables)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="got 2 gradients for 3 variables"):
+        _sgd_raw(variables, [tf.ones([3]), tf.ones([4])])
+    _unchanged(variables, before)
+
+
+def test_op_shape_mismatch_at_last_index_writes_nothing(rng):
+    variables = _vars(rng)
+    before = _snap(variables)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grads\[2\] has shape \[4\] but vars\[2\]"):
+        _sgd_raw(variables, [tf.ones([3]), tf.ones([4]), tf.ones([4])])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grads\[2\] has 5 elements"):
+        _sgd_raw(variables, [tf.ones([3]), tf.ones([4]), tf.ones([5])])
+    _unchanged(variables, before)
+
+
+def test_op_dtype_mismatch_and_int_variable(rng):
+    variables = _vars(rng)
+    before = _snap(variables)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grads\[1\] has dtype double but vars\[1\] has dtype float"):
+        _sgd_raw(variables, [tf.ones([3]), tf.ones([4], tf.float64), tf.ones([2, 2])])
+    iv = tf.Variable([1, 2, 3])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"vars\[1\] has dtype int32"):
+        _sgd_raw([variables[0], iv], [tf.ones([3]), tf.ones([3])])
+    _unchanged(variables, before)
+
+
+def test_op_same_variable_twice_is_an_error_not_a_hang(rng):
+    variables = _vars(rng)
+    before = _snap(variables)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"vars\[2\] and vars\[0\] are the same variable"):
+        _sgd_raw([variables[0], variables[1], variables[0]], [tf.ones([3]), tf.ones([4]), tf.ones([3])])
+    # A variable passed as its own slot is caught too.
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[0\] and vars\[0\]"):
+        OPS.tfclip_clip_apply_momentum(
+            var=[variables[0].handle], accum=[variables[0].handle], grad=[tf.ones([3])],
+            lr=tf.constant(0.1, tf.float64), momentum=tf.constant(0.9, tf.float64),
+            weight_decay=tf.constant(0.0, tf.float64), clip=tf.constant(0.0, tf.float64),
+            use_norm=tf.constant(0.0, tf.float64))
+    _unchanged(variables, before)
+
+
+def test_op_slot_of_wrong_shape_or_dtype_writes_nothing(rng):
+    variables = _vars(rng)
+    before = _snap(variables)
+    accum = [tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([4])), tf.Variable(tf.zeros([5]))]
+    acc_before = _snap(accum)
+    args = dict(grad=[tf.ones(v.shape) for v in variables], lr=tf.constant(0.1, tf.float64),
+                momentum=tf.constant(0.9, tf.float64), weight_decay=tf.constant(0.0, tf.float64),
+                clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[2\] is float\[5\] but vars\[2\] is float\[2,2\]"):
+        OPS.tfclip_clip_apply_momentum(var=[v.handle for v in variables],
+                                       accum=[a.handle for a in accum], **args)
+    accum[2] = tf.Variable(tf.zeros([2, 2], tf.float64))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[2\] is double"):
+        OPS.tfclip_clip_apply_momentum(var=[v.handle for v in variables],
+                                       accum=[a.handle for a in accum], **args)
+    _unchanged(variables, before)
+    _unchanged(accum[:2], acc_before[:2])
+
+
+def test_op_non_scalar_hyperparameter(rng):
+    variables = _vars(rng)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"lr must be a scalar, got shape \[2\]"):
+        OPS.tfclip_clip_apply_sgd(var=[variables[0].handle], grad=[tf.ones([3])],
+                                  lr=tf.constant([0.1, 0.1], tf.float64),
+                                  weight_decay=tf.constant(0.0, tf.float64),
+                                  clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64))
+
+
+def test_uninitialized_variable_in_a_graph(rng):
+    with tf.Graph().as_default():
+        a = tf.Variable(np.ones(3, np.float32))
+        b = tf.Variable(np.ones(4, np.float32))
+        step = tfclip.fused_clip_apply([(tf.ones([3]), a), (tf.ones([4]), b)], tfclip.rules.SGD(0.1))
+        with tf.compat.v1.Session() as sess:
+            sess.run([a.initializer])  # b (and the rule's step counter) left uninitialized
+            with pytest.raises(tf.errors.FailedPreconditionError, match=r"vars\[1\] is not initialized"):
+                sess.run(step)
+            np.testing.assert_array_equal(sess.run(a), np.ones(3))
+
+
+# ------------------------------------------------------------------ _core on NumPy arrays
+def test_core_errors_write_nothing(rng):
+    from tfclip import _core
+
+    v = [rng.normal(size=s).astype(np.float32) for s in [(3,), (4,)]]
+    before = [x.copy() for x in v]
+    g = [np.ones(3, np.float32), np.ones(4, np.float32)]
+    cases = [
+        (dict(grads=g[:1]), "got 1 gradients for 2 variables"),
+        (dict(grads=[g[0], np.ones(5, np.float32)]), r"grads\[1\] has shape \(5,\)"),
+        (dict(grads=[g[0], np.ones(4, np.float64)]), r"grads\[1\] has dtype double"),
+        (dict(grads=[g[0], np.ones(4, np.int32)]), r"grads\[1\] has dtype int32"),
+        (dict(vars=[v[0], v[0]], grads=[g[0], g[0]]), r"vars\[1\] and vars\[0\] are the same array"),
+        (dict(vars=[], grads=[]), "vars is empty"),
+        (dict(hparams={"learning_rate": float("nan")}), "learning_rate must be finite"),
+        (dict(clip_mode="global_norm", clip=0.0), "global_clipnorm must be finite and > 0"),
+    ]
+    for over, pattern in cases:
+        kw = dict(rule="sgd", vars=v, grads=g, slots=[], hparams={"learning_rate": 0.1})
+        kw.update(over)
+        with pytest.raises(ValueError, match=pattern):
+            _core.clip_apply(**kw)
+        for x, b in zip(v, before):
+            np.testing.assert_array_equal(x, b)
