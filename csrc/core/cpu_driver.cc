@@ -134,14 +134,14 @@ void DispatchPair(DType var, DType grad, Fn&& fn) {
 
 }  // namespace
 
-void SumSquaresCpu(const TensorView* ts, int n, const std::vector<Chunk>& plan, double* partials,
+void SumSquaresCpu(const TensorView* ts, int n, const ChunkPlan& plan, double* partials,
                    double* per_tensor, double* total, const CpuExecutor& exec) {
-  const int64_t nchunks = static_cast<int64_t>(plan.size());
+  const int64_t nchunks = static_cast<int64_t>(plan.chunks.size());
   if (nchunks > 0) {
-    exec.parallel_for(nchunks, kChunkElems * kNormCostPerElem, [&](int64_t cb, int64_t ce) {
+    exec.parallel_for(plan.num_blocks(), kChunkElems * kNormCostPerElem, [&](int64_t bb, int64_t be) {
       ScopedKeepDenormals keep;
-      for (int64_t c = cb; c < ce; ++c) {
-        const Chunk& ch = plan[c];
+      for (int64_t c = plan.block_begin[bb]; c < plan.block_begin[be]; ++c) {
+        const Chunk& ch = plan.chunks[c];
         const TensorView& t = ts[ch.tensor];
         DispatchDType(t.dtype, [&](auto tag) {
           using T = decltype(tag);
@@ -157,18 +157,17 @@ void SumSquaresCpu(const TensorView* ts, int n, const std::vector<Chunk>& plan, 
   double sum = 0.0;
   for (int64_t c = 0; c < nchunks; ++c) {
     sum += partials[c];
-    if (per_tensor != nullptr) per_tensor[plan[c].tensor] += partials[c];
+    if (per_tensor != nullptr) per_tensor[plan.chunks[c].tensor] += partials[c];
   }
   *total = sum;
 }
 
-void ScaleCpu(const TensorView* in, const TensorView* out, const std::vector<Chunk>& plan,
+void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan,
               double scale, const CpuExecutor& exec) {
-  const int64_t nchunks = static_cast<int64_t>(plan.size());
-  if (nchunks == 0) return;
-  exec.parallel_for(nchunks, kChunkElems * kNormCostPerElem, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      const Chunk& ch = plan[c];
+  if (plan.chunks.empty()) return;
+  exec.parallel_for(plan.num_blocks(), kChunkElems * kNormCostPerElem, [&](int64_t bb, int64_t be) {
+    for (int64_t c = plan.block_begin[bb]; c < plan.block_begin[be]; ++c) {
+      const Chunk& ch = plan.chunks[c];
       DispatchDType(in[ch.tensor].dtype, [&](auto tag) {
         using T = decltype(tag);
         ScaleChunk(static_cast<const T*>(in[ch.tensor].data), static_cast<T*>(out[ch.tensor].data),
@@ -179,17 +178,16 @@ void ScaleCpu(const TensorView* in, const TensorView* out, const std::vector<Chu
 }
 
 void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
-              const std::vector<Chunk>& plan, const ClipFactor* factors, const CpuExecutor& exec) {
-  const int64_t nchunks = static_cast<int64_t>(plan.size());
-  if (nchunks == 0) return;
+              const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec) {
+  if (plan.chunks.empty()) return;
   const int nslots = NumSlots(rule, hp);
   const StepConsts<float> cf = MakeStepConsts<float>(hp);
   const StepConsts<double> cd = MakeStepConsts<double>(hp);
   DispatchRule(rule, [&](auto rule_tag) {
     using Rule = decltype(rule_tag);
-    exec.parallel_for(nchunks, kChunkElems * kApplyCostPerElem, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c) {
-        const Chunk& ch = plan[c];
+    exec.parallel_for(plan.num_blocks(), kChunkElems * kApplyCostPerElem, [&](int64_t bb, int64_t be) {
+      for (int64_t c = plan.block_begin[bb]; c < plan.block_begin[be]; ++c) {
+        const Chunk& ch = plan.chunks[c];
         const ApplyTensor& t = ts[ch.tensor];
         DispatchPair(t.var_dtype, t.grad_dtype, [&](auto vtag, auto gtag) {
           using V = decltype(vtag);
@@ -218,7 +216,7 @@ StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
   s->factors.resize(n);
   double total = 0.0;
   if (NeedsNormPass(cfg)) {
-    s->partials.resize(s->plan.size());
+    s->partials.resize(s->plan.chunks.size());
     SumSquaresCpu(s->grads.data(), n, s->plan, s->partials.data(), s->per_tensor.data(), &total,
                   exec);
   }

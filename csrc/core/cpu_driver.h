@@ -20,17 +20,17 @@ struct CpuExecutor {
 // Norm pass: fp64 sum of squares per chunk into partials[chunk], then reduced in chunk order
 // into per_tensor[n] (may be null) and *total. fp64 accumulation keeps float32 values near
 // 1e20 (whose squares overflow float32) and subnormals exact enough for a right norm.
-void SumSquaresCpu(const TensorView* ts, int n, const std::vector<Chunk>& plan, double* partials,
+void SumSquaresCpu(const TensorView* ts, int n, const ChunkPlan& plan, double* partials,
                    double* per_tensor, double* total, const CpuExecutor& exec);
 
 // Clip op's second pass: out[i] = in[i] * cast<T>(scale).
-void ScaleCpu(const TensorView* in, const TensorView* out, const std::vector<Chunk>& plan,
+void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan,
               double scale, const CpuExecutor& exec);
 
 // Apply pass: for each element, the clip factor of its tensor, decoupled weight decay, then
 // the rule; reads grad, var and slots once and writes var and slots once.
 void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
-              const std::vector<Chunk>& plan, const ClipFactor* factors, const CpuExecutor& exec);
+              const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec);
 
 // Both passes of a clip-and-apply step, with the non-finite policy. Callers validate first.
 struct StepResult {
@@ -40,7 +40,7 @@ struct StepResult {
 };
 // scratch is reused across calls when the caller keeps it.
 struct StepScratch {
-  std::vector<Chunk> plan;
+  ChunkPlan plan;
   std::vector<double> partials, per_tensor;
   std::vector<ClipFactor> factors;
   std::vector<TensorView> grads;

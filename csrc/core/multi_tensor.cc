@@ -48,14 +48,22 @@ int NumSlots(RuleKind rule, const HParams& hp) {
   return 0;
 }
 
-void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, std::vector<Chunk>* plan) {
-  plan->clear();
+void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, ChunkPlan* plan) {
+  plan->chunks.clear();
+  plan->block_begin.assign(1, 0);
+  int64_t in_block = 0;
   for (int i = 0; i < n; ++i) {
     for (int64_t b = 0; b < sizes[i]; b += chunk_elems) {
       const int64_t e = b + chunk_elems < sizes[i] ? b + chunk_elems : sizes[i];
-      plan->push_back(Chunk{static_cast<int32_t>(i), b, e});
+      plan->chunks.push_back(Chunk{static_cast<int32_t>(i), b, e});
+      in_block += e - b;
+      if (in_block >= chunk_elems) {
+        plan->block_begin.push_back(static_cast<int64_t>(plan->chunks.size()));
+        in_block = 0;
+      }
     }
   }
+  if (in_block > 0) plan->block_begin.push_back(static_cast<int64_t>(plan->chunks.size()));
 }
 
 bool ParseClipMode(const std::string& s, ClipMode* out) {

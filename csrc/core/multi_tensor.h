@@ -37,8 +37,17 @@ struct Chunk {
   int64_t end;
 };
 
-// Appends the chunks of tensors with the given sizes (empty tensors get none).
-void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, std::vector<Chunk>* plan);
+// The chunks of a list, and the work blocks the thread pool schedules: consecutive chunks
+// grouped until they hold about chunk_elems elements, so 2,000 small tensors are a few dozen
+// tasks, not 2,000. Both depend only on the sizes; partial sums stay per chunk.
+struct ChunkPlan {
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> block_begin;  // block b covers chunks [block_begin[b], block_begin[b+1])
+  int64_t num_blocks() const { return static_cast<int64_t>(block_begin.size()) - 1; }
+};
+
+// Plans the chunks of tensors with the given sizes (empty tensors get none).
+void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, ChunkPlan* plan);
 
 enum class ClipMode : int { kNone = 0, kGlobalNorm = 1, kNorm = 2, kValue = 3 };
 enum class NonFinitePolicy : int { kSkip = 0, kPropagate = 1, kRaise = 2 };

@@ -93,17 +93,17 @@ std::vector<int64_t> Shape(const py::array& a) {
   return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
 }
 
-std::vector<Chunk> Plan(const std::vector<TensorView>& ts) {
+ChunkPlan Plan(const std::vector<TensorView>& ts) {
   std::vector<int64_t> sizes;
   for (const auto& t : ts) sizes.push_back(t.size);
-  std::vector<Chunk> plan;
+  ChunkPlan plan;
   PlanChunks(sizes.data(), static_cast<int>(sizes.size()), kChunkElems, &plan);
   return plan;
 }
 
 double SumSquares(const std::vector<TensorView>& ts) {
   const auto plan = Plan(ts);
-  std::vector<double> partials(plan.size());
+  std::vector<double> partials(plan.chunks.size());
   double total = 0;
   {
     py::gil_scoped_release nogil;

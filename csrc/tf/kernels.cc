@@ -81,9 +81,9 @@ class GlobalNormOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &views));
     std::vector<int64_t> sizes(views.size());
     for (size_t i = 0; i < views.size(); ++i) sizes[i] = views[i].size;
-    std::vector<Chunk> plan;
+    ChunkPlan plan;
     PlanChunks(sizes.data(), static_cast<int>(sizes.size()), kChunkElems, &plan);
-    std::vector<double> partials(plan.size());
+    std::vector<double> partials(plan.chunks.size());
     double total = 0;
     SumSquaresCpu(views.data(), static_cast<int>(views.size()), plan, partials.data(), nullptr,
                   &total, TfExecutor(ctx));
@@ -113,13 +113,13 @@ class ClipByGlobalNormOp : public OpKernel {
     const int n = static_cast<int>(in.size());
     std::vector<int64_t> sizes(n);
     for (int i = 0; i < n; ++i) sizes[i] = in[i].size;
-    std::vector<Chunk> plan;
+    ChunkPlan plan;
     PlanChunks(sizes.data(), n, kChunkElems, &plan);
     const CpuExecutor exec = TfExecutor(ctx);
 
     double norm = use_norm;
     if (!use_given_norm_) {
-      std::vector<double> partials(plan.size());
+      std::vector<double> partials(plan.chunks.size());
       double total = 0;
       SumSquaresCpu(in.data(), n, plan, partials.data(), nullptr, &total, exec);
       norm = std::sqrt(total);
