@@ -72,7 +72,7 @@ class Rule:
         """The slot variables of `var`, by name (created, as zeros, on first call)."""
         key = var.ref()
         if key not in self._slots:
-            names = self._slot_names_for(var)
+            names = self.slot_names
             with tf.init_scope():
                 base = var.name.split(":")[0]
                 self._slots[key] = {
@@ -89,9 +89,6 @@ class Rule:
         for slots in self._slots.values():
             out.extend(slots.values())
         return out
-
-    def _slot_names_for(self, var):
-        return self.slot_names
 
     # -- hyper-parameters ---------------------------------------------------------------
     def current_learning_rate(self):
@@ -116,7 +113,7 @@ class Rule:
 
     # -- the step -----------------------------------------------------------------------
     def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite):
-        slot_lists = {s: [] for s in self._slot_names_all()}
+        slot_lists = {s: [] for s in self.slot_names}
         for v in variables:
             for s, var in self.slots(v).items():
                 slot_lists[s].append(var.handle)
@@ -124,7 +121,7 @@ class Rule:
         norm, applied = self._call_op(
             [v.handle for v in variables],
             grads,
-            {s: l for s, l in slot_lists.items()},
+            slot_lists,
             clip=_scalar(clip, "clip"),
             use_norm=_scalar(use_norm if given else 0.0, "use_norm"),
             clip_mode=clip_mode,
@@ -135,9 +132,6 @@ class Rule:
         bump = self.iterations.assign_add(tf.cast(applied, tf.int64), read_value=False)
         with tf.control_dependencies([bump]):
             return ClipApplyResult(tf.identity(norm), tf.identity(applied))
-
-    def _slot_names_all(self):
-        return self.slot_names
 
 
 def _check_number(name, v):

@@ -155,23 +155,13 @@ std::string ValidateClipNorm(double clip_norm, const char* what) {
 }
 
 std::string ValidateClipConfig(const ClipConfig& cfg) {
-  switch (cfg.mode) {
-    case ClipMode::kNone: break;
-    case ClipMode::kGlobalNorm: {
-      auto e = ValidateClipNorm(cfg.clip, "global_clipnorm");
-      if (!e.empty()) return e;
-      break;
-    }
-    case ClipMode::kNorm: {
-      auto e = ValidateClipNorm(cfg.clip, "clipnorm");
-      if (!e.empty()) return e;
-      break;
-    }
-    case ClipMode::kValue: {
-      auto e = ValidateClipNorm(cfg.clip, "clipvalue");
-      if (!e.empty()) return e;
-      break;
-    }
+  if (cfg.mode != ClipMode::kNone) {
+    // Named as Keras names the argument for each mode.
+    const char* what = cfg.mode == ClipMode::kGlobalNorm ? "global_clipnorm"
+                       : cfg.mode == ClipMode::kNorm     ? "clipnorm"
+                                                         : "clipvalue";
+    const std::string e = ValidateClipNorm(cfg.clip, what);
+    if (!e.empty()) return e;
   }
   if (cfg.has_use_norm && cfg.use_norm < 0) {
     return "use_norm must be >= 0 (it is a norm), got " + Fmt(cfg.use_norm);
