@@ -224,9 +224,8 @@ def fused_clip_apply(
     for k, v in given.items():
         _check_clip_number(v, k)
         clip_mode, clip = _CLIP_MODES[k], v
-    if use_norm is not None and isinstance(use_norm, numbers.Real) and not use_norm >= 0:
-        if not np.isnan(use_norm):
-            raise ValueError(f"use_norm must be >= 0, got {use_norm}")
+    if isinstance(use_norm, numbers.Real) and use_norm < 0:  # NaN is the nonfinite policy's
+        raise ValueError(f"use_norm must be >= 0, got {use_norm}")
 
     pairs = list(grads_and_vars)
     if not pairs:

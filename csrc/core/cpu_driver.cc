@@ -177,6 +177,22 @@ void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan
   });
 }
 
+double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec) {
+  ChunkPlan plan;
+  PlanList(ts, n, &plan);
+  std::vector<double> partials(plan.chunks.size());
+  double total = 0.0;
+  SumSquaresCpu(ts, n, plan, partials.data(), nullptr, &total, exec);
+  return std::sqrt(total);
+}
+
+void ScaleListCpu(const TensorView* in, const TensorView* out, int n, double scale,
+                  const CpuExecutor& exec) {
+  ChunkPlan plan;
+  PlanList(in, n, &plan);
+  ScaleCpu(in, out, plan, scale, exec);
+}
+
 void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
               const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec) {
   if (plan.chunks.empty()) return;
@@ -205,13 +221,11 @@ void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
 
 StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
                         const ApplyTensor* ts, int n, StepScratch* s, const CpuExecutor& exec) {
-  s->sizes.resize(n);
   s->grads.resize(n);
   for (int i = 0; i < n; ++i) {
-    s->sizes[i] = ts[i].size;
     s->grads[i] = TensorView{const_cast<void*>(ts[i].grad), ts[i].size, ts[i].grad_dtype};
   }
-  PlanChunks(s->sizes.data(), n, kChunkElems, &s->plan);
+  PlanList(s->grads.data(), n, &s->plan);
   s->per_tensor.assign(n, 0.0);
   s->factors.resize(n);
   double total = 0.0;

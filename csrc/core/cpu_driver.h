@@ -23,6 +23,13 @@ struct CpuExecutor {
 void SumSquaresCpu(const TensorView* ts, int n, const ChunkPlan& plan, double* partials,
                    double* per_tensor, double* total, const CpuExecutor& exec);
 
+// The global L2 norm of a list: plan, norm pass, sqrt. What every adapter's norm op calls.
+double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec);
+
+// Clip op's second pass over a whole list: out[i] = in[i] * cast<T>(scale).
+void ScaleListCpu(const TensorView* in, const TensorView* out, int n, double scale,
+                  const CpuExecutor& exec);
+
 // Clip op's second pass: out[i] = in[i] * cast<T>(scale).
 void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan,
               double scale, const CpuExecutor& exec);
@@ -44,7 +51,6 @@ struct StepScratch {
   std::vector<double> partials, per_tensor;
   std::vector<ClipFactor> factors;
   std::vector<TensorView> grads;
-  std::vector<int64_t> sizes;
 };
 StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
                         const ApplyTensor* ts, int n, StepScratch* scratch,

@@ -66,6 +66,12 @@ void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, ChunkPlan* pla
   if (in_block > 0) plan->block_begin.push_back(static_cast<int64_t>(plan->chunks.size()));
 }
 
+void PlanList(const TensorView* ts, int n, ChunkPlan* plan) {
+  std::vector<int64_t> sizes(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) sizes[i] = ts[i].size;
+  PlanChunks(sizes.data(), n, kChunkElems, plan);
+}
+
 bool ParseClipMode(const std::string& s, ClipMode* out) {
   if (s == "none") *out = ClipMode::kNone;
   else if (s == "global_norm") *out = ClipMode::kGlobalNorm;

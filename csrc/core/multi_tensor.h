@@ -48,6 +48,8 @@ struct ChunkPlan {
 
 // Plans the chunks of tensors with the given sizes (empty tensors get none).
 void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, ChunkPlan* plan);
+// The same for a list of tensors, at kChunkElems.
+void PlanList(const TensorView* ts, int n, ChunkPlan* plan);
 
 enum class ClipMode : int { kNone = 0, kGlobalNorm = 1, kNorm = 2, kValue = 3 };
 enum class NonFinitePolicy : int { kSkip = 0, kPropagate = 1, kRaise = 2 };

@@ -93,24 +93,9 @@ std::vector<int64_t> Shape(const py::array& a) {
   return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
 }
 
-ChunkPlan Plan(const std::vector<TensorView>& ts) {
-  std::vector<int64_t> sizes;
-  for (const auto& t : ts) sizes.push_back(t.size);
-  ChunkPlan plan;
-  PlanChunks(sizes.data(), static_cast<int>(sizes.size()), kChunkElems, &plan);
-  return plan;
-}
-
-double SumSquares(const std::vector<TensorView>& ts) {
-  const auto plan = Plan(ts);
-  std::vector<double> partials(plan.chunks.size());
-  double total = 0;
-  {
-    py::gil_scoped_release nogil;
-    SumSquaresCpu(ts.data(), static_cast<int>(ts.size()), plan, partials.data(), nullptr, &total,
-                  PyExecutor());
-  }
-  return total;
+double Norm(const std::vector<TensorView>& ts) {
+  py::gil_scoped_release nogil;
+  return GlobalNormCpu(ts.data(), static_cast<int>(ts.size()), PyExecutor());
 }
 
 std::vector<TensorView> Views(const std::vector<py::array>& arrays, const char* what) {
@@ -122,7 +107,7 @@ std::vector<TensorView> Views(const std::vector<py::array>& arrays, const char* 
 
 double GlobalNorm(const py::list& t_list) {
   const auto arrays = AsArrays(t_list, "t_list");
-  return std::sqrt(SumSquares(Views(arrays, "t_list")));
+  return Norm(Views(arrays, "t_list"));
 }
 
 py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object use_norm) {
@@ -130,7 +115,7 @@ py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object 
   const auto in = Views(arrays, "t_list");
   const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
   if (!err.empty()) Fail(err);
-  const double norm = use_norm.is_none() ? std::sqrt(SumSquares(in)) : use_norm.cast<double>();
+  const double norm = use_norm.is_none() ? Norm(in) : use_norm.cast<double>();
   const double scale = GlobalClipScale(clip_norm, norm);
   py::list outs;
   std::vector<TensorView> out;
@@ -139,10 +124,9 @@ py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object 
     outs.append(o);
     out.push_back(View(o, Idx("out", i), true));
   }
-  const auto plan = Plan(in);
   {
     py::gil_scoped_release nogil;
-    ScaleCpu(in.data(), out.data(), plan, scale, PyExecutor());
+    ScaleListCpu(in.data(), out.data(), static_cast<int>(in.size()), scale, PyExecutor());
   }
   return py::make_tuple(outs, norm);
 }

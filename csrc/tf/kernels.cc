@@ -79,17 +79,10 @@ class GlobalNormOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
     std::vector<TensorView> views;
     OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &views));
-    std::vector<int64_t> sizes(views.size());
-    for (size_t i = 0; i < views.size(); ++i) sizes[i] = views[i].size;
-    ChunkPlan plan;
-    PlanChunks(sizes.data(), static_cast<int>(sizes.size()), kChunkElems, &plan);
-    std::vector<double> partials(plan.chunks.size());
-    double total = 0;
-    SumSquaresCpu(views.data(), static_cast<int>(views.size()), plan, partials.data(), nullptr,
-                  &total, TfExecutor(ctx));
+    const double norm = GlobalNormCpu(views.data(), static_cast<int>(views.size()), TfExecutor(ctx));
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
-    out->scalar<Tnorm>()() = static_cast<Tnorm>(std::sqrt(total));
+    out->scalar<Tnorm>()() = static_cast<Tnorm>(norm);
   }
 };
 
@@ -111,19 +104,8 @@ class ClipByGlobalNormOp : public OpKernel {
     std::vector<TensorView> in;
     OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &in));
     const int n = static_cast<int>(in.size());
-    std::vector<int64_t> sizes(n);
-    for (int i = 0; i < n; ++i) sizes[i] = in[i].size;
-    ChunkPlan plan;
-    PlanChunks(sizes.data(), n, kChunkElems, &plan);
     const CpuExecutor exec = TfExecutor(ctx);
-
-    double norm = use_norm;
-    if (!use_given_norm_) {
-      std::vector<double> partials(plan.chunks.size());
-      double total = 0;
-      SumSquaresCpu(in.data(), n, plan, partials.data(), nullptr, &total, exec);
-      norm = std::sqrt(total);
-    }
+    const double norm = use_given_norm_ ? use_norm : GlobalNormCpu(in.data(), n, exec);
     // The norm the caller sees is in Tnorm; TF computes the scale from that value.
     const Tnorm norm_t = static_cast<Tnorm>(norm);
     const double scale = GlobalClipScale(clip_norm, static_cast<double>(norm_t));
@@ -137,7 +119,7 @@ class ClipByGlobalNormOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({start + i}, i, t[i].shape(), &o));
       out[i] = TensorView{const_cast<char*>(o->tensor_data().data()), o->NumElements(), in[i].dtype};
     }
-    ScaleCpu(in.data(), out.data(), plan, scale, exec);
+    ScaleListCpu(in.data(), out.data(), n, scale, exec);
     Tensor* norm_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(n, tf::TensorShape({}), &norm_out));
     norm_out->scalar<Tnorm>()() = norm_t;

@@ -83,27 +83,23 @@ REGISTER_OP("TfclipClipApplySgd")
     .Input("weight_decay: double")
     .TFCLIP_APPLY_COMMON;
 
+// Both momentum forms take the same inputs; only the rule differs.
+#define TFCLIP_MOMENTUM_INPUTS          \
+  Input("var: N * resource")            \
+      .Input("accum: N * resource")     \
+      .Input("grad: Tgrad")             \
+      .Input("lr: double")              \
+      .Input("momentum: double")        \
+      .Input("weight_decay: double")    \
+      .Attr("use_nesterov: bool = false")
+
 // tf.compat.v1 MomentumOptimizer form (ResourceApplyMomentum).
-REGISTER_OP("TfclipClipApplyMomentum")
-    .Input("var: N * resource")
-    .Input("accum: N * resource")
-    .Input("grad: Tgrad")
-    .Input("lr: double")
-    .Input("momentum: double")
-    .Input("weight_decay: double")
-    .Attr("use_nesterov: bool = false")
-    .TFCLIP_APPLY_COMMON;
+REGISTER_OP("TfclipClipApplyMomentum").TFCLIP_MOMENTUM_INPUTS.TFCLIP_APPLY_COMMON;
 
 // Keras SGD(momentum, nesterov) form (ResourceApplyKerasMomentum).
-REGISTER_OP("TfclipClipApplyKerasMomentum")
-    .Input("var: N * resource")
-    .Input("accum: N * resource")
-    .Input("grad: Tgrad")
-    .Input("lr: double")
-    .Input("momentum: double")
-    .Input("weight_decay: double")
-    .Attr("use_nesterov: bool = false")
-    .TFCLIP_APPLY_COMMON;
+REGISTER_OP("TfclipClipApplyKerasMomentum").TFCLIP_MOMENTUM_INPUTS.TFCLIP_APPLY_COMMON;
+
+#undef TFCLIP_MOMENTUM_INPUTS
 
 // Adam / AdamW (weight_decay > 0: decoupled) / AMSGrad (vhat has N entries, else none).
 // Bias correction from `step` (1-based), as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t).
