@@ -98,11 +98,6 @@ bool ParseRule(const std::string& s, RuleKind* out) {
   return true;
 }
 
-double GlobalClipScale(double clip_norm, double norm) {
-  const double inv_n = 1.0 / norm, inv_c = 1.0 / clip_norm;
-  return clip_norm * (inv_n < inv_c ? inv_n : inv_c) + (norm - norm);
-}
-
 bool NeedsNormPass(const ClipConfig& cfg) {
   return !(cfg.has_use_norm && cfg.mode != ClipMode::kNorm);
 }
@@ -110,30 +105,11 @@ bool NeedsNormPass(const ClipConfig& cfg) {
 ClipOutcome ComputeClipFactors(const ClipConfig& cfg, const double* per_tensor_sumsq,
                                double total_sumsq, int n, ClipFactor* factors) {
   ClipOutcome out;
-  out.global_norm = cfg.has_use_norm ? cfg.use_norm : std::sqrt(total_sumsq);
+  out.global_norm = StepGlobalNorm(cfg, total_sumsq);
   out.finite = std::isfinite(out.global_norm);
-  for (int i = 0; i < n; ++i) factors[i] = ClipFactor{};
-  switch (cfg.mode) {
-    case ClipMode::kNone: break;
-    case ClipMode::kGlobalNorm: {
-      const double s = GlobalClipScale(cfg.clip, out.global_norm);
-      for (int i = 0; i < n; ++i) factors[i].scale = s;
-      break;
-    }
-    case ClipMode::kNorm:
-      // TF clip_by_norm: t * c / max(||t||, c); NaN norms propagate through the max.
-      for (int i = 0; i < n; ++i) {
-        const double nt = std::sqrt(per_tensor_sumsq[i]);
-        const double m = std::isnan(nt) ? nt : (nt > cfg.clip ? nt : cfg.clip);
-        factors[i].scale = cfg.clip / m;
-      }
-      break;
-    case ClipMode::kValue:
-      for (int i = 0; i < n; ++i) {
-        factors[i].lo = -cfg.clip;
-        factors[i].hi = cfg.clip;
-      }
-      break;
+  const double gs = cfg.mode == ClipMode::kGlobalNorm ? GlobalClipScale(cfg.clip, out.global_norm) : 1.0;
+  for (int i = 0; i < n; ++i) {
+    factors[i] = TensorClipFactor(cfg.mode, cfg.clip, gs, per_tensor_sumsq[i]);
   }
   return out;
 }

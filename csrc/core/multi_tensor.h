@@ -75,8 +75,39 @@ struct ClipFactor {
 };
 
 // TF's clip_by_global_norm scale: clip * min(1/norm, 1/clip) + (norm - norm); NaN when the
-// norm is inf or NaN.
-double GlobalClipScale(double clip_norm, double norm);
+// norm is inf or NaN. Host and device (the CUDA finalize kernel computes it on the GPU).
+TFCLIP_HD double GlobalClipScale(double clip_norm, double norm) {
+  const double inv_n = 1.0 / norm, inv_c = 1.0 / clip_norm;
+  return clip_norm * (inv_n < inv_c ? inv_n : inv_c) + (norm - norm);
+}
+
+// One tensor's clip factor, given the global scale (kGlobalNorm) or its own sum of squares
+// (kNorm). The one definition of each clip mode, for the CPU driver and the CUDA finalize.
+TFCLIP_HD ClipFactor TensorClipFactor(ClipMode mode, double clip, double global_scale,
+                                      double sumsq) {
+  ClipFactor f;
+  switch (mode) {
+    case ClipMode::kNone: break;
+    case ClipMode::kGlobalNorm: f.scale = global_scale; break;
+    case ClipMode::kNorm: {
+      // TF clip_by_norm: t * c / max(||t||, c); NaN norms propagate through the max.
+      const double nt = std::sqrt(sumsq);
+      const double m = nt != nt ? nt : (nt > clip ? nt : clip);
+      f.scale = clip / m;
+      break;
+    }
+    case ClipMode::kValue:
+      f.lo = -clip;
+      f.hi = clip;
+      break;
+  }
+  return f;
+}
+
+// The global norm a step reports: the given one, or sqrt of the summed squares.
+TFCLIP_HD double StepGlobalNorm(const ClipConfig& cfg, double total_sumsq) {
+  return cfg.has_use_norm ? cfg.use_norm : std::sqrt(total_sumsq);
+}
 
 // Whether the norm pass is needed: always, except a global-norm clip given `use_norm`.
 bool NeedsNormPass(const ClipConfig& cfg);
