@@ -1,0 +1,111 @@
+// tfclip, CUDA: OwnedWorkspace (see workspace.h).
+#include "cuda/workspace.h"
+
+#include <cuda_runtime.h>
+
+#include <sstream>
+
+namespace tfclip {
+namespace cuda {
+namespace {
+std::string Err(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return "";
+  std::ostringstream os;
+  os << "CUDA error in " << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e)
+     << ")";
+  return os.str();
+}
+}  // namespace
+
+OwnedWorkspace::~OwnedWorkspace() {
+  for (int i = 0; i < kRing; ++i) {
+    if (event_[i] != nullptr) {
+      cudaEventSynchronize(static_cast<cudaEvent_t>(event_[i]));
+      cudaEventDestroy(static_cast<cudaEvent_t>(event_[i]));
+    }
+    if (host_[i] != nullptr) cudaFreeHost(host_[i]);
+  }
+}
+
+std::string OwnedWorkspace::Acquire(size_t host_bytes, size_t device_bytes, void* stream,
+                                    void** host, void** device) {
+  const int i = next_;
+  next_ = (next_ + 1) % kRing;
+  std::string e;
+  if (event_[i] == nullptr) {
+    cudaEvent_t ev;
+    e = Err(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    if (!e.empty()) return e;
+    event_[i] = ev;
+  } else {
+    // Waits only when kRing steps are still queued ahead of this one.
+    e = Err(cudaEventSynchronize(static_cast<cudaEvent_t>(event_[i])), "cudaEventSynchronize");
+    if (!e.empty()) return e;
+  }
+  if (host_cap_[i] < host_bytes) {
+    if (host_[i] != nullptr) cudaFreeHost(host_[i]);
+    host_[i] = nullptr;
+    host_cap_[i] = 0;
+    e = Err(cudaMallocHost(&host_[i], host_bytes), "cudaMallocHost (the tensor table)");
+    if (!e.empty()) return e;
+    host_cap_[i] = host_bytes;
+  }
+  e = Err(cudaMallocAsync(&device_, device_bytes, static_cast<cudaStream_t>(stream)),
+          "cudaMallocAsync (the step workspace)");
+  if (!e.empty()) return e;
+  cur_ = i;
+  *host = host_[i];
+  *device = device_;
+  return "";
+}
+
+std::string OwnedWorkspace::Release(void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::string e;
+  if (device_ != nullptr) e = Err(cudaFreeAsync(device_, s), "cudaFreeAsync");
+  device_ = nullptr;
+  if (cur_ >= 0 && e.empty()) {
+    e = Err(cudaEventRecord(static_cast<cudaEvent_t>(event_[cur_]), s), "cudaEventRecord");
+  }
+  cur_ = -1;
+  return e;
+}
+
+std::string CopyToHostSync(void* host, const void* device, size_t bytes, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::string e = Err(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync");
+  if (e.empty()) e = Err(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  return e;
+}
+
+std::string DeviceAlloc(void** p, size_t bytes) { return Err(cudaMalloc(p, bytes), "cudaMalloc"); }
+
+void DeviceFree(void* p) {
+  if (p != nullptr) cudaFree(p);
+}
+
+std::string CopyDeviceAsync(void* dst, const void* src, size_t bytes, void* stream) {
+  return Err(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                             static_cast<cudaStream_t>(stream)),
+             "cudaMemcpyAsync (copy-on-write of a variable)");
+}
+
+std::string ThenRunOnHost(void* stream, void (*fn)(void*), void* arg) {
+  return Err(cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), fn, arg), "cudaLaunchHostFunc");
+}
+
+std::string DeviceInfo(std::string* name, int* major, int* minor) {
+  int dev = 0;
+  std::string e = Err(cudaGetDevice(&dev), "cudaGetDevice");
+  if (!e.empty()) return e;
+  cudaDeviceProp prop;
+  e = Err(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  if (!e.empty()) return e;
+  *name = prop.name;
+  *major = prop.major;
+  *minor = prop.minor;
+  return "";
+}
+
+}  // namespace cuda
+}  // namespace tfclip

@@ -1,0 +1,55 @@
+// tfclip, CUDA: workspace for callers without an allocator of their own (tfclip._core on CuPy
+// or PyTorch arrays). The TF op does not use this: it takes both buffers from TF's allocators.
+// Plain C++ header: no CUDA header, so the pybind11 module includes it.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace tfclip {
+namespace cuda {
+
+// Pinned host buffers in a small ring, each guarded by an event recorded after the step that
+// used it, so a table is never overwritten while its upload is still queued; device memory
+// from the stream-ordered allocator (cudaMallocAsync / cudaFreeAsync), so nothing waits.
+class OwnedWorkspace {
+ public:
+  OwnedWorkspace() = default;
+  ~OwnedWorkspace();
+  OwnedWorkspace(const OwnedWorkspace&) = delete;
+  OwnedWorkspace& operator=(const OwnedWorkspace&) = delete;
+
+  // Buffers of at least these sizes for one step on `stream`.
+  std::string Acquire(size_t host_bytes, size_t device_bytes, void* stream, void** host,
+                      void** device);
+  // After the step's launches: frees the device buffer in stream order, marks the host one.
+  std::string Release(void* stream);
+
+ private:
+  static constexpr int kRing = 4;
+  void* host_[kRing] = {};
+  size_t host_cap_[kRing] = {};
+  void* event_[kRing] = {};
+  int cur_ = -1, next_ = 0;
+  void* device_ = nullptr;
+};
+
+// Copies `bytes` from device memory to host memory and waits for the stream.
+std::string CopyToHostSync(void* host, const void* device, size_t bytes, void* stream);
+
+// Plain device memory for a few bytes (cudaMalloc / cudaFree).
+std::string DeviceAlloc(void** p, size_t bytes);
+void DeviceFree(void* p);
+
+// Device-to-device copy queued on `stream`.
+std::string CopyDeviceAsync(void* dst, const void* src, size_t bytes, void* stream);
+
+// Runs fn(arg) on a CUDA host thread once `stream` reaches this point (cudaLaunchHostFunc);
+// fn must not call CUDA.
+std::string ThenRunOnHost(void* stream, void (*fn)(void*), void* arg);
+
+// The current device's name and compute capability, or an error.
+std::string DeviceInfo(std::string* name, int* major, int* minor);
+
+}  // namespace cuda
+}  // namespace tfclip
