@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -15,6 +17,10 @@
 #include <vector>
 
 #include "csrc/core/cpu_driver.h"
+#if TFCLIP_WITH_CUDA
+#include "cuda/cuda_driver.h"
+#include "cuda/workspace.h"
+#endif
 
 namespace py = pybind11;
 
@@ -152,13 +158,97 @@ HParams ParseHParams(RuleKind rule, const py::dict& d) {
   return hp;
 }
 
-py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
-                    const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
-                    double clip, py::object use_norm, const std::string& nonfinite) {
+// An array from either side: a NumPy array, or an object with __cuda_array_interface__.
+struct Array {
+  void* data = nullptr;
+  std::vector<int64_t> shape;
+  int64_t size = 0;
+  DType dtype = DType::kFloat;
+  std::string name;
+};
+
+Array FromNumpy(const py::handle& h, const std::string& name, bool writable) {
+  if (!py::isinstance<py::array>(h)) Fail(name + " is not a NumPy array");
+  const py::array a = py::reinterpret_borrow<py::array>(h);
+  const TensorView v = View(a, name, writable);
+  Array r;
+  r.data = v.data;
+  r.shape = Shape(a);
+  r.size = v.size;
+  r.dtype = v.dtype;
+  r.name = name;
+  return r;
+}
+
+#if TFCLIP_WITH_CUDA
+// __cuda_array_interface__ (CuPy, PyTorch, Numba): C-contiguous float16/32/64; bfloat16 travels
+// as a 16-bit integer view (uint16 or int16), since CuPy has no bfloat16 dtype and PyTorch does
+// not export one.
+Array FromCuda(const py::handle& h, const std::string& name, bool writable) {
+  if (!py::hasattr(h, "__cuda_array_interface__")) {
+    Fail(name + " has no __cuda_array_interface__ (pass a CuPy or PyTorch CUDA array)");
+  }
+  const py::dict cai = h.attr("__cuda_array_interface__").cast<py::dict>();
+  Array r;
+  r.name = name;
+  const py::tuple data = cai["data"].cast<py::tuple>();
+  r.data = reinterpret_cast<void*>(data[0].cast<uintptr_t>());
+  if (writable && data[1].cast<bool>()) Fail(name + " is read-only (it is updated in place)");
+  const std::string ts = cai["typestr"].cast<std::string>();
+  const std::string code = ts.size() >= 2 ? ts.substr(1) : ts;
+  if (code == "f2") r.dtype = DType::kHalf;
+  else if (code == "u2" || code == "i2") r.dtype = DType::kBFloat16;
+  else if (code == "f4") r.dtype = DType::kFloat;
+  else if (code == "f8") r.dtype = DType::kDouble;
+  else Fail(name + " has typestr " + ts + "; only float16, float32, float64 (and a uint16/int16 view as bfloat16)");
+  r.size = 1;
+  for (auto d : cai["shape"].cast<py::tuple>()) {
+    r.shape.push_back(d.cast<int64_t>());
+    r.size *= r.shape.back();
+  }
+  if (cai.contains("strides") && !cai["strides"].is_none()) {
+    int64_t expect = DTypeSize(r.dtype);
+    const py::tuple st = cai["strides"].cast<py::tuple>();
+    for (int k = static_cast<int>(r.shape.size()) - 1; k >= 0; --k) {
+      if (r.shape[k] > 1 && st[k].cast<int64_t>() != expect) Fail(name + " must be C-contiguous");
+      expect *= r.shape[k];
+    }
+  }
+  return r;
+}
+#endif
+
+using MakeArray = Array (*)(const py::handle&, const std::string&, bool);
+
+std::vector<Array> Arrays(const py::list& l, const char* what, bool writable, MakeArray make) {
+  std::vector<Array> out;
+  for (size_t i = 0; i < l.size(); ++i) out.push_back(make(l[i], Idx(what, i), writable));
+  return out;
+}
+
+std::string ShapeStr(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << (s.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+// Everything a clip-and-apply call needs, validated: the same checks for NumPy and CUDA.
+struct ApplyCall {
   RuleKind rule;
-  if (!ParseRule(rule_name, &rule)) Fail("unknown rule '" + rule_name + "'");
-  const HParams hp = ParseHParams(rule, hparams);
+  HParams hp;
   ClipConfig cfg;
+  std::vector<ApplyTensor> ts;
+};
+
+ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
+                       const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
+                       double clip, py::object use_norm, const std::string& nonfinite, MakeArray make) {
+  ApplyCall call;
+  if (!ParseRule(rule_name, &call.rule)) Fail("unknown rule '" + rule_name + "'");
+  call.hp = ParseHParams(call.rule, hparams);
+  ClipConfig& cfg = call.cfg;
   if (!ParseClipMode(clip_mode, &cfg.mode)) Fail("unknown clip_mode '" + clip_mode + "'");
   if (!ParseNonFinitePolicy(nonfinite, &cfg.policy)) Fail("unknown nonfinite '" + nonfinite + "'");
   cfg.clip = clip;
@@ -167,74 +257,260 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
   const std::string cerr = ValidateClipConfig(cfg);
   if (!cerr.empty()) Fail(cerr);
 
-  const auto vars = AsArrays(vars_l, "vars");
-  const auto grads = AsArrays(grads_l, "grads");
+  const auto vars = Arrays(vars_l, "vars", true, make);
+  const auto grads = Arrays(grads_l, "grads", false, make);
   if (vars.empty()) Fail("vars is empty; pass at least one variable");
   if (vars.size() != grads.size()) {
     Fail("got " + std::to_string(grads.size()) + " gradients for " + std::to_string(vars.size()) +
          " variables");
   }
   const int n = static_cast<int>(vars.size());
-  const int nslots = NumSlots(rule, hp);
+  const int nslots = NumSlots(call.rule, call.hp);
   if (static_cast<int>(slots_l.size()) != nslots) {
     Fail("rule '" + rule_name + "' takes " + std::to_string(nslots) + " slot lists, got " +
          std::to_string(slots_l.size()));
   }
   static const char* kSlotNames[kMaxSlots] = {"slots[0]", "slots[1]", "slots[2]"};
-  std::vector<std::vector<py::array>> slots;
+  std::vector<std::vector<Array>> slots;
   for (int k = 0; k < nslots; ++k) {
-    slots.push_back(AsArrays(slots_l[k].cast<py::list>(), kSlotNames[k]));
+    slots.push_back(Arrays(slots_l[k].cast<py::list>(), kSlotNames[k], true, make));
     if (static_cast<int>(slots[k].size()) != n) {
       Fail(std::string(kSlotNames[k]) + " has " + std::to_string(slots[k].size()) +
            " arrays for " + std::to_string(n) + " variables");
     }
   }
-  std::vector<ApplyTensor> ts(n);
+  call.ts.resize(n);
   std::map<const void*, std::string> seen;
-  auto claim = [&](const py::array& a, const std::string& name) {
-    if (a.size() == 0) return;  // empty arrays own no memory to alias
-    auto it = seen.emplace(a.data(), name);
-    if (!it.second) Fail(name + " and " + it.first->second + " are the same array; each may appear once");
+  auto claim = [&](const Array& a) {
+    if (a.size == 0) return;  // empty arrays own no memory to alias
+    auto it = seen.emplace(a.data, a.name);
+    if (!it.second) Fail(a.name + " and " + it.first->second + " are the same array; each may appear once");
   };
   for (int i = 0; i < n; ++i) {
-    const std::string vn = Idx("vars", i), gn = Idx("grads", i);
-    const TensorView v = View(vars[i], vn, true);
-    const TensorView g = View(grads[i], gn, false);
-    if (Shape(vars[i]) != Shape(grads[i])) {
-      Fail(gn + " has shape " + std::string(py::str(grads[i].attr("shape"))) + " but " + vn +
-           " has shape " + std::string(py::str(vars[i].attr("shape"))));
+    const Array& v = vars[i];
+    const Array& g = grads[i];
+    if (v.shape != g.shape) {
+      Fail(g.name + " has shape " + ShapeStr(g.shape) + " but " + v.name + " has shape " +
+           ShapeStr(v.shape));
     }
-    claim(vars[i], vn);
-    ts[i].var = v.data;
-    ts[i].var_dtype = v.dtype;
-    ts[i].grad = g.data;
-    ts[i].grad_dtype = g.dtype;
-    ts[i].size = v.size;
+    claim(v);
+    ApplyTensor& t = call.ts[i];
+    t.var = v.data;
+    t.var_dtype = v.dtype;
+    t.grad = g.data;
+    t.grad_dtype = g.dtype;
+    t.size = v.size;
     for (int k = 0; k < nslots; ++k) {
-      const std::string sn = std::string(kSlotNames[k]) + "[" + std::to_string(i) + "]";
-      const TensorView s = View(slots[k][i], sn, true);
-      if (s.dtype != v.dtype || Shape(slots[k][i]) != Shape(vars[i])) {
-        Fail(sn + " must have the dtype and shape of " + vn);
-      }
-      claim(slots[k][i], sn);
-      ts[i].slots[k] = s.data;
+      const Array& s = slots[k][i];
+      if (s.dtype != v.dtype || s.shape != v.shape) Fail(s.name + " must have the dtype and shape of " + v.name);
+      claim(s);
+      t.slots[k] = s.data;
     }
   }
-  const std::string derr = ValidateApplyDTypes(ts.data(), n);
+  const std::string derr = ValidateApplyDTypes(call.ts.data(), n);
   if (!derr.empty()) Fail(derr);
+  return call;
+}
 
+[[noreturn]] void FailNonFinite() {
+  throw py::value_error("the global norm of the gradients is non-finite and nonfinite='raise'; "
+                        "no variable was updated");
+}
+
+py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
+                    const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
+                    double clip, py::object use_norm, const std::string& nonfinite) {
+  ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
+                             use_norm, nonfinite, &FromNumpy);
   StepScratch scratch;
   StepResult r;
   {
     py::gil_scoped_release nogil;
-    r = ClipApplyCpu(rule, hp, cfg, ts.data(), n, &scratch, PyExecutor());
+    r = ClipApplyCpu(c.rule, c.hp, c.cfg, c.ts.data(), static_cast<int>(c.ts.size()), &scratch,
+                     PyExecutor());
   }
-  if (r.nonfinite && cfg.policy == NonFinitePolicy::kRaise) {
-    throw py::value_error("the global norm of the gradients is non-finite and nonfinite='raise'; "
-                          "no variable was updated");
-  }
+  if (r.nonfinite && c.cfg.policy == NonFinitePolicy::kRaise) FailNonFinite();
   return py::make_tuple(r.global_norm, r.applied);
 }
+
+#if TFCLIP_WITH_CUDA
+// ---------------------------------------------------------------- CUDA entry points
+void Check(const std::string& e) {
+  if (!e.empty()) throw std::runtime_error(e);
+}
+
+cuda::OwnedWorkspace& Workspace() {
+  static cuda::OwnedWorkspace* ws = new cuda::OwnedWorkspace();  // outlives the CUDA runtime
+  return *ws;
+}
+
+void* StreamPtr(py::object stream) {
+  if (stream.is_none()) return nullptr;
+  if (py::hasattr(stream, "ptr")) return reinterpret_cast<void*>(stream.attr("ptr").cast<uintptr_t>());  // CuPy
+  if (py::hasattr(stream, "cuda_stream")) return reinterpret_cast<void*>(stream.attr("cuda_stream").cast<uintptr_t>());  // PyTorch
+  return reinterpret_cast<void*>(stream.cast<uintptr_t>());
+}
+
+// Optional device scalar outputs: (pointer, dtype) or null.
+void* ScalarOut(py::object o, const char* what, DType* dtype, bool is_bool) {
+  if (o.is_none()) return nullptr;
+  const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
+  const std::string ts = cai["typestr"].cast<std::string>();
+  const std::string code = ts.size() >= 2 ? ts.substr(1) : ts;
+  int64_t size = 1;
+  for (auto d : cai["shape"].cast<py::tuple>()) size *= d.cast<int64_t>();
+  if (size != 1) Fail(std::string(what) + " must hold exactly one element");
+  if (is_bool) {
+    if (code != "b1") Fail(std::string(what) + " must be a bool array");
+  } else if (code == "f4") {
+    *dtype = DType::kFloat;
+  } else if (code == "f8") {
+    *dtype = DType::kDouble;
+  } else {
+    Fail(std::string(what) + " must be float32 or float64");
+  }
+  return reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+}
+
+template <typename Fn>
+void RunStep(const std::vector<int64_t>& sizes, void* stream, Fn&& fn) {
+  cuda::CudaPlan plan;
+  cuda::PlanCudaStep(sizes.data(), static_cast<int>(sizes.size()), &plan);
+  void* host = nullptr;
+  void* dev = nullptr;
+  Check(Workspace().Acquire(plan.host_bytes, plan.device_bytes, stream, &host, &dev));
+  const std::string e = fn(plan, host, dev);
+  const std::string e2 = Workspace().Release(stream);
+  Check(e);
+  Check(e2);
+}
+
+std::vector<TensorView> CudaViews(const py::list& l, const char* what, bool writable) {
+  const auto arrays = Arrays(l, what, writable, &FromCuda);
+  if (arrays.empty()) Fail(std::string(what) + " is empty; pass at least one array");
+  std::vector<TensorView> v;
+  for (const Array& a : arrays) v.push_back(TensorView{a.data, a.size, a.dtype});
+  return v;
+}
+
+std::vector<int64_t> Sizes(const std::vector<TensorView>& v) {
+  std::vector<int64_t> s;
+  for (const auto& t : v) s.push_back(t.size);
+  return s;
+}
+
+// Reads back a device scalar the step wrote to its workspace-free temporary.
+double SyncNorm(void* dev_norm, DType dt, void* stream) {
+  double d = 0;
+  float f = 0;
+  if (dt == DType::kDouble) Check(cuda::CopyToHostSync(&d, dev_norm, 8, stream));
+  else Check(cuda::CopyToHostSync(&f, dev_norm, 4, stream)), d = f;
+  return d;
+}
+
+// A small device buffer for outputs the caller did not give (then read back, with a wait).
+struct Scratch8 {
+  void* p = nullptr;
+  Scratch8() { Check(cuda::DeviceAlloc(&p, 16)); }
+  ~Scratch8() { cuda::DeviceFree(p); }
+};
+
+py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object stream_o) {
+  const auto in = CudaViews(t_list, "t_list", false);
+  void* stream = StreamPtr(stream_o);
+  cuda::CudaOutputs o;
+  o.norm = ScalarOut(out, "out", &o.norm_dtype, false);
+  std::unique_ptr<Scratch8> tmp;
+  if (o.norm == nullptr) {
+    tmp = std::make_unique<Scratch8>();
+    o.norm = tmp->p;
+    o.norm_dtype = DType::kDouble;
+  }
+  RunStep(Sizes(in), stream, [&](const cuda::CudaPlan& p, void* h, void* d) {
+    return cuda::CudaGlobalNorm(in.data(), static_cast<int>(in.size()), p, h, d, o, stream);
+  });
+  if (tmp) return py::float_(SyncNorm(o.norm, o.norm_dtype, stream));
+  return py::none();
+}
+
+py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_list, double clip_norm,
+                                  py::object use_norm, py::object norm_out, py::object stream_o) {
+  const auto in = CudaViews(t_list, "t_list", false);
+  const auto outs = CudaViews(out_list, "out", true);
+  if (in.size() != outs.size()) Fail("out has " + std::to_string(outs.size()) + " arrays for " +
+                                     std::to_string(in.size()) + " inputs");
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i].size != outs[i].size || in[i].dtype != outs[i].dtype) {
+      Fail(Idx("out", i) + " must have the size and dtype of " + Idx("t_list", i));
+    }
+  }
+  const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
+  if (!err.empty()) Fail(err);
+  void* stream = StreamPtr(stream_o);
+  cuda::CudaOutputs o;
+  o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
+  std::unique_ptr<Scratch8> tmp;
+  if (o.norm == nullptr) {
+    tmp = std::make_unique<Scratch8>();
+    o.norm = tmp->p;
+    o.norm_dtype = DType::kFloat;  // as the TF op's default Tnorm
+  }
+  const bool has = !use_norm.is_none();
+  const double un = has ? use_norm.cast<double>() : 0.0;
+  RunStep(Sizes(in), stream, [&](const cuda::CudaPlan& p, void* h, void* d) {
+    return cuda::CudaClipByGlobalNorm(in.data(), outs.data(), static_cast<int>(in.size()),
+                                      clip_norm, has, un, p, h, d, o, stream);
+  });
+  if (tmp) return py::float_(SyncNorm(o.norm, o.norm_dtype, stream));
+  return py::none();
+}
+
+py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
+                           const py::list& grads_l, const py::list& slots_l, const py::dict& hparams,
+                           const std::string& clip_mode, double clip, py::object use_norm,
+                           const std::string& nonfinite, py::object norm_out,
+                           py::object applied_out, py::object stream_o) {
+  ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
+                             use_norm, nonfinite, &FromCuda);
+  void* stream = StreamPtr(stream_o);
+  cuda::CudaOutputs o;
+  DType unused;
+  o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
+  o.applied = static_cast<bool*>(ScalarOut(applied_out, "applied_out", &unused, true));
+  std::unique_ptr<Scratch8> tmp;
+  const bool sync = o.norm == nullptr && o.applied == nullptr;
+  if (sync) {
+    tmp = std::make_unique<Scratch8>();
+    o.norm = tmp->p;
+    o.norm_dtype = DType::kDouble;
+    o.applied = reinterpret_cast<bool*>(static_cast<char*>(tmp->p) + 8);
+  }
+  std::vector<int64_t> sizes;
+  for (const auto& t : c.ts) sizes.push_back(t.size);
+  bool nonfinite_hit = false;
+  RunStep(sizes, stream, [&](const cuda::CudaPlan& p, void* h, void* d) {
+    return cuda::CudaClipApply(c.rule, c.hp, c.cfg, c.ts.data(), static_cast<int>(c.ts.size()), p,
+                               h, d, o, stream, &nonfinite_hit);
+  });
+  if (nonfinite_hit) FailNonFinite();
+  if (!sync) return py::none();
+  double res[2] = {0, 0};
+  Check(cuda::CopyToHostSync(res, tmp->p, 16, stream));
+  bool applied = false;
+  std::memcpy(&applied, reinterpret_cast<char*>(res) + 8, sizeof(bool));
+  return py::make_tuple(res[0], applied);
+}
+
+py::dict CudaDevice() {
+  std::string name;
+  int major = 0, minor = 0;
+  Check(cuda::DeviceInfo(&name, &major, &minor));
+  py::dict d;
+  d["name"] = name;
+  d["compute_capability"] = py::make_tuple(major, minor);
+  return d;
+}
+#endif  // TFCLIP_WITH_CUDA
 
 }  // namespace
 }  // namespace tfclip
@@ -257,5 +533,30 @@ PYBIND11_MODULE(_core, m) {
         "Threads for the CPU passes (0: all cores). Results do not depend on it.");
   m.def("num_threads", &NumThreads);
   m.attr("chunk_elems") = kChunkElems;
+#if TFCLIP_WITH_CUDA
+  m.attr("cuda") = true;
+  m.attr("cuda_chunk_elems") = cuda::kCudaChunkElems;
+  m.def("cuda_global_norm", &CudaGlobalNormPy, py::arg("t_list"), py::arg("out") = py::none(),
+        py::arg("stream") = py::none(),
+        "Global norm of CUDA arrays (__cuda_array_interface__). With `out` (a 1-element float32 "
+        "or float64 device array) it is written there without waiting; else returned as a float.");
+  m.def("cuda_clip_by_global_norm", &CudaClipByGlobalNormPy, py::arg("t_list"), py::arg("out"),
+        py::arg("clip_norm"), py::arg("use_norm") = py::none(), py::arg("norm_out") = py::none(),
+        py::arg("stream") = py::none(),
+        "out[i] = t_list[i] * clip scale (tf.clip_by_global_norm). The norm goes to norm_out, "
+        "or is returned (after a wait) when norm_out is None.");
+  m.def("cuda_clip_apply", &CudaClipApplyPy, py::arg("rule"), py::arg("vars"), py::arg("grads"),
+        py::arg("slots"), py::arg("hparams"), py::arg("clip_mode") = "none",
+        py::arg("clip") = 0.0, py::arg("use_norm") = py::none(), py::arg("nonfinite") = "skip",
+        py::arg("norm_out") = py::none(), py::arg("applied_out") = py::none(),
+        py::arg("stream") = py::none(),
+        "clip_apply on CUDA arrays. With norm_out/applied_out (device scalars) nothing waits "
+        "and None is returned; else (global_norm, applied) after a wait. nonfinite='raise' "
+        "always waits. bfloat16 arrays are passed as uint16 views.");
+  m.def("cuda_last_launches", &cuda::LastStepLaunches,
+        "Kernel launches of the last CUDA step issued from this thread.");
+  m.def("cuda_device", &CudaDevice, "Name and compute capability of the current CUDA device.");
+#else
   m.attr("cuda") = false;
+#endif
 }

@@ -1,9 +1,11 @@
-// tfclip TF glue: CPU OpKernels. Each Compute() validates, looks up and locks the variables,
-// allocates, and calls the core (csrc/core/). Nothing else happens here.
+// tfclip TF glue: the OpKernels, CPU and GPU. Each Compute() validates, looks up and locks the
+// variables, allocates, and calls the core: csrc/core/cpu_driver.h on CPU, cuda/cuda_driver.h on
+// GPU (stream from the op context, temp memory from TF's allocators). Nothing else happens here.
 #include <algorithm>
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "csrc/core/cpu_driver.h"
@@ -13,6 +15,12 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/threadpool.h"
 
+#if TFCLIP_WITH_CUDA
+#include "cuda/cuda_driver.h"
+#include "cuda/workspace.h"
+#include "xla/stream_executor/stream.h"
+#endif
+
 namespace tfclip {
 namespace {
 
@@ -21,6 +29,11 @@ using tf::OpKernel;
 using tf::OpKernelConstruction;
 using tf::OpKernelContext;
 using tf::Tensor;
+
+struct OnCpu {};
+struct OnGpu {};
+template <typename D>
+constexpr bool kGpu = std::is_same_v<D, OnGpu>;
 
 CpuExecutor TfExecutor(OpKernelContext* ctx) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
@@ -69,8 +82,62 @@ absl::Status ViewList(const tf::OpInputList& list, const char* what, std::vector
   return absl::OkStatus();
 }
 
-// ---------------------------------------------------------------- TfclipGlobalNorm
+#if TFCLIP_WITH_CUDA
+absl::Status CudaStatus(const std::string& e) {
+  return e.empty() ? absl::OkStatus() : tf::errors::Internal(e);
+}
+
+// One GPU step's workspace: the tensor table in pinned host memory and the device buffer,
+// both from TF's allocators. The device buffer may be freed when Compute returns (TF's GPU
+// allocator is ordered on the compute stream); the host table is held until the stream has
+// passed its upload, as TF's own GpuDeviceArrayOnHost does.
+class GpuStep {
+ public:
+  explicit GpuStep(OpKernelContext* ctx)
+      : ctx_(ctx), stream_(ctx->op_device_context()->stream()->platform_specific_handle().stream) {}
+
+  absl::Status Plan(const std::vector<int64_t>& sizes) {
+    cuda::PlanCudaStep(sizes.data(), static_cast<int>(sizes.size()), &plan_);
+    tf::AllocatorAttributes host_attr;
+    host_attr.set_on_host(true);
+    host_attr.set_gpu_compatible(true);
+    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
+        tf::DT_INT8, tf::TensorShape({static_cast<int64_t>(plan_.host_bytes)}), &host_, host_attr));
+    return ctx_->allocate_temp(tf::DT_INT8,
+                               tf::TensorShape({static_cast<int64_t>(plan_.device_bytes)}), &dev_);
+  }
+  // After the launches: releases the host table once the stream is past its copy.
+  absl::Status Done() {
+    auto* keep = new Tensor(host_);
+    return CudaStatus(cuda::ThenRunOnHost(
+        stream_, [](void* t) { delete static_cast<Tensor*>(t); }, keep));
+  }
+  const cuda::CudaPlan& plan() const { return plan_; }
+  void* host() { return const_cast<char*>(host_.tensor_data().data()); }
+  void* dev() { return const_cast<char*>(dev_.tensor_data().data()); }
+  void* stream() const { return stream_; }
+
+ private:
+  OpKernelContext* ctx_;
+  void* stream_;
+  cuda::CudaPlan plan_;
+  Tensor host_, dev_;
+};
+
+std::vector<int64_t> ViewSizes(const std::vector<TensorView>& v) {
+  std::vector<int64_t> s;
+  for (const auto& t : v) s.push_back(t.size);
+  return s;
+}
+
 template <typename Tnorm>
+DType NormDType() {
+  return std::is_same_v<Tnorm, double> ? DType::kDouble : DType::kFloat;
+}
+#endif  // TFCLIP_WITH_CUDA
+
+// ---------------------------------------------------------------- TfclipGlobalNorm
+template <typename Tnorm, typename D>
 class GlobalNormOp : public OpKernel {
  public:
   explicit GlobalNormOp(OpKernelConstruction* c) : OpKernel(c) {}
@@ -79,15 +146,28 @@ class GlobalNormOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
     std::vector<TensorView> views;
     OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &views));
-    const double norm = GlobalNormCpu(views.data(), static_cast<int>(views.size()), TfExecutor(ctx));
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
-    out->scalar<Tnorm>()() = static_cast<Tnorm>(norm);
+    const int n = static_cast<int>(views.size());
+    if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+      GpuStep step(ctx);
+      OP_REQUIRES_OK(ctx, step.Plan(ViewSizes(views)));
+      cuda::CudaOutputs o;
+      o.norm = const_cast<char*>(out->tensor_data().data());
+      o.norm_dtype = NormDType<Tnorm>();
+      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaGlobalNorm(views.data(), n, step.plan(), step.host(),
+                                                          step.dev(), o, step.stream())));
+      OP_REQUIRES_OK(ctx, step.Done());
+#endif
+    } else {
+      out->scalar<Tnorm>()() = static_cast<Tnorm>(GlobalNormCpu(views.data(), n, TfExecutor(ctx)));
+    }
   }
 };
 
 // ---------------------------------------------------------------- TfclipClipByGlobalNorm
-template <typename Tnorm>
+template <typename Tnorm, typename D>
 class ClipByGlobalNormOp : public OpKernel {
  public:
   explicit ClipByGlobalNormOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -104,12 +184,6 @@ class ClipByGlobalNormOp : public OpKernel {
     std::vector<TensorView> in;
     OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &in));
     const int n = static_cast<int>(in.size());
-    const CpuExecutor exec = TfExecutor(ctx);
-    const double norm = use_given_norm_ ? use_norm : GlobalNormCpu(in.data(), n, exec);
-    // The norm the caller sees is in Tnorm; TF computes the scale from that value.
-    const Tnorm norm_t = static_cast<Tnorm>(norm);
-    const double scale = GlobalClipScale(clip_norm, static_cast<double>(norm_t));
-
     int start, stop;
     OP_REQUIRES_OK(ctx, ctx->op_kernel().InputRange("t", &start, &stop));
     std::vector<TensorView> out(n);
@@ -119,10 +193,29 @@ class ClipByGlobalNormOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({start + i}, i, t[i].shape(), &o));
       out[i] = TensorView{const_cast<char*>(o->tensor_data().data()), o->NumElements(), in[i].dtype};
     }
-    ScaleListCpu(in.data(), out.data(), n, scale, exec);
     Tensor* norm_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(n, tf::TensorShape({}), &norm_out));
-    norm_out->scalar<Tnorm>()() = norm_t;
+    if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+      GpuStep step(ctx);
+      OP_REQUIRES_OK(ctx, step.Plan(ViewSizes(in)));
+      cuda::CudaOutputs o;
+      o.norm = const_cast<char*>(norm_out->tensor_data().data());
+      o.norm_dtype = NormDType<Tnorm>();
+      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipByGlobalNorm(
+                              in.data(), out.data(), n, clip_norm, use_given_norm_, use_norm,
+                              step.plan(), step.host(), step.dev(), o, step.stream())));
+      OP_REQUIRES_OK(ctx, step.Done());
+#endif
+    } else {
+      const CpuExecutor exec = TfExecutor(ctx);
+      const double norm = use_given_norm_ ? use_norm : GlobalNormCpu(in.data(), n, exec);
+      // The norm the caller sees is in Tnorm; TF computes the scale from that value.
+      const Tnorm norm_t = static_cast<Tnorm>(norm);
+      ScaleListCpu(in.data(), out.data(), n, GlobalClipScale(clip_norm, static_cast<double>(norm_t)),
+                   exec);
+      norm_out->scalar<Tnorm>()() = norm_t;
+    }
   }
 
  private:
@@ -183,18 +276,29 @@ absl::Status LookupVars(OpKernelContext* ctx, const char* input, const char* lab
 
 // Replaces a variable's buffer by a private copy when a reader still aliases it, so the
 // in-place update cannot change a value someone already read (TF's copy-on-write rule).
-absl::Status EnsureExclusive(OpKernelContext* ctx, tf::Var* var) {
+// On GPU the copy is queued on the op's stream, ahead of the step's kernels.
+absl::Status EnsureExclusive(OpKernelContext* ctx, tf::Var* var, void* gpu_stream) {
   Tensor* t = var->tensor();
   if (!var->copy_on_read_mode.load() && t->RefCountIsOne()) return absl::OkStatus();
   Tensor copy;
   tf::AllocatorAttributes attr;
   TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy, attr));
-  std::memcpy(const_cast<char*>(copy.tensor_data().data()), t->tensor_data().data(),
-              t->TotalBytes());
+  char* dst = const_cast<char*>(copy.tensor_data().data());
+  if (gpu_stream != nullptr) {
+#if TFCLIP_WITH_CUDA
+    if (t->TotalBytes() > 0) {
+      TF_RETURN_IF_ERROR(CudaStatus(
+          cuda::CopyDeviceAsync(dst, t->tensor_data().data(), t->TotalBytes(), gpu_stream)));
+    }
+#endif
+  } else {
+    std::memcpy(dst, t->tensor_data().data(), t->TotalBytes());
+  }
   *t = copy;
   return absl::OkStatus();
 }
 
+template <typename D>
 class ClipApplyOp : public OpKernel {
  public:
   ClipApplyOp(OpKernelConstruction* c, RuleSpec spec) : OpKernel(c), spec_(std::move(spec)) {
@@ -298,8 +402,14 @@ class ClipApplyOp : public OpKernel {
     const std::string derr = ValidateApplyDTypes(ts.data(), n_);
     OP_REQUIRES(ctx, derr.empty(), tf::errors::InvalidArgument(derr));
 
+    void* gpu_stream = nullptr;
+#if TFCLIP_WITH_CUDA
+    if constexpr (kGpu<D>) {
+      gpu_stream = ctx->op_device_context()->stream()->platform_specific_handle().stream;
+    }
+#endif
     // Private buffers (no value changes), then raw pointers for the core.
-    for (const VarRef& r : refs) OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, r.var.get()));
+    for (const VarRef& r : refs) OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, r.var.get(), gpu_stream));
     for (int i = 0; i < n_; ++i) {
       ts[i].var = const_cast<char*>(refs[i].var->tensor()->tensor_data().data());
       ts[i].grad = grads[i].tensor_data().data();
@@ -309,18 +419,41 @@ class ClipApplyOp : public OpKernel {
       }
     }
 
-    StepScratch scratch;
-    const StepResult r = ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, &scratch, TfExecutor(ctx));
-    OP_REQUIRES(ctx, !(r.nonfinite && cfg.policy == NonFinitePolicy::kRaise),
-                tf::errors::InvalidArgument("the global norm of the gradients is ", r.global_norm,
-                                            " (non-finite) and nonfinite='raise'; no variable "
-                                            "was updated"));
     Tensor* norm_out;
     Tensor* applied_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &norm_out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
-    norm_out->scalar<float>()() = static_cast<float>(r.global_norm);
-    applied_out->scalar<bool>()() = r.applied;
+    if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+      GpuStep step(ctx);
+      std::vector<int64_t> sizes;
+      for (const ApplyTensor& t : ts) sizes.push_back(t.size);
+      OP_REQUIRES_OK(ctx, step.Plan(sizes));
+      cuda::CudaOutputs o;
+      o.norm = const_cast<char*>(norm_out->tensor_data().data());
+      o.norm_dtype = DType::kFloat;
+      o.applied = reinterpret_cast<bool*>(const_cast<char*>(applied_out->tensor_data().data()));
+      bool nonfinite = false;
+      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipApply(spec_.kind, hp, cfg, ts.data(), n_,
+                                                         step.plan(), step.host(), step.dev(), o,
+                                                         step.stream(), &nonfinite)));
+      OP_REQUIRES_OK(ctx, step.Done());
+      OP_REQUIRES(ctx, !nonfinite,
+                  tf::errors::InvalidArgument("the global norm of the gradients is non-finite "
+                                              "and nonfinite='raise'; no variable was updated"));
+#endif
+    } else {
+      StepScratch scratch;
+      const StepResult r =
+          ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, &scratch, TfExecutor(ctx));
+      OP_REQUIRES(ctx, !(r.nonfinite && cfg.policy == NonFinitePolicy::kRaise),
+                  tf::errors::InvalidArgument("the global norm of the gradients is ",
+                                              r.global_norm,
+                                              " (non-finite) and nonfinite='raise'; no variable "
+                                              "was updated"));
+      norm_out->scalar<float>()() = static_cast<float>(r.global_norm);
+      applied_out->scalar<bool>()() = r.applied;
+    }
   }
 
  private:
@@ -330,10 +463,10 @@ class ClipApplyOp : public OpKernel {
   ClipConfig cfg_;
 };
 
-template <RuleKind K>
-class RuleOp : public ClipApplyOp {
+template <RuleKind K, typename D>
+class RuleOp : public ClipApplyOp<D> {
  public:
-  explicit RuleOp(OpKernelConstruction* c) : ClipApplyOp(c, Spec()) {}
+  explicit RuleOp(OpKernelConstruction* c) : ClipApplyOp<D>(c, Spec()) {}
   static RuleSpec Spec() {
     switch (K) {
       case RuleKind::kSgd: return {K, {}, {"lr", "weight_decay"}};
@@ -349,22 +482,71 @@ class RuleOp : public ClipApplyOp {
 }  // namespace
 
 using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::DEVICE_GPU;
 
-REGISTER_KERNEL_BUILDER(Name("TfclipGlobalNorm").Device(DEVICE_CPU).TypeConstraint<float>("Tnorm"),
-                        GlobalNormOp<float>);
-REGISTER_KERNEL_BUILDER(Name("TfclipGlobalNorm").Device(DEVICE_CPU).TypeConstraint<double>("Tnorm"),
-                        GlobalNormOp<double>);
+#define TFCLIP_REGISTER_NORM_OPS(DEV, D, ...)                                                  \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("TfclipGlobalNorm").Device(DEV).TypeConstraint<float>("Tnorm") __VA_ARGS__,       \
+      GlobalNormOp<float, D>);                                                               \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("TfclipGlobalNorm").Device(DEV).TypeConstraint<double>("Tnorm") __VA_ARGS__,      \
+      GlobalNormOp<double, D>);
+
+// Scalars the host must see before launching (clip values, hyper-parameters) and resource
+// handles live in host memory on GPU, as for TF's own ResourceApply* GPU kernels.
+#define TFCLIP_HOST_CLIP .HostMemory("clip").HostMemory("use_norm").HostMemory("var")
+#define TFCLIP_HOST_LR_WD .HostMemory("lr").HostMemory("weight_decay")
+
+TFCLIP_REGISTER_NORM_OPS(DEVICE_CPU, OnCpu)
 REGISTER_KERNEL_BUILDER(
     Name("TfclipClipByGlobalNorm").Device(DEVICE_CPU).TypeConstraint<float>("Tnorm"),
-    ClipByGlobalNormOp<float>);
+    ClipByGlobalNormOp<float, OnCpu>);
 REGISTER_KERNEL_BUILDER(
     Name("TfclipClipByGlobalNorm").Device(DEVICE_CPU).TypeConstraint<double>("Tnorm"),
-    ClipByGlobalNormOp<double>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplySgd").Device(DEVICE_CPU), RuleOp<RuleKind::kSgd>);
+    ClipByGlobalNormOp<double, OnCpu>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplySgd").Device(DEVICE_CPU), RuleOp<RuleKind::kSgd, OnCpu>);
 REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyMomentum").Device(DEVICE_CPU),
-                        RuleOp<RuleKind::kMomentum>);
+                        RuleOp<RuleKind::kMomentum, OnCpu>);
 REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyKerasMomentum").Device(DEVICE_CPU),
-                        RuleOp<RuleKind::kKerasMomentum>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam").Device(DEVICE_CPU), RuleOp<RuleKind::kAdam>);
+                        RuleOp<RuleKind::kKerasMomentum, OnCpu>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam").Device(DEVICE_CPU), RuleOp<RuleKind::kAdam, OnCpu>);
+
+#if TFCLIP_WITH_CUDA
+TFCLIP_REGISTER_NORM_OPS(DEVICE_GPU, OnGpu)
+REGISTER_KERNEL_BUILDER(Name("TfclipClipByGlobalNorm")
+                            .Device(DEVICE_GPU)
+                            .TypeConstraint<float>("Tnorm")
+                            .HostMemory("clip_norm")
+                            .HostMemory("use_norm"),
+                        ClipByGlobalNormOp<float, OnGpu>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipByGlobalNorm")
+                            .Device(DEVICE_GPU)
+                            .TypeConstraint<double>("Tnorm")
+                            .HostMemory("clip_norm")
+                            .HostMemory("use_norm"),
+                        ClipByGlobalNormOp<double, OnGpu>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplySgd").Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD,
+                        RuleOp<RuleKind::kSgd, OnGpu>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyMomentum")
+                            .Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD
+                            .HostMemory("accum")
+                            .HostMemory("momentum"),
+                        RuleOp<RuleKind::kMomentum, OnGpu>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyKerasMomentum")
+                            .Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD
+                            .HostMemory("accum")
+                            .HostMemory("momentum"),
+                        RuleOp<RuleKind::kKerasMomentum, OnGpu>);
+REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam")
+                            .Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD
+                            .HostMemory("m")
+                            .HostMemory("v")
+                            .HostMemory("vhat")
+                            .HostMemory("beta_1")
+                            .HostMemory("beta_2")
+                            .HostMemory("epsilon")
+                            .HostMemory("step"),
+                        RuleOp<RuleKind::kAdam, OnGpu>);
+#endif  // TFCLIP_WITH_CUDA
 
 }  // namespace tfclip
