@@ -1,0 +1,155 @@
+"""One clip(global 1.0) + optimizer step on the GPU: tfclip (through _core) against PyTorch.
+
+    python benchmarks/gpu_bench.py [--sets bert_base,bert_large,small2000,one_tensor]
+                                   [--rules adam,adamw,sgdm] [--grad-dtypes float32,bfloat16]
+                                   [--iters 50]
+
+Needs PyTorch (CUDA) and a tfclip._core built with CUDA; no TensorFlow. Tensors are PyTorch
+CUDA tensors; tfclip reads them through __cuda_array_interface__ on PyTorch's current stream,
+so both contenders run on the same memory and stream.
+
+For each set it reports, in one run:
+  - the device-to-device copy bandwidth (bytes read + written), measured now;
+  - tfclip's step time, its achieved bandwidth at the floor's byte count (4 B/param to read the
+    gradient for the norm + read grad/var/slots + write var/slots) and that as % of the copy;
+  - kernel launches per step (tfclip counts its own);
+  - PyTorch's clip_grad_norm_(foreach=True) + optimizer(fused=True) on the same tensors, and the
+    ratio torch_time / tfclip_time (> 1: tfclip is faster).
+Times are medians of CUDA-event-timed loops of --iters steps. Compare ratios within one run.
+"""
+import argparse
+import statistics
+import sys
+
+import torch
+
+from tfclip import _core
+
+def bert_like(h, ff, layers, vocab=30522):
+    shapes = [(vocab, h), (512, h), (2, h), (h,), (h,)]
+    for _ in range(layers):
+        shapes += [(h, h), (h,)] * 4 + [(h,), (h,), (h, ff), (ff,), (ff, h), (h,), (h,), (h,)]
+    shapes += [(h, h), (h,)]
+    return shapes
+
+
+SETS = {
+    "bert_base": lambda: bert_like(768, 3072, 12),        # ~110M params, ~200 tensors
+    "bert_large": lambda: bert_like(1024, 4096, 24),      # ~335M params, ~390 tensors
+    "small2000": lambda: [(64, 64 if i % 2 else 62) for i in range(2000)],  # ~8.1M params
+    "one_tensor": lambda: [(sum(64 * (64 if i % 2 else 62) for i in range(2000)),)],  # same count, 1 tensor
+}
+# rule: (tfclip rule, slots, hparams, bytes of var+slots traffic per param at fp32 beyond the grad)
+RULES = {
+    "adam": ("adam", 2, {"learning_rate": 1e-3}),
+    "adamw": ("adam", 2, {"learning_rate": 1e-3, "weight_decay": 0.01}),
+    "sgdm": ("keras_momentum", 1, {"learning_rate": 1e-2, "momentum": 0.9}),
+}
+TORCH_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def floor_bytes(nparams, nslots, grad_bytes):
+    # norm read of grad + apply read of grad + read/write var and each slot (fp32)
+    return nparams * (2 * grad_bytes + 2 * 4 * (1 + nslots))
+
+
+def time_loop(fn, iters, repeats=5):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes=2 << 30, iters=20):
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    t = time_loop(lambda: b.copy_(a), iters)
+    return 2 * nbytes / t
+
+
+def as_cai(t):
+    """bfloat16 torch tensors go to _core as int16 views (no bf16 in __cuda_array_interface__)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def bench_set(name, rule_name, grad_dtype, iters, copy_bw):
+    shapes = SETS[name]()
+    core_rule, nslots, hp = RULES[rule_name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, device="cuda", generator=gen).to(TORCH_DTYPE[grad_dtype]) for s in shapes]
+    slots = [[torch.zeros_like(p) for p in params] for _ in range(nslots)]
+    nparams = sum(p.numel() for p in params)
+    stream = torch.cuda.current_stream()
+    norm_out = torch.zeros((1,), dtype=torch.float32, device="cuda")
+    applied_out = torch.zeros((1,), dtype=torch.bool, device="cuda")
+    g_cai = [as_cai(g) for g in grads]
+    step = {"n": 0}
+
+    def tfclip_step():
+        step["n"] += 1
+        h = dict(hp)
+        if core_rule == "adam":
+            h["step"] = step["n"]
+        _core.cuda_clip_apply(core_rule, params, g_cai, slots, h, "global_norm", 1.0,
+                              norm_out=norm_out, applied_out=applied_out, stream=stream)
+
+    t_tfclip = time_loop(tfclip_step, iters)
+    launches = _core.cuda_last_launches()
+
+    # PyTorch on copies of the same data (its optimizer owns its own state).
+    tparams = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, g in zip(tparams, grads):
+        p.grad = g.to(torch.float32) if grad_dtype != "float32" else g.clone()
+    if rule_name == "adam":
+        opt = torch.optim.Adam(tparams, lr=1e-3, fused=True)
+    elif rule_name == "adamw":
+        opt = torch.optim.AdamW(tparams, lr=1e-3, weight_decay=0.01, fused=True)
+    else:
+        opt = torch.optim.SGD(tparams, lr=1e-2, momentum=0.9, fused=True)
+
+    def torch_step():
+        torch.nn.utils.clip_grad_norm_(tparams, 1.0, foreach=True)
+        opt.step()
+
+    t_torch = time_loop(torch_step, iters)
+    fb = floor_bytes(nparams, nslots, torch.tensor([], dtype=TORCH_DTYPE[grad_dtype]).element_size())
+    bw = fb / t_tfclip
+    note = "" if grad_dtype == "float32" else " (torch: grads upcast to fp32 first, not timed)"
+    return (f"{name:<11} {rule_name:<6} {grad_dtype:<8} {nparams / 1e6:8.1f}M {len(shapes):6d}  "
+            f"{t_tfclip * 1e3:8.3f} ms  {bw / 1e9:7.0f} GB/s  {100 * bw / copy_bw:5.1f}% of copy  "
+            f"{launches} launches  torch {t_torch * 1e3:8.3f} ms  torch/tfclip {t_torch / t_tfclip:5.2f}x{note}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", default="bert_base,bert_large,small2000,one_tensor")
+    ap.add_argument("--rules", default="adam")
+    ap.add_argument("--grad-dtypes", default="float32")
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args(argv)
+    if not _core.cuda:
+        sys.exit("tfclip._core was built without CUDA")
+    dev = _core.cuda_device()
+    copy_bw = copy_bandwidth()
+    print(f"# {dev['name']} (sm_{dev['compute_capability'][0]}{dev['compute_capability'][1]}), "
+          f"torch {torch.__version__}; device-to-device copy {copy_bw / 1e9:.0f} GB/s (read+write)")
+    print("# set        rule   grads      params tensors  tfclip step   achieved  vs copy         launches  PyTorch")
+    for rule in args.rules.split(","):
+        for gd in args.grad_dtypes.split(","):
+            for s in args.sets.split(","):
+                print(bench_set(s, rule, gd, args.iters, copy_bw), flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
