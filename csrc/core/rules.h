@@ -53,8 +53,10 @@ StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.lr = static_cast<M>(hp.lr);
   c.momentum = static_cast<M>(hp.momentum);
   const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
-  c.one_minus_beta_1 = M(1) - b1;
-  c.one_minus_beta_2 = M(1) - b2;
+  // Keras multiplies by the Python float `1 - beta`, rounded once to M; (M(1) - M(beta)) would
+  // differ by an ulp (0.1f vs 0.100000024f for beta 0.9) and drift over many steps.
+  c.one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
+  c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
   c.epsilon = static_cast<M>(hp.epsilon);
   const M t = static_cast<M>(hp.step);
   const M b1p = std::pow(b1, t), b2p = std::pow(b2, t);
