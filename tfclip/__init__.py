@@ -20,7 +20,7 @@ except ModuleNotFoundError as _e:  # a host with only tfclip._core (e.g. a GPU t
         raise ImportError(f"tfclip.{name} needs TensorFlow, which is not installed") from _TF_MISSING
 
 else:
-    from tfclip import rules
+    from tfclip import compat, keras, rules
     from tfclip.ops import (
         ClipApplyResult,
         fused_clip_apply,
@@ -32,6 +32,8 @@ else:
         "ClipApplyResult",
         "fused_clip_apply",
         "fused_clip_by_global_norm",
+        "compat",
         "global_norm",
+        "keras",
         "rules",
     ]

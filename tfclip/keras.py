@@ -1,0 +1,237 @@
+"""Drop-in Keras 3 optimizers whose update is one fused clip-and-apply op over all variables.
+
+Change one line::
+
+    optimizer = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)   # before
+    optimizer = tfclip.keras.Adam(1e-3, global_clipnorm=1.0)        # after
+
+`SGD`, `Adam` and `AdamW` subclass the stock Keras classes and take the same constructor
+arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
+`weight_decay`, `use_ema`, `loss_scale_factor`, `gradient_accumulation_steps`, ...), create the
+same slot variables, and follow the same trajectories step by step. Differences, on purpose:
+
+- **Clipping under `tf.distribute` uses the summed gradient.** Stock Keras clips each replica's
+  gradient before the cross-replica all-reduce, so two replicas with gradient 3 and
+  `global_clipnorm=1` move a variable by 2 × lr. tfclip all-reduces first and clips the sum, as
+  single-device training of the same global batch would.
+- **`nonfinite="skip"` by default**: a step whose global norm is inf/NaN writes no variable or
+  slot and counts in `skipped_steps` (the step counter `iterations` still advances, as in
+  stock Keras). `"propagate"` gives stock behaviour (NaN spreads); `"raise"` fails the step.
+- **`global_norm`** (a variable) holds the pre-clip global norm of the last step, for logging.
+
+Inside an XLA-compiled function (`jit_compile=True`) a custom op cannot run; there the update
+falls back to the stock Keras ops (still clipping after the all-reduce), with the same results.
+"""
+import math
+
+import keras
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from tfclip import _loader
+
+__all__ = ["SGD", "Adam", "AdamW"]
+
+_POLICIES = ("skip", "propagate", "raise")
+
+
+def _in_xla_context():
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _f64(x):
+    return tf.cast(tf.convert_to_tensor(x), tf.float64)
+
+
+def _tf_var(v):
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def _check_clip(name, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (or None), got {value!r}")
+
+
+class _FusedMixin:
+    """The fused update shared by the three optimizers (see the module docstring)."""
+
+    _tfclip_kind = None  # set per class
+
+    def _tfclip_init(self, nonfinite):
+        if nonfinite not in _POLICIES:
+            raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+        for name in ("clipnorm", "clipvalue", "global_clipnorm"):
+            _check_clip(name, getattr(self, name))
+        self.nonfinite = nonfinite
+        with keras.name_scope(self.name):
+            self._global_norm = keras.Variable(0.0, name="global_norm", dtype="float32",
+                                               trainable=False, aggregation="only_first_replica")
+            self._skipped_steps = keras.Variable(0, name="skipped_steps", dtype="int64",
+                                                 trainable=False, aggregation="only_first_replica")
+
+    @property
+    def global_norm(self):
+        """The pre-clip global norm of the gradients of the last step (a variable)."""
+        return self._global_norm
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for a non-finite global norm (a variable)."""
+        return self._skipped_steps
+
+    def get_config(self):
+        config = super().get_config()
+        config["nonfinite"] = self.nonfinite
+        return config
+
+    # Clipping and weight decay happen inside the fused step, after the all-reduce.
+    def _clip_gradients(self, grads):
+        return grads
+
+    def _apply_weight_decay(self, variables):
+        return
+
+    def _clip_mode(self):
+        if self.clipnorm:
+            return "norm", float(self.clipnorm)
+        if self.global_clipnorm:
+            return "global_norm", float(self.global_clipnorm)
+        if self.clipvalue:
+            return "value", float(self.clipvalue)
+        return "none", 0.0
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        tvars = [_tf_var(v) for v in trainable_variables]
+        # Sum across replicas first (a no-op without a strategy), then clip the sum.
+        reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
+        grads = [g for g, _ in reduced]
+        if _in_xla_context():
+            return self._stock_update_step(grads, trainable_variables, tvars, learning_rate)
+        return self._fused_update_step(grads, trainable_variables, learning_rate)
+
+    # -- the fused op -------------------------------------------------------------------
+    def _fused_update_step(self, grads, keras_vars, learning_rate):
+        ops = _loader.ops()
+        # IndexedSlices (embeddings) are densified for the apply; their norm is the norm of
+        # `.values`, as tf.linalg.global_norm and Keras count it (duplicate rows separately).
+        dense, norm_inputs, sparse = [], [], False
+        for g in grads:
+            if isinstance(g, tf.IndexedSlices):
+                sparse = True
+                norm_inputs.append(g.values)
+                g = tf.convert_to_tensor(g)
+            else:
+                norm_inputs.append(g)
+            dense.append(g)
+        mode, clip = self._clip_mode()
+        # Keras applies weight decay per variable (exclude_from_weight_decay): one op per group,
+        # the global norm computed once for both.
+        decay = self.weight_decay is not None and self.weight_decay != 0
+        groups = {}
+        for i, v in enumerate(keras_vars):
+            groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
+        lr = _f64(learning_rate)
+        use_norm, given = tf.constant(0.0, tf.float64), False
+        if len(groups) > 1 or sparse:
+            use_norm = ops.tfclip_global_norm(t=norm_inputs, Tnorm=tf.float64)
+            given = True
+        norm = applied = None
+        for with_decay, idx in sorted(groups.items()):
+            n, a = self._call_op(
+                ops, [keras_vars[i] for i in idx], [dense[i] for i in idx], lr,
+                _f64(self.weight_decay if with_decay else 0.0),
+                clip=tf.constant(clip, tf.float64), use_norm=use_norm, clip_mode=mode,
+                nonfinite=self.nonfinite, use_given_norm=given)
+            norm = n if norm is None else norm
+            applied = a if applied is None else applied
+        self._global_norm.assign(norm)
+        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+
+    def _slot_handles(self, slot_list, keras_vars):
+        return [_tf_var(slot_list[self._get_variable_index(v)]).handle for v in keras_vars]
+
+    # -- the XLA fallback: stock Keras ops, clipping after the all-reduce -------------------
+    def _stock_update_step(self, grads, keras_vars, tvars, learning_rate):
+        if self.nonfinite == "raise":
+            raise ValueError("nonfinite='raise' needs tfclip's fused op, which cannot run inside an "
+                             "XLA-compiled function (jit_compile=True); use 'skip' or 'propagate', "
+                             "or compile the model with jit_compile=False")
+        norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in grads])
+        base = super(_FusedMixin, self)
+
+        def update():
+            clipped = base._clip_gradients(grads)
+            base._apply_weight_decay(keras_vars)
+            tf.__internal__.distribute.interim.maybe_merge_call(
+                self._distributed_tf_update_step, self._distribution_strategy,
+                list(zip(clipped, tvars)), learning_rate)
+
+        finite = tf.math.is_finite(norm)
+        if self.nonfinite == "skip" and not tf.distribute.has_strategy():
+            tf.cond(finite, lambda: (update(), tf.constant(True))[1], lambda: tf.constant(False))
+            applied = finite
+        else:
+            update()
+            applied = tf.constant(True)
+        self._global_norm.assign(norm)
+        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+
+
+class SGD(_FusedMixin, keras.optimizers.SGD):
+    """keras.optimizers.SGD (momentum, nesterov) as one fused op. Extra: `nonfinite`."""
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, *, nonfinite="skip", **kwargs):
+        super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs)
+        self._tfclip_init(nonfinite)
+
+    def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
+        var = [_tf_var(v).handle for v in keras_vars]
+        if self.momentum == 0:
+            return ops.tfclip_clip_apply_sgd(var=var, grad=grads, lr=lr, weight_decay=wd, **kw)
+        return ops.tfclip_clip_apply_keras_momentum(
+            var=var, accum=self._slot_handles(self.momentums, keras_vars), grad=grads, lr=lr,
+            momentum=_f64(self.momentum), weight_decay=wd, use_nesterov=self.nesterov, **kw)
+
+
+class Adam(_FusedMixin, keras.optimizers.Adam):
+    """keras.optimizers.Adam (amsgrad too) as one fused op. Extra: `nonfinite`."""
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False, *,
+                 nonfinite="skip", **kwargs):
+        super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
+                         amsgrad=amsgrad, **kwargs)
+        for name in ("beta_1", "beta_2", "epsilon"):
+            v = getattr(self, name)
+            if not callable(v) and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        self._tfclip_init(nonfinite)
+
+    def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
+        step = tf.cast(self.iterations + 1, tf.float64)
+        beta = [_f64(b() if callable(b) else b) for b in (self.beta_1, self.beta_2, self.epsilon)]
+        return ops.tfclip_clip_apply_adam(
+            var=[_tf_var(v).handle for v in keras_vars],
+            m=self._slot_handles(self._momentums, keras_vars),
+            v=self._slot_handles(self._velocities, keras_vars),
+            vhat=self._slot_handles(self._velocity_hats, keras_vars) if self.amsgrad else [],
+            grad=grads, lr=lr, beta_1=beta[0], beta_2=beta[1], epsilon=beta[2], weight_decay=wd,
+            step=step, amsgrad=self.amsgrad, **kw)
+
+
+class AdamW(_FusedMixin, keras.optimizers.AdamW):
+    """keras.optimizers.AdamW (decoupled weight decay) as one fused op. Extra: `nonfinite`."""
+
+    def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 amsgrad=False, *, nonfinite="skip", **kwargs):
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1,
+                         beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad, **kwargs)
+        self._tfclip_init(nonfinite)
+
+    _call_op = Adam._call_op
+
+
+# Registered so model.save / keras.models.load_model find them without custom_objects.
+for _cls in (SGD, Adam, AdamW):
+    keras.saving.register_keras_serializable(package="tfclip")(_cls)
