@@ -1,0 +1,86 @@
+"""tfclip.compat.v1 optimizers against tf.compat.v1.train.* with tf.clip_by_global_norm between
+compute_gradients and apply_gradients, in a TF1 graph with a Session (the code in
+shared/user-questions)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfclip
+
+MAKERS = {
+    "gd": lambda m, kw: m.GradientDescentOptimizer(0.1, **kw),
+    "momentum": lambda m, kw: m.MomentumOptimizer(0.1, 0.9, use_nesterov=True, **kw),
+    "adam": lambda m, kw: m.AdamOptimizer(0.05, **kw),
+}
+
+
+def run(make, fused, use_minimize, steps=6):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.constant(np.random.default_rng(0).normal(size=(8, 4)).astype("float32"))
+        w = tf.compat.v1.get_variable("w", initializer=np.ones((4, 3), "float32"), use_resource=True)
+        b = tf.compat.v1.get_variable("b", initializer=np.zeros(3, "float32"), use_resource=True)
+        frozen = tf.compat.v1.get_variable("f", initializer=np.ones(3, "float32"), use_resource=True)
+        outside = tf.compat.v1.get_variable("o", initializer=np.ones(3, "float32"), use_resource=True)
+        loss = tf.reduce_sum((tf.matmul(x, w) + b + tf.stop_gradient(frozen) + outside) ** 2)
+        gs = tf.compat.v1.train.get_or_create_global_step()
+        var_list = [w, b, frozen]  # `outside` is not in var_list
+        if fused:
+            opt = make(tfclip.compat.v1, {"global_clipnorm": 1.0})
+            if use_minimize:
+                train = opt.minimize(loss, global_step=gs, var_list=var_list)
+            else:
+                train = opt.apply_gradients(opt.compute_gradients(loss, var_list=var_list), global_step=gs)
+            norm = opt.global_norm()
+        else:
+            opt = make(tf.compat.v1.train, {})
+            gv = [(gr, v) for gr, v in opt.compute_gradients(loss, var_list=var_list) if gr is not None]
+            clipped, norm = tf.clip_by_global_norm([gr for gr, _ in gv], 1.0)
+            train = opt.apply_gradients(zip(clipped, [v for _, v in gv]), global_step=gs)
+        norms = []
+        with tf.compat.v1.Session() as s:
+            s.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(steps):
+                if fused:
+                    s.run(train)
+                    norms.append(s.run(norm))
+                else:
+                    norms.append(s.run([train, norm])[1])
+            return s.run([w, b, frozen, outside, gs]), norms
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+@pytest.mark.parametrize("use_minimize", [True, False])
+def test_matches_stock_with_clip_by_global_norm(name, use_minimize):
+    (fw, fb, ff, fo, fgs), fnorms = run(MAKERS[name], True, use_minimize)
+    (sw, sb, sf, so, sgs), snorms = run(MAKERS[name], False, use_minimize)
+    np.testing.assert_allclose(fw, sw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fb, sb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fnorms, snorms, rtol=1e-5)
+    np.testing.assert_array_equal(ff, np.ones(3))  # behind tf.stop_gradient
+    np.testing.assert_array_equal(fo, np.ones(3))  # outside var_list
+    assert fgs == sgs == 6
+
+
+def test_slots_have_stock_names():
+    v = tf.Variable(np.ones(3, "float32"))
+    opt = tfclip.compat.v1.AdamOptimizer(0.1, clipvalue=0.5)
+    opt.apply_gradients([(tf.constant([1.0, 2.0, -3.0]), v)])  # eager works too
+    assert sorted(opt.get_slot_names()) == ["m", "v"]
+    np.testing.assert_allclose(opt.get_slot(v, "m").numpy(), 0.1 * np.array([0.5, 0.5, -0.5]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"global_clipnorm": 0.0}, "global_clipnorm must be a finite number > 0"),
+    ({"clipnorm": 1.0, "clipvalue": 1.0}, "at most one"),
+    ({"nonfinite": "nope"}, "nonfinite must be one of"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfclip.compat.v1.GradientDescentOptimizer(0.1, **kwargs)
+
+
+def test_no_gradients_is_an_error_naming_the_variables():
+    v = tf.Variable(1.0, name="lonely")
+    with pytest.raises(ValueError, match="No gradients provided for any variable.*lonely"):
+        tfclip.compat.v1.GradientDescentOptimizer(0.1).apply_gradients([(None, v)])

@@ -1,0 +1,173 @@
+"""Drop-in `tf.compat.v1.train` optimizers with clipping fused into `apply_gradients`.
+
+Change one line of TF1 code::
+
+    opt = tf.compat.v1.train.AdamOptimizer(1e-3)                       # before, plus a
+    grads, _ = tf.clip_by_global_norm(grads, 5.0)                      # clip in between
+    opt = tfclip.compat.v1.AdamOptimizer(1e-3, global_clipnorm=5.0)    # after
+
+`compute_gradients` → `apply_gradients(grads_and_vars, global_step=...)` and
+`minimize(loss, var_list=..., global_step=...)` work as with the stock classes, in graph mode
+with a `Session` and eagerly. Pairs whose gradient is `None` (`tf.stop_gradient`, variables
+outside the loss) are left alone; variables outside `var_list` are never touched. Slots have
+the stock names (`momentum`, `m`, `v`), so `get_slot` works. The pre-clip global norm of the
+last step is the variable `opt.global_norm()`.
+
+Differences from the stock classes, on purpose: `nonfinite="skip"` by default (a step whose
+global norm is inf/NaN writes nothing; `global_step` still advances, and the step counter of
+Adam's bias correction does not), and resource variables are required (TF2's default; in a
+TF1 graph, `tf.compat.v1.enable_resource_variables()`). Adam's bias correction uses
+`beta**t` from a step counter rather than TF1's running `beta_power` products: the same value
+to float rounding.
+"""
+import math
+
+import tensorflow as tf
+
+from tfclip import _loader
+
+__all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer"]
+
+_CLIP = (("global_clipnorm", "global_norm"), ("clipnorm", "norm"), ("clipvalue", "value"))
+_POLICIES = ("skip", "propagate", "raise")
+
+
+def _f64(x, name):
+    if callable(x):
+        x = x()
+    t = tf.convert_to_tensor(x, dtype_hint=tf.float64, name=name)
+    return tf.cast(t, tf.float64)
+
+
+class _Fused(tf.compat.v1.train.Optimizer):
+    _slot_names = ()
+
+    def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite):
+        super().__init__(use_locking, name)
+        given = [(k, mode, v) for (k, mode), v in zip(_CLIP, (global_clipnorm, clipnorm, clipvalue))
+                 if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got "
+                             f"{sorted(k for k, _, _ in given)}")
+        self._clip_mode, self._clip = "none", 0.0
+        for k, mode, v in given:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{k} must be a finite number > 0, got {v!r}")
+            self._clip_mode, self._clip = mode, float(v)
+        if nonfinite not in _POLICIES:
+            raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+        self._nonfinite = nonfinite
+
+    def _create_slots(self, var_list):
+        for v in var_list:
+            for s in self._slot_names:
+                self._zeros_slot(v, s, self._name)
+        first = min(var_list, key=lambda x: x.name)
+        self._create_non_slot_variable(initial_value=0.0, name="global_norm", colocate_with=first)
+        self._create_non_slot_variable(initial_value=tf.constant(0, tf.int64), name="tfclip_step",
+                                       colocate_with=first)
+
+    def global_norm(self):
+        """The pre-clip global norm of the last step (a non-slot variable), or None before one."""
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        return self._get_non_slot_variable("global_norm", graph=graph)
+
+    def _step_var(self):
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        return self._get_non_slot_variable("tfclip_step", graph=graph)
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        pairs = list(grads_and_vars)
+        if not pairs:
+            raise ValueError("No variables provided.")
+        grads, var_list = [], []
+        for i, pair in enumerate(pairs):
+            try:
+                g, v = pair
+            except (TypeError, ValueError):
+                raise TypeError(f"grads_and_vars[{i}] is not a (gradient, variable) pair") from None
+            if g is None:
+                continue
+            if not hasattr(v, "handle"):
+                raise TypeError(f"grads_and_vars[{i}]: {v.name} is not a resource variable; tfclip "
+                                "needs resource variables (tf.compat.v1.enable_resource_variables())")
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            grads.append(tf.convert_to_tensor(g))
+            var_list.append(v)
+        if not var_list:
+            raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in pairs]}")
+        with tf.init_scope():
+            self._create_slots(var_list)
+        with tf.name_scope(name or self._name):
+            self._prepare()
+            norm, applied = self._fused(var_list, grads)
+            step = self._step_var()
+            updates = [
+                self.global_norm().assign(norm, read_value=False),
+                step.assign_add(tf.cast(applied, tf.int64), read_value=False),
+            ]
+            with tf.control_dependencies(updates):
+                if global_step is None:
+                    return tf.group(*updates, name="apply")
+                return tf.compat.v1.assign_add(global_step, 1, name="apply").op
+
+    def _fused(self, var_list, grads):
+        kw = dict(clip=tf.constant(self._clip, tf.float64), use_norm=tf.constant(0.0, tf.float64),
+                  clip_mode=self._clip_mode, nonfinite=self._nonfinite)
+        return self._call(_loader.ops(), [v.handle for v in var_list], grads,
+                          lambda s: [self.get_slot(v, s).handle for v in var_list], kw)
+
+    # The stock per-variable hooks are not used: everything goes through apply_gradients.
+    def _apply_dense(self, grad, var):
+        raise NotImplementedError("tfclip applies all variables in one fused op")
+
+    _resource_apply_dense = _apply_dense
+
+
+class GradientDescentOptimizer(_Fused):
+    """tf.compat.v1.train.GradientDescentOptimizer with fused clipping."""
+
+    def __init__(self, learning_rate, use_locking=False, name="GradientDescent", *, global_clipnorm=None,
+                 clipnorm=None, clipvalue=None, nonfinite="skip"):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._learning_rate = learning_rate
+
+    def _call(self, ops, var, grads, slots, kw):
+        return ops.tfclip_clip_apply_sgd(var=var, grad=grads, lr=_f64(self._learning_rate, "lr"),
+                                         weight_decay=tf.constant(0.0, tf.float64), **kw)
+
+
+class MomentumOptimizer(_Fused):
+    """tf.compat.v1.train.MomentumOptimizer (slot `momentum`) with fused clipping."""
+
+    _slot_names = ("momentum",)
+
+    def __init__(self, learning_rate, momentum, use_locking=False, name="Momentum", use_nesterov=False, *,
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._learning_rate, self._momentum, self._use_nesterov = learning_rate, momentum, use_nesterov
+
+    def _call(self, ops, var, grads, slots, kw):
+        return ops.tfclip_clip_apply_momentum(
+            var=var, accum=slots("momentum"), grad=grads, lr=_f64(self._learning_rate, "lr"),
+            momentum=_f64(self._momentum, "momentum"), weight_decay=tf.constant(0.0, tf.float64),
+            use_nesterov=self._use_nesterov, **kw)
+
+
+class AdamOptimizer(_Fused):
+    """tf.compat.v1.train.AdamOptimizer (slots `m`, `v`) with fused clipping."""
+
+    _slot_names = ("m", "v")
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, use_locking=False,
+                 name="Adam", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._lr, self._beta1, self._beta2, self._epsilon = learning_rate, beta1, beta2, epsilon
+
+    def _call(self, ops, var, grads, slots, kw):
+        return ops.tfclip_clip_apply_adam(
+            var=var, m=slots("m"), v=slots("v"), vhat=[], grad=grads, lr=_f64(self._lr, "lr"),
+            beta_1=_f64(self._beta1, "beta1"), beta_2=_f64(self._beta2, "beta2"),
+            epsilon=_f64(self._epsilon, "epsilon"), weight_decay=tf.constant(0.0, tf.float64),
+            step=tf.cast(self._step_var() + 1, tf.float64), amsgrad=False, **kw)
