@@ -423,6 +423,16 @@ std::vector<DevTensor> TensorsFromViews(const TensorView* in, const TensorView* 
   return ts;
 }
 
+// The norm and clip ops' table: inputs (and outputs), no clip factors.
+std::string UploadViews(const TensorView* in, const TensorView* out, int n, const CudaPlan& p,
+                        void* host_ws, void* dev_ws, cudaStream_t stream, Table* t) {
+  std::vector<DevTensor> dts = TensorsFromViews(in, out, n);
+  ChunkRanges(p, dts.data());
+  const std::string e = Upload(p, dts.data(), host_ws, dev_ws, stream, t);
+  t->factors = nullptr;
+  return e;
+}
+
 }  // namespace
 
 void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p) {
@@ -442,12 +452,9 @@ int LastStepLaunches() { return g_last_launches; }
 std::string CudaGlobalNorm(const TensorView* ts, int n, const CudaPlan& p, void* host_ws,
                            void* dev_ws, const CudaOutputs& out, void* stream_v) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_v);
-  std::vector<DevTensor> dts = TensorsFromViews(ts, nullptr, n);
-  ChunkRanges(p, dts.data());
   Table t;
-  std::string e = Upload(p, dts.data(), host_ws, dev_ws, stream, &t);
+  std::string e = UploadViews(ts, nullptr, n, p, host_ws, dev_ws, stream, &t);
   if (!e.empty()) return e;
-  t.factors = nullptr;
   FinalizeArgs a{};
   a.cfg = ClipConfig{};
   a.cfg.policy = NonFinitePolicy::kPropagate;
@@ -461,12 +468,9 @@ std::string CudaClipByGlobalNorm(const TensorView* in, const TensorView* outs, i
                                  const CudaPlan& p, void* host_ws, void* dev_ws,
                                  const CudaOutputs& out, void* stream_v) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_v);
-  std::vector<DevTensor> dts = TensorsFromViews(in, outs, n);
-  ChunkRanges(p, dts.data());
   Table t;
-  std::string e = Upload(p, dts.data(), host_ws, dev_ws, stream, &t);
+  std::string e = UploadViews(in, outs, n, p, host_ws, dev_ws, stream, &t);
   if (!e.empty()) return e;
-  t.factors = nullptr;
   FinalizeArgs a{};
   a.cfg.mode = ClipMode::kGlobalNorm;
   a.cfg.clip = clip_norm;

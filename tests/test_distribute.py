@@ -12,14 +12,19 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import tfclip
+
+# The subprocesses import the tfclip this test imported (installed, or the in-place checkout).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 
 
 def _run(mode, out, env_extra=None):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(env_extra or {})
+    # cwd away from the checkout: `python -m` puts cwd first on sys.path.
     return subprocess.Popen([sys.executable, "-m", "tfclip.distributed_check", mode, str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=os.path.dirname(str(out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def _wait(p, timeout=300):
@@ -78,9 +83,9 @@ def test_multi_worker_two_processes(single, tmp_path):
         _same_weights(w, single, "custom")
 
 
-def test_demo_with_two_workers_trains():
+def test_demo_with_two_workers_trains(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "tfclip.demo", "--workers", "2", "--steps", "4", "--units", "16",
-                        "--length", "10"], env=env, capture_output=True, text=True, timeout=300)
+                        "--length", "10"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "2 replicas" in r.stdout and "over 4 steps; 0 skipped" in r.stdout

@@ -112,6 +112,13 @@ class GpuStep {
     return CudaStatus(cuda::ThenRunOnHost(
         stream_, [](void* t) { delete static_cast<Tensor*>(t); }, keep));
   }
+  // The op's scalar norm output, in device memory.
+  static cuda::CudaOutputs NormOutput(Tensor* norm, DType dtype) {
+    cuda::CudaOutputs o;
+    o.norm = const_cast<char*>(norm->tensor_data().data());
+    o.norm_dtype = dtype;
+    return o;
+  }
   const cuda::CudaPlan& plan() const { return plan_; }
   void* host() { return const_cast<char*>(host_.tensor_data().data()); }
   void* dev() { return const_cast<char*>(dev_.tensor_data().data()); }
@@ -153,9 +160,7 @@ class GlobalNormOp : public OpKernel {
 #if TFCLIP_WITH_CUDA
       GpuStep step(ctx);
       OP_REQUIRES_OK(ctx, step.Plan(ViewSizes(views)));
-      cuda::CudaOutputs o;
-      o.norm = const_cast<char*>(out->tensor_data().data());
-      o.norm_dtype = NormDType<Tnorm>();
+      const cuda::CudaOutputs o = GpuStep::NormOutput(out, NormDType<Tnorm>());
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaGlobalNorm(views.data(), n, step.plan(), step.host(),
                                                           step.dev(), o, step.stream())));
       OP_REQUIRES_OK(ctx, step.Done());
@@ -199,9 +204,7 @@ class ClipByGlobalNormOp : public OpKernel {
 #if TFCLIP_WITH_CUDA
       GpuStep step(ctx);
       OP_REQUIRES_OK(ctx, step.Plan(ViewSizes(in)));
-      cuda::CudaOutputs o;
-      o.norm = const_cast<char*>(norm_out->tensor_data().data());
-      o.norm_dtype = NormDType<Tnorm>();
+      const cuda::CudaOutputs o = GpuStep::NormOutput(norm_out, NormDType<Tnorm>());
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipByGlobalNorm(
                               in.data(), out.data(), n, clip_norm, use_given_norm_, use_norm,
                               step.plan(), step.host(), step.dev(), o, step.stream())));
@@ -429,9 +432,7 @@ class ClipApplyOp : public OpKernel {
       std::vector<int64_t> sizes;
       for (const ApplyTensor& t : ts) sizes.push_back(t.size);
       OP_REQUIRES_OK(ctx, step.Plan(sizes));
-      cuda::CudaOutputs o;
-      o.norm = const_cast<char*>(norm_out->tensor_data().data());
-      o.norm_dtype = DType::kFloat;
+      cuda::CudaOutputs o = GpuStep::NormOutput(norm_out, DType::kFloat);
       o.applied = reinterpret_cast<bool*>(const_cast<char*>(applied_out->tensor_data().data()));
       bool nonfinite = false;
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipApply(spec_.kind, hp, cfg, ts.data(), n_,
