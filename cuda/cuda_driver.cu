@@ -442,7 +442,6 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p) {
   p->host_bytes = Layout(*p).bytes;
   p->off_partials = p->host_bytes;
   p->off_factors = p->off_partials + Align256(sizeof(double) * nchunks);
-  p->off_per_tensor = p->off_factors;  // per-tensor sums are not stored: factors are
   p->off_status = p->off_factors + Align256(sizeof(ClipFactor) * static_cast<size_t>(n));
   p->device_bytes = p->off_status + Align256(sizeof(DevStatus));
 }

@@ -33,9 +33,9 @@ struct CudaPlan {
   ChunkPlan plan;
   int n = 0;
   size_t host_bytes = 0;    // the table: tensors, chunks, block starts
-  size_t device_bytes = 0;  // the table's device copy, then partials, per-tensor sums, factors, status
+  size_t device_bytes = 0;  // the table's device copy, then partials, clip factors, status
   // Offsets into the device buffer.
-  size_t off_partials = 0, off_per_tensor = 0, off_factors = 0, off_status = 0;
+  size_t off_partials = 0, off_factors = 0, off_status = 0;
 };
 void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p);
 

@@ -29,18 +29,14 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from tfclip import _loader
+from tfclip.ops import _check_policy
+from tfclip.rules import _scalar
 
 __all__ = ["SGD", "Adam", "AdamW"]
-
-_POLICIES = ("skip", "propagate", "raise")
 
 
 def _in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-def _f64(x):
-    return tf.cast(tf.convert_to_tensor(x), tf.float64)
 
 
 def _tf_var(v):
@@ -60,8 +56,7 @@ class _FusedMixin:
     _tfclip_kind = None  # set per class
 
     def _tfclip_init(self, nonfinite):
-        if nonfinite not in _POLICIES:
-            raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+        _check_policy(nonfinite)
         for name in ("clipnorm", "clipvalue", "global_clipnorm"):
             _check_clip(name, getattr(self, name))
         self.nonfinite = nonfinite
@@ -132,7 +127,7 @@ class _FusedMixin:
         groups = {}
         for i, v in enumerate(keras_vars):
             groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
-        lr = _f64(learning_rate)
+        lr = _scalar(learning_rate, "learning_rate")
         use_norm, given = tf.constant(0.0, tf.float64), False
         if len(groups) > 1 or sparse:
             use_norm = ops.tfclip_global_norm(t=norm_inputs, Tnorm=tf.float64)
@@ -141,7 +136,7 @@ class _FusedMixin:
         for with_decay, idx in sorted(groups.items()):
             n, a = self._call_op(
                 ops, [keras_vars[i] for i in idx], [dense[i] for i in idx], lr,
-                _f64(self.weight_decay if with_decay else 0.0),
+                _scalar(self.weight_decay if with_decay else 0.0, "weight_decay"),
                 clip=tf.constant(clip, tf.float64), use_norm=use_norm, clip_mode=mode,
                 nonfinite=self.nonfinite, use_given_norm=given)
             norm = n if norm is None else norm
@@ -170,7 +165,7 @@ class _FusedMixin:
 
         finite = tf.math.is_finite(norm)
         if self.nonfinite == "skip" and not tf.distribute.has_strategy():
-            tf.cond(finite, lambda: (update(), tf.constant(True))[1], lambda: tf.constant(False))
+            tf.cond(finite, update, lambda: None)
             applied = finite
         else:
             update()
@@ -192,7 +187,7 @@ class SGD(_FusedMixin, keras.optimizers.SGD):
             return ops.tfclip_clip_apply_sgd(var=var, grad=grads, lr=lr, weight_decay=wd, **kw)
         return ops.tfclip_clip_apply_keras_momentum(
             var=var, accum=self._slot_handles(self.momentums, keras_vars), grad=grads, lr=lr,
-            momentum=_f64(self.momentum), weight_decay=wd, use_nesterov=self.nesterov, **kw)
+            momentum=_scalar(self.momentum, "momentum"), weight_decay=wd, use_nesterov=self.nesterov, **kw)
 
 
 class Adam(_FusedMixin, keras.optimizers.Adam):
@@ -210,7 +205,8 @@ class Adam(_FusedMixin, keras.optimizers.Adam):
 
     def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
         step = tf.cast(self.iterations + 1, tf.float64)
-        beta = [_f64(b() if callable(b) else b) for b in (self.beta_1, self.beta_2, self.epsilon)]
+        beta = [_scalar(b() if callable(b) else b, n)
+                for b, n in ((self.beta_1, "beta_1"), (self.beta_2, "beta_2"), (self.epsilon, "epsilon"))]
         return ops.tfclip_clip_apply_adam(
             var=[_tf_var(v).handle for v in keras_vars],
             m=self._slot_handles(self._momentums, keras_vars),

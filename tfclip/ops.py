@@ -161,6 +161,12 @@ _CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue"
 _POLICIES = ("skip", "propagate", "raise")
 
 
+def _check_policy(nonfinite):
+    """The non-finite policy check every entry point (fused_clip_apply, optimizers) shares."""
+    if nonfinite not in _POLICIES:
+        raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+
+
 @tf.autograph.experimental.do_not_convert
 def fused_clip_apply(
     grads_and_vars,
@@ -218,8 +224,7 @@ def fused_clip_apply(
     given = {k: v for k, v in zip(_CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue)) if v is not None}
     if len(given) > 1:
         raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got {sorted(given)}")
-    if nonfinite not in _POLICIES:
-        raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+    _check_policy(nonfinite)
     clip_mode, clip = "none", 0.0
     for k, v in given.items():
         _check_clip_number(v, k)

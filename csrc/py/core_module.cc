@@ -86,15 +86,6 @@ std::string Idx(const char* list, size_t i) {
   return os.str();
 }
 
-std::vector<py::array> AsArrays(const py::list& l, const char* what) {
-  std::vector<py::array> out;
-  for (size_t i = 0; i < l.size(); ++i) {
-    if (!py::isinstance<py::array>(l[i])) Fail(Idx(what, i) + " is not a NumPy array");
-    out.push_back(l[i].cast<py::array>());
-  }
-  return out;
-}
-
 std::vector<int64_t> Shape(const py::array& a) {
   return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
 }
@@ -104,20 +95,50 @@ double Norm(const std::vector<TensorView>& ts) {
   return GlobalNormCpu(ts.data(), static_cast<int>(ts.size()), PyExecutor());
 }
 
-std::vector<TensorView> Views(const std::vector<py::array>& arrays, const char* what) {
+// An array from either side: a NumPy array, or an object with __cuda_array_interface__.
+struct Array {
+  void* data = nullptr;
+  std::vector<int64_t> shape;
+  int64_t size = 0;
+  DType dtype = DType::kFloat;
+  std::string name;
+};
+
+Array FromNumpy(const py::handle& h, const std::string& name, bool writable) {
+  if (!py::isinstance<py::array>(h)) Fail(name + " is not a NumPy array");
+  const py::array a = py::reinterpret_borrow<py::array>(h);
+  const TensorView v = View(a, name, writable);
+  Array r;
+  r.data = v.data;
+  r.shape = Shape(a);
+  r.size = v.size;
+  r.dtype = v.dtype;
+  r.name = name;
+  return r;
+}
+
+using MakeArray = Array (*)(const py::handle&, const std::string&, bool);
+
+std::vector<Array> Arrays(const py::list& l, const char* what, bool writable, MakeArray make) {
+  std::vector<Array> out;
+  for (size_t i = 0; i < l.size(); ++i) out.push_back(make(l[i], Idx(what, i), writable));
+  return out;
+}
+
+// The list's arrays as core views; an empty list is an error (NumPy and CUDA alike).
+std::vector<TensorView> Views(const std::vector<Array>& arrays, const char* what) {
   if (arrays.empty()) Fail(std::string(what) + " is empty; pass at least one array");
   std::vector<TensorView> v;
-  for (size_t i = 0; i < arrays.size(); ++i) v.push_back(View(arrays[i], Idx(what, i), false));
+  for (const Array& a : arrays) v.push_back(TensorView{a.data, a.size, a.dtype});
   return v;
 }
 
 double GlobalNorm(const py::list& t_list) {
-  const auto arrays = AsArrays(t_list, "t_list");
-  return Norm(Views(arrays, "t_list"));
+  return Norm(Views(Arrays(t_list, "t_list", false, &FromNumpy), "t_list"));
 }
 
 py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object use_norm) {
-  const auto arrays = AsArrays(t_list, "t_list");
+  const auto arrays = Arrays(t_list, "t_list", false, &FromNumpy);
   const auto in = Views(arrays, "t_list");
   const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
   if (!err.empty()) Fail(err);
@@ -126,7 +147,7 @@ py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object 
   py::list outs;
   std::vector<TensorView> out;
   for (size_t i = 0; i < arrays.size(); ++i) {
-    py::array o = py::array(arrays[i].dtype(), Shape(arrays[i]));
+    py::array o = py::array(py::reinterpret_borrow<py::array>(t_list[i]).dtype(), arrays[i].shape);
     outs.append(o);
     out.push_back(View(o, Idx("out", i), true));
   }
@@ -156,28 +177,6 @@ HParams ParseHParams(RuleKind rule, const py::dict& d) {
   const std::string e = ValidateHParams(rule, hp);
   if (!e.empty()) Fail(e);
   return hp;
-}
-
-// An array from either side: a NumPy array, or an object with __cuda_array_interface__.
-struct Array {
-  void* data = nullptr;
-  std::vector<int64_t> shape;
-  int64_t size = 0;
-  DType dtype = DType::kFloat;
-  std::string name;
-};
-
-Array FromNumpy(const py::handle& h, const std::string& name, bool writable) {
-  if (!py::isinstance<py::array>(h)) Fail(name + " is not a NumPy array");
-  const py::array a = py::reinterpret_borrow<py::array>(h);
-  const TensorView v = View(a, name, writable);
-  Array r;
-  r.data = v.data;
-  r.shape = Shape(a);
-  r.size = v.size;
-  r.dtype = v.dtype;
-  r.name = name;
-  return r;
 }
 
 #if TFCLIP_WITH_CUDA
@@ -217,14 +216,6 @@ Array FromCuda(const py::handle& h, const std::string& name, bool writable) {
   return r;
 }
 #endif
-
-using MakeArray = Array (*)(const py::handle&, const std::string&, bool);
-
-std::vector<Array> Arrays(const py::list& l, const char* what, bool writable, MakeArray make) {
-  std::vector<Array> out;
-  for (size_t i = 0; i < l.size(); ++i) out.push_back(make(l[i], Idx(what, i), writable));
-  return out;
-}
 
 std::string ShapeStr(const std::vector<int64_t>& s) {
   std::ostringstream os;
@@ -386,11 +377,7 @@ void RunStep(const std::vector<int64_t>& sizes, void* stream, Fn&& fn) {
 }
 
 std::vector<TensorView> CudaViews(const py::list& l, const char* what, bool writable) {
-  const auto arrays = Arrays(l, what, writable, &FromCuda);
-  if (arrays.empty()) Fail(std::string(what) + " is empty; pass at least one array");
-  std::vector<TensorView> v;
-  for (const Array& a : arrays) v.push_back(TensorView{a.data, a.size, a.dtype});
-  return v;
+  return Views(Arrays(l, what, writable, &FromCuda), what);
 }
 
 std::vector<int64_t> Sizes(const std::vector<TensorView>& v) {
@@ -415,17 +402,22 @@ struct Scratch8 {
   ~Scratch8() { cuda::DeviceFree(p); }
 };
 
+// When the caller gave no norm output: a scratch one of `dtype`, to read back after the step.
+std::unique_ptr<Scratch8> NormOutOrScratch(py::object given, const char* what, cuda::CudaOutputs* o,
+                                           DType dtype) {
+  o->norm = ScalarOut(given, what, &o->norm_dtype, false);
+  if (o->norm != nullptr) return nullptr;
+  auto tmp = std::make_unique<Scratch8>();
+  o->norm = tmp->p;
+  o->norm_dtype = dtype;
+  return tmp;
+}
+
 py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object stream_o) {
   const auto in = CudaViews(t_list, "t_list", false);
   void* stream = StreamPtr(stream_o);
   cuda::CudaOutputs o;
-  o.norm = ScalarOut(out, "out", &o.norm_dtype, false);
-  std::unique_ptr<Scratch8> tmp;
-  if (o.norm == nullptr) {
-    tmp = std::make_unique<Scratch8>();
-    o.norm = tmp->p;
-    o.norm_dtype = DType::kDouble;
-  }
+  const auto tmp = NormOutOrScratch(out, "out", &o, DType::kDouble);
   RunStep(Sizes(in), stream, [&](const cuda::CudaPlan& p, void* h, void* d) {
     return cuda::CudaGlobalNorm(in.data(), static_cast<int>(in.size()), p, h, d, o, stream);
   });
@@ -448,13 +440,7 @@ py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_li
   if (!err.empty()) Fail(err);
   void* stream = StreamPtr(stream_o);
   cuda::CudaOutputs o;
-  o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
-  std::unique_ptr<Scratch8> tmp;
-  if (o.norm == nullptr) {
-    tmp = std::make_unique<Scratch8>();
-    o.norm = tmp->p;
-    o.norm_dtype = DType::kFloat;  // as the TF op's default Tnorm
-  }
+  const auto tmp = NormOutOrScratch(norm_out, "norm_out", &o, DType::kFloat);  // as the TF op's default Tnorm
   const bool has = !use_norm.is_none();
   const double un = has ? use_norm.cast<double>() : 0.0;
   RunStep(Sizes(in), stream, [&](const cuda::CudaPlan& p, void* h, void* d) {

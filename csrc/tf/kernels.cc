@@ -514,18 +514,15 @@ REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam").Device(DEVICE_CPU), RuleOp<R
 
 #if TFCLIP_WITH_CUDA
 TFCLIP_REGISTER_NORM_OPS(DEVICE_GPU, OnGpu)
-REGISTER_KERNEL_BUILDER(Name("TfclipClipByGlobalNorm")
-                            .Device(DEVICE_GPU)
-                            .TypeConstraint<float>("Tnorm")
-                            .HostMemory("clip_norm")
-                            .HostMemory("use_norm"),
-                        ClipByGlobalNormOp<float, OnGpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipByGlobalNorm")
-                            .Device(DEVICE_GPU)
-                            .TypeConstraint<double>("Tnorm")
-                            .HostMemory("clip_norm")
-                            .HostMemory("use_norm"),
-                        ClipByGlobalNormOp<double, OnGpu>);
+#define TFCLIP_REGISTER_CLIP_GPU(T)                                                          \
+  REGISTER_KERNEL_BUILDER(Name("TfclipClipByGlobalNorm")                                     \
+                              .Device(DEVICE_GPU)                                            \
+                              .TypeConstraint<T>("Tnorm")                                    \
+                              .HostMemory("clip_norm")                                       \
+                              .HostMemory("use_norm"),                                       \
+                          ClipByGlobalNormOp<T, OnGpu>);
+TFCLIP_REGISTER_CLIP_GPU(float)
+TFCLIP_REGISTER_CLIP_GPU(double)
 REGISTER_KERNEL_BUILDER(Name("TfclipClipApplySgd").Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD,
                         RuleOp<RuleKind::kSgd, OnGpu>);
 REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyMomentum")

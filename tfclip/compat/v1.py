@@ -25,18 +25,15 @@ import math
 import tensorflow as tf
 
 from tfclip import _loader
+from tfclip.ops import _CLIP_ARGS, _CLIP_MODES, _check_policy
+from tfclip.rules import _scalar
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer"]
 
-_CLIP = (("global_clipnorm", "global_norm"), ("clipnorm", "norm"), ("clipvalue", "value"))
-_POLICIES = ("skip", "propagate", "raise")
-
 
 def _f64(x, name):
-    if callable(x):
-        x = x()
-    t = tf.convert_to_tensor(x, dtype_hint=tf.float64, name=name)
-    return tf.cast(t, tf.float64)
+    """A hyper-parameter (number, tensor, or a callable giving one, as TF1 allows) as float64."""
+    return _scalar(x() if callable(x) else x, name)
 
 
 class _Fused(tf.compat.v1.train.Optimizer):
@@ -44,7 +41,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
 
     def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite):
         super().__init__(use_locking, name)
-        given = [(k, mode, v) for (k, mode), v in zip(_CLIP, (global_clipnorm, clipnorm, clipvalue))
+        given = [(k, _CLIP_MODES[k], v) for k, v in zip(_CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue))
                  if v is not None]
         if len(given) > 1:
             raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got "
@@ -54,8 +51,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{k} must be a finite number > 0, got {v!r}")
             self._clip_mode, self._clip = mode, float(v)
-        if nonfinite not in _POLICIES:
-            raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+        _check_policy(nonfinite)
         self._nonfinite = nonfinite
 
     def _create_slots(self, var_list):
