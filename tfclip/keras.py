@@ -21,6 +21,8 @@ same slot variables, and follow the same trajectories step by step. Differences,
 
 Inside an XLA-compiled function (`jit_compile=True`) a custom op cannot run; there the update
 falls back to the stock Keras ops (still clipping after the all-reduce), with the same results.
+There, `nonfinite="skip"` is honoured without a strategy; under a strategy the fallback applies
+the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
 import math
 
