@@ -6,6 +6,8 @@
 // the CPU build does not, and the apply pass would differ from the CPU in the last bit.
 #include "cuda/cuda_driver.h"
 
+#include "csrc/core/sparse.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,13 +22,25 @@ namespace {
 // ---------------------------------------------------------------- the tensor table
 struct DevTensor {
   void* var;          // apply: the variable; scale: the output
-  const void* grad;   // apply: the gradient; norm/scale: the input
+  const void* grad;   // apply: the gradient (sparse: its slices); norm/scale: the input
   void* slots[kMaxSlots];
-  int64_t size;
+  int64_t size;       // of grad
   int64_t first_chunk;
   int64_t num_chunks;
+  int64_t width;      // sparse: elements per row
   int32_t var_dtype;
   int32_t grad_dtype;
+  int32_t sparse;     // 1: applied by the sparse kernel; its chunks are the norm's only
+  int32_t pad;
+};
+
+// The sparse apply pass's table (csrc/core/sparse.h), uploaded with the tensor table.
+struct DevSparse {
+  const SparseUnit* units;
+  const int64_t* order;
+  const int64_t* urows;
+  const int64_t* ustart;
+  int64_t nunits;
 };
 
 struct DevChunk {
@@ -57,15 +71,29 @@ struct Table {
 
 size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
 
-// Host table layout: tensors, chunks, block starts (each 256-aligned).
+// Host table layout: tensors, chunks, block starts, then the sparse plan's units, order,
+// urows and ustart (each 256-aligned).
 struct HostLayout {
-  size_t off_chunks, off_blocks, bytes;
+  size_t off_chunks, off_blocks, off_units, off_order, off_urows, off_ustart, bytes;
 };
+template <typename T>
+size_t Bytes(const std::vector<T>& v) {
+  return Align256(sizeof(T) * v.size());
+}
 HostLayout Layout(const CudaPlan& p) {
   HostLayout l;
   l.off_chunks = Align256(sizeof(DevTensor) * static_cast<size_t>(p.n));
   l.off_blocks = l.off_chunks + Align256(sizeof(DevChunk) * p.plan.chunks.size());
-  l.bytes = l.off_blocks + Align256(sizeof(int64_t) * p.plan.block_begin.size());
+  l.off_units = l.off_blocks + Bytes(p.plan.block_begin);
+  l.bytes = l.off_units;
+  l.off_order = l.off_urows = l.off_ustart = l.bytes;
+  if (p.sparse != nullptr && !p.sparse->empty()) {
+    const SparsePlan& sp = *p.sparse;
+    l.off_order = l.off_units + Bytes(sp.units);
+    l.off_urows = l.off_order + Bytes(sp.order);
+    l.off_ustart = l.off_urows + Bytes(sp.urows);
+    l.bytes = l.off_ustart + Bytes(sp.ustart);
+  }
   return l;
 }
 
@@ -198,11 +226,6 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
 }
 
 // ---------------------------------------------------------------- kernel 3: apply
-template <typename M>
-__device__ __forceinline__ M Clamp(M g, M lo, M hi) {
-  return g < lo ? lo : (g > hi ? hi : g);  // NaN stays NaN, as tf.clip_by_value
-}
-
 // One element: the clip factor, decoupled weight decay, then the rule. Operation for operation
 // the CPU driver's ApplyLoop (a scale of 1 and infinite bounds are exact no-ops).
 template <typename Rule, typename V, typename G, int kSlots>
@@ -211,15 +234,12 @@ __device__ __forceinline__ void ApplyElem(const StepConsts<typename Elem<V>::Mat
                                           typename Elem<V>::Math lo, typename Elem<V>::Math hi,
                                           G graw, V& var, V* s) {
   using M = typename Elem<V>::Math;
-  using GM = typename Elem<G>::Math;
-  M g = static_cast<M>(Elem<G>::Load(graw));
-  g = static_cast<M>(RoundTo<G>(static_cast<GM>(g * scale)));
-  g = Clamp(g, lo, hi);
+  const M g = ClipGrad<G, M>(graw, scale, lo, hi);
   M sl[kMaxSlots] = {M(0), M(0), M(0)};
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) sl[k] = Elem<V>::Load(s[k]);
   M v = DecayVar(c, Elem<V>::Load(var));
-  Rule::Update(c, g, v, sl);
+  Rule::Update(c, g, g * g, v, sl);
   var = Elem<V>::Store(v);
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) s[k] = Elem<V>::Store(sl[k]);
@@ -292,6 +312,26 @@ __device__ __forceinline__ void DispatchSlots(int nslots, Fn&& fn) {
   }
 }
 
+// Calls fn(V{}, G{}, consts) for a tensor's (variable, gradient) dtype pair, with the step
+// constants in the variable's math type.
+template <typename Fn>
+__device__ __forceinline__ void DispatchPairDev(const DevTensor& ten, const StepConsts<float>& cf,
+                                                const StepConsts<double>& cd, Fn&& fn) {
+  const DType vd = static_cast<DType>(ten.var_dtype), gd = static_cast<DType>(ten.grad_dtype);
+  if (vd == DType::kFloat && gd == DType::kHalf) {
+    fn(float{}, half{}, cf);
+  } else if (vd == DType::kFloat && gd == DType::kBFloat16) {
+    fn(float{}, bfloat16{}, cf);
+  } else if (vd == DType::kDouble) {
+    fn(double{}, double{}, cd);
+  } else {
+    DispatchDTypeDev(ten.var_dtype, [&](auto tag) {
+      using V = decltype(tag);
+      if constexpr (!std::is_same<V, double>::value) fn(V{}, V{}, cf);
+    });
+  }
+}
+
 template <typename Rule>
 __global__ void __launch_bounds__(kThreads)
     ApplyKernel(Table t, StepConsts<float> cf, StepConsts<double> cd, int nslots) {
@@ -300,26 +340,77 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c = cb; c < ce; ++c) {
     const DevChunk ch = t.chunks[c];
     const DevTensor& ten = t.tensors[ch.tensor];
+    if (ten.sparse) continue;  // the sparse kernel applies it
     const ClipFactor f = t.factors[ch.tensor];
-    const DType vd = static_cast<DType>(ten.var_dtype), gd = static_cast<DType>(ten.grad_dtype);
     DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
       constexpr int kS = decltype(slots_tag)::value;
-      if (vd == DType::kFloat && gd == DType::kHalf) {
-        ApplyRange<Rule, float, half, kS>(cf, ten, f, ch.begin, ch.end);
-      } else if (vd == DType::kFloat && gd == DType::kBFloat16) {
-        ApplyRange<Rule, float, bfloat16, kS>(cf, ten, f, ch.begin, ch.end);
-      } else if (vd == DType::kDouble) {
-        ApplyRange<Rule, double, double, kS>(cd, ten, f, ch.begin, ch.end);
-      } else {
-        DispatchDTypeDev(ten.var_dtype, [&](auto tag) {
-          using V = decltype(tag);
-          if constexpr (!std::is_same<V, double>::value) {
-            ApplyRange<Rule, V, V, kS>(cf, ten, f, ch.begin, ch.end);
-          }
-        });
-      }
+      DispatchPairDev(ten, cf, cd, [&](auto vtag, auto gtag, const auto& consts) {
+        ApplyRange<Rule, decltype(vtag), decltype(gtag), kS>(consts, ten, f, ch.begin, ch.end);
+      });
     });
   }
+}
+
+// ---------------------------------------------------------------- kernel 4: sparse apply
+// One block per unit of the sparse plan; a thread per (row, column) element. In an all-rows
+// unit a row finds its slices by binary search over the unit's touched rows.
+template <typename Rule, typename V, typename G, int kSlots>
+__device__ void SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
+                              const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
+  using M = typename Elem<V>::Math;
+  V* var = static_cast<V*>(ten.var);
+  const G* values = static_cast<const G*>(ten.grad);
+  V* sl[kMaxSlots] = {static_cast<V*>(ten.slots[0]), static_cast<V*>(ten.slots[1]),
+                      static_cast<V*>(ten.slots[2])};
+  const M scale = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(f.scale)));
+  const M lo = static_cast<M>(f.lo), hi = static_cast<M>(f.hi);
+  const int64_t w = ten.width;
+  const int64_t total = (u.end - u.begin) * w;
+  for (int64_t e = threadIdx.x; e < total; e += kThreads) {
+    const int64_t r = e / w, col = e - r * w;
+    int64_t row, jb = 0, je = 0;
+    if (u.all_rows) {
+      row = u.begin + r;
+      int64_t a = u.u_begin, b = u.u_end;
+      while (a < b) {
+        const int64_t mid = a + (b - a) / 2;
+        if (sp.urows[mid] < row) a = mid + 1;
+        else b = mid;
+      }
+      if (a < u.u_end && sp.urows[a] == row) {
+        jb = sp.ustart[a];
+        je = sp.ustart[a + 1];
+      }
+    } else {
+      const int64_t x = u.begin + r;
+      row = sp.urows[x];
+      jb = sp.ustart[x];
+      je = sp.ustart[x + 1];
+    }
+    const int64_t i = row * w + col;
+    V s[kMaxSlots];
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) s[k] = sl[k][i];
+    SparseElem<Rule, V, G, kSlots>(c, scale, lo, hi, values, w, col, sp.order, jb, je, var[i], s);
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) sl[k][i] = s[k];
+  }
+}
+
+template <typename Rule>
+__global__ void __launch_bounds__(kThreads)
+    SparseApplyKernel(Table t, DevSparse sp, StepConsts<float> cf, StepConsts<double> cd,
+                      int nslots) {
+  if (!t.status->apply) return;
+  const SparseUnit u = sp.units[blockIdx.x];
+  const DevTensor& ten = t.tensors[u.tensor];
+  const ClipFactor f = t.factors[u.tensor];
+  DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
+    constexpr int kS = decltype(slots_tag)::value;
+    DispatchPairDev(ten, cf, cd, [&](auto vtag, auto gtag, const auto& consts) {
+      SparseUnitDev<Rule, decltype(vtag), decltype(gtag), kS>(consts, ten, f, sp, u);
+    });
+  });
 }
 
 // ---------------------------------------------------------------- the clip op's scale pass
@@ -363,6 +454,13 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, void* host_ws, v
     hc[c] = DevChunk{ch.begin, ch.end, ch.tensor, 0};
   }
   std::memcpy(h + l.off_blocks, p.plan.block_begin.data(), sizeof(int64_t) * p.plan.block_begin.size());
+  if (p.sparse != nullptr && !p.sparse->empty()) {
+    const SparsePlan& sp = *p.sparse;
+    std::memcpy(h + l.off_units, sp.units.data(), sizeof(SparseUnit) * sp.units.size());
+    std::memcpy(h + l.off_order, sp.order.data(), sizeof(int64_t) * sp.order.size());
+    std::memcpy(h + l.off_urows, sp.urows.data(), sizeof(int64_t) * sp.urows.size());
+    std::memcpy(h + l.off_ustart, sp.ustart.data(), sizeof(int64_t) * sp.ustart.size());
+  }
   const cudaError_t e = cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream);
   if (e != cudaSuccess) return CudaError(e, "the tensor table upload");
   t->tensors = reinterpret_cast<const DevTensor*>(d);
@@ -435,8 +533,9 @@ std::string UploadViews(const TensorView* in, const TensorView* out, int n, cons
 
 }  // namespace
 
-void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p) {
+void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse) {
   p->n = n;
+  p->sparse = sparse;
   PlanChunks(sizes, n, kCudaChunkElems, &p->plan);
   const size_t nchunks = p->plan.chunks.size();
   p->host_bytes = Layout(*p).bytes;
@@ -502,7 +601,9 @@ std::string CudaClipApply(RuleKind rule, const HParams& hp, const ClipConfig& cf
     d.var = ts[i].var;
     d.grad = ts[i].grad;
     for (int k = 0; k < kMaxSlots; ++k) d.slots[k] = ts[i].slots[k];
-    d.size = ts[i].size;
+    d.size = ts[i].grad_size();
+    d.width = ts[i].width;
+    d.sparse = ts[i].sparse ? 1 : 0;
     d.var_dtype = static_cast<int32_t>(ts[i].var_dtype);
     d.grad_dtype = static_cast<int32_t>(ts[i].grad_dtype);
   }
@@ -527,6 +628,27 @@ std::string CudaClipApply(RuleKind rule, const HParams& hp, const ClipConfig& cf
     });
     ++g_last_launches;
     e = Launched("the apply kernel");
+    if (!e.empty()) return e;
+  }
+  if (p.sparse != nullptr && !p.sparse->empty()) {
+    const HostLayout l = Layout(p);
+    const char* d = static_cast<const char*>(dev_ws);
+    DevSparse sp;
+    sp.units = reinterpret_cast<const SparseUnit*>(d + l.off_units);
+    sp.order = reinterpret_cast<const int64_t*>(d + l.off_order);
+    sp.urows = reinterpret_cast<const int64_t*>(d + l.off_urows);
+    sp.ustart = reinterpret_cast<const int64_t*>(d + l.off_ustart);
+    sp.nunits = static_cast<int64_t>(p.sparse->units.size());
+    const StepConsts<float> cf = MakeStepConsts<float>(hp);
+    const StepConsts<double> cd = MakeStepConsts<double>(hp);
+    const int nslots = NumSlots(rule, hp);
+    DispatchRule(rule, [&](auto rule_tag) {
+      using Rule = decltype(rule_tag);
+      SparseApplyKernel<Rule><<<static_cast<unsigned>(sp.nunits), kThreads, 0, stream>>>(
+          t, sp, cf, cd, nslots);
+    });
+    ++g_last_launches;
+    e = Launched("the sparse apply kernel");
     if (!e.empty()) return e;
   }
   if (cfg.policy == NonFinitePolicy::kRaise) {

@@ -9,6 +9,7 @@
 //   finalize kernel  one block: reduces the slots in a fixed order, writes the norm, each
 //                    tensor's clip factor and the apply/non-finite flags to device memory
 //   apply kernel     reads the flags and factors there, then grad, var, slots once each
+//   sparse kernel    only with IndexedSlices gradients: their rows (csrc/core/sparse.h)
 // Nothing waits on the host, except nonfinite='raise', which must learn whether to fail.
 #pragma once
 
@@ -17,6 +18,7 @@
 #include <string>
 
 #include "csrc/core/multi_tensor.h"
+#include "csrc/core/sparse.h"
 
 namespace tfclip {
 namespace cuda {
@@ -32,12 +34,15 @@ constexpr int kThreads = 512;  // per block, norm and apply kernels
 struct CudaPlan {
   ChunkPlan plan;
   int n = 0;
+  const SparsePlan* sparse = nullptr;  // IndexedSlices gradients (owned by the caller)
   size_t host_bytes = 0;    // the table: tensors, chunks, block starts
   size_t device_bytes = 0;  // the table's device copy, then partials, clip factors, status
   // Offsets into the device buffer.
   size_t off_partials = 0, off_factors = 0, off_status = 0;
 };
-void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p);
+// sizes: of each gradient (sparse: its slices). `sparse` (may be null) joins the table; it must
+// outlive the step's launch.
+void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse = nullptr);
 
 // Outputs a step writes in device memory (each may be null).
 struct CudaOutputs {

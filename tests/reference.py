@@ -20,8 +20,9 @@ def clip(grads, mode, c, use_norm=None):
     return g64
 
 
-def step(rule, var, slots, g, hp, t):
-    """One update in float64. slots: list of arrays (updated in place); returns the new var."""
+def step(rule, var, slots, g, hp, t, gsq=None):
+    """One update in float64. slots: list of arrays (updated in place); returns the new var.
+    gsq: what Adam's v takes as g^2 (default g*g; a sparse row: the sum of its slices' squares)."""
     lr, wd = hp.get("learning_rate", 0.01), hp.get("weight_decay", 0.0)
     var = var - var * wd * lr
     if rule == "sgd":
@@ -42,7 +43,7 @@ def step(rule, var, slots, g, hp, t):
         b1, b2, eps = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999), hp.get("epsilon", 1e-7)
         alpha = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
         slots[0][...] = slots[0] + (g - slots[0]) * (1 - b1)
-        slots[1][...] = slots[1] + (g * g - slots[1]) * (1 - b2)
+        slots[1][...] = slots[1] + ((g * g if gsq is None else gsq) - slots[1]) * (1 - b2)
         v = slots[1]
         if hp.get("amsgrad"):
             slots[2][...] = np.maximum(slots[2], slots[1])

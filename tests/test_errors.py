@@ -25,6 +25,7 @@ def _unchanged(variables, before):
 def _sgd_raw(variables, grads, lr=0.1, **kw):
     kw.setdefault("clip", tf.constant(0.0, tf.float64))
     kw.setdefault("use_norm", tf.constant(0.0, tf.float64))
+    kw.setdefault("indices", [])
     return OPS.tfclip_clip_apply_sgd(var=[v.handle for v in variables], grad=grads,
                                      lr=tf.constant(lr, tf.float64),
                                      weight_decay=tf.constant(0.0, tf.float64), **kw)
@@ -172,7 +173,7 @@ def test_op_same_variable_twice_is_an_error_not_a_hang(rng):
             var=[variables[0].handle], accum=[variables[0].handle], grad=[tf.ones([3])],
             lr=tf.constant(0.1, tf.float64), momentum=tf.constant(0.9, tf.float64),
             weight_decay=tf.constant(0.0, tf.float64), clip=tf.constant(0.0, tf.float64),
-            use_norm=tf.constant(0.0, tf.float64))
+            use_norm=tf.constant(0.0, tf.float64), indices=[])
     _unchanged(variables, before)
 
 
@@ -183,7 +184,7 @@ def test_op_slot_of_wrong_shape_or_dtype_writes_nothing(rng):
     acc_before = _snap(accum)
     args = dict(grad=[tf.ones(v.shape) for v in variables], lr=tf.constant(0.1, tf.float64),
                 momentum=tf.constant(0.9, tf.float64), weight_decay=tf.constant(0.0, tf.float64),
-                clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64))
+                clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64), indices=[])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[2\] is float\[5\] but vars\[2\] is float\[2,2\]"):
         OPS.tfclip_clip_apply_momentum(var=[v.handle for v in variables],
                                        accum=[a.handle for a in accum], **args)
@@ -201,7 +202,8 @@ def test_op_non_scalar_hyperparameter(rng):
         OPS.tfclip_clip_apply_sgd(var=[variables[0].handle], grad=[tf.ones([3])],
                                   lr=tf.constant([0.1, 0.1], tf.float64),
                                   weight_decay=tf.constant(0.0, tf.float64),
-                                  clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64))
+                                  clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64),
+                                  indices=[])
 
 
 def test_uninitialized_variable_in_a_graph(rng):

@@ -18,6 +18,9 @@ same slot variables, and follow the same trajectories step by step. Differences,
   slot and counts in `skipped_steps` (the step counter `iterations` still advances, as in
   stock Keras). `"propagate"` gives stock behaviour (NaN spreads); `"raise"` fails the step.
 - **`global_norm`** (a variable) holds the pre-clip global norm of the last step, for logging.
+- **`lazy_sparse=True`** (off by default) updates only the embedding rows an `IndexedSlices`
+  gradient touches, and only their slots: stock Keras decays every row's slots. By default
+  IndexedSlices are applied without densifying them, with stock Keras's results.
 
 Inside an XLA-compiled function (`jit_compile=True`) a custom op cannot run; there the update
 falls back to the stock Keras ops (still clipping after the all-reduce), with the same results.
@@ -31,7 +34,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from tfclip import _loader
-from tfclip.ops import _check_policy
+from tfclip.ops import _check_policy, _op_grads
 from tfclip.rules import _scalar
 
 __all__ = ["SGD", "Adam", "AdamW"]
@@ -57,11 +60,14 @@ class _FusedMixin:
 
     _tfclip_kind = None  # set per class
 
-    def _tfclip_init(self, nonfinite):
+    def _tfclip_init(self, nonfinite, lazy_sparse):
         _check_policy(nonfinite)
         for name in ("clipnorm", "clipvalue", "global_clipnorm"):
             _check_clip(name, getattr(self, name))
+        if not isinstance(lazy_sparse, bool):
+            raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite
+        self.lazy_sparse = lazy_sparse
         with keras.name_scope(self.name):
             self._global_norm = keras.Variable(0.0, name="global_norm", dtype="float32",
                                                trainable=False, aggregation="only_first_replica")
@@ -81,6 +87,7 @@ class _FusedMixin:
     def get_config(self):
         config = super().get_config()
         config["nonfinite"] = self.nonfinite
+        config["lazy_sparse"] = self.lazy_sparse
         return config
 
     # Clipping and weight decay happen inside the fused step, after the all-reduce.
@@ -111,17 +118,11 @@ class _FusedMixin:
     # -- the fused op -------------------------------------------------------------------
     def _fused_update_step(self, grads, keras_vars, learning_rate):
         ops = _loader.ops()
-        # IndexedSlices (embeddings) are densified for the apply; their norm is the norm of
-        # `.values`, as tf.linalg.global_norm and Keras count it (duplicate rows separately).
-        dense, norm_inputs, sparse = [], [], False
-        for g in grads:
-            if isinstance(g, tf.IndexedSlices):
-                sparse = True
-                norm_inputs.append(g.values)
-                g = tf.convert_to_tensor(g)
-            else:
-                norm_inputs.append(g)
-            dense.append(g)
+        # IndexedSlices (embeddings) go to the op as they are: their norm is the norm of
+        # `.values` (as tf.linalg.global_norm and Keras count it), and they are applied without
+        # densifying, with stock Keras's results (or only their rows, with lazy_sparse). Stock
+        # Keras's Adam feeds v the sum of a duplicated row's squared slices, except after
+        # global_clipnorm, whose `g * scale` densifies (summing the duplicates) first.
         mode, clip = self._clip_mode()
         # Keras applies weight decay per variable (exclude_from_weight_decay): one op per group,
         # the global norm computed once for both.
@@ -131,16 +132,19 @@ class _FusedMixin:
             groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
         lr = _scalar(learning_rate, "learning_rate")
         use_norm, given = tf.constant(0.0, tf.float64), False
-        if len(groups) > 1 or sparse:
-            use_norm = ops.tfclip_global_norm(t=norm_inputs, Tnorm=tf.float64)
+        if len(groups) > 1:
+            values, _ = _op_grads(grads)
+            use_norm = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
         norm = applied = None
         for with_decay, idx in sorted(groups.items()):
+            values, sparse_kw = _op_grads([grads[i] for i in idx])
             n, a = self._call_op(
-                ops, [keras_vars[i] for i in idx], [dense[i] for i in idx], lr,
+                ops, [keras_vars[i] for i in idx], values, lr,
                 _scalar(self.weight_decay if with_decay else 0.0, "weight_decay"),
                 clip=tf.constant(clip, tf.float64), use_norm=use_norm, clip_mode=mode,
-                nonfinite=self.nonfinite, use_given_norm=given)
+                nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
+                sum_of_squares=mode != "global_norm", **sparse_kw)
             norm = n if norm is None else norm
             applied = a if applied is None else applied
         self._global_norm.assign(norm)
@@ -179,9 +183,10 @@ class _FusedMixin:
 class SGD(_FusedMixin, keras.optimizers.SGD):
     """keras.optimizers.SGD (momentum, nesterov) as one fused op. Extra: `nonfinite`."""
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, *, nonfinite="skip", **kwargs):
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, *, nonfinite="skip",
+                 lazy_sparse=False, **kwargs):
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs)
-        self._tfclip_init(nonfinite)
+        self._tfclip_init(nonfinite, lazy_sparse)
 
     def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
         var = [_tf_var(v).handle for v in keras_vars]
@@ -196,14 +201,14 @@ class Adam(_FusedMixin, keras.optimizers.Adam):
     """keras.optimizers.Adam (amsgrad too) as one fused op. Extra: `nonfinite`."""
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False, *,
-                 nonfinite="skip", **kwargs):
+                 nonfinite="skip", lazy_sparse=False, **kwargs):
         super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
                          amsgrad=amsgrad, **kwargs)
         for name in ("beta_1", "beta_2", "epsilon"):
             v = getattr(self, name)
             if not callable(v) and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        self._tfclip_init(nonfinite)
+        self._tfclip_init(nonfinite, lazy_sparse)
 
     def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
         step = tf.cast(self.iterations + 1, tf.float64)
@@ -222,10 +227,10 @@ class AdamW(_FusedMixin, keras.optimizers.AdamW):
     """keras.optimizers.AdamW (decoupled weight decay) as one fused op. Extra: `nonfinite`."""
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 amsgrad=False, *, nonfinite="skip", **kwargs):
+                 amsgrad=False, *, nonfinite="skip", lazy_sparse=False, **kwargs):
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1,
                          beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad, **kwargs)
-        self._tfclip_init(nonfinite)
+        self._tfclip_init(nonfinite, lazy_sparse)
 
     _call_op = Adam._call_op
 

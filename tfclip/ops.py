@@ -177,6 +177,7 @@ def fused_clip_apply(
     clipvalue=None,
     use_norm=None,
     nonfinite="skip",
+    lazy_sparse=False,
     name=None,
 ):
     """Clip gradients and apply an update rule to their variables, in one fused step.
@@ -194,7 +195,10 @@ def fused_clip_apply(
       grads_and_vars: (gradient, variable) pairs, as `compute_gradients` or `zip(grads, vars)`
         give. Pairs whose gradient is `None` (`tf.stop_gradient`, unused variables) are skipped
         and are not part of the norm; only the listed variables are touched. `IndexedSlices`
-        gradients are densified (a sparse path is planned).
+        gradients (embeddings) are applied without densifying them; their `.values` join the
+        global norm, as in TF. The update is the one the densified gradient would give: SGD
+        scatters (duplicate rows applied one after another); Momentum, Adam and AdamW sum a
+        row's duplicates and decay every row's slots, as the stock optimizers do.
       rule: a `tfclip.rules` object (`SGD`, `Momentum`, `Adam`, `AdamW`). It holds the
         hyper-parameters, the step counter and the optimizer slots (see `tfclip.rules`).
       use_norm: a global norm computed elsewhere (e.g. all-reduced across shards) to use
@@ -203,6 +207,10 @@ def fused_clip_apply(
         step counter does not advance, `applied` is False. "propagate": TF's semantics (the
         clipped gradients are NaN, and so become the variables). "raise": an
         InvalidArgumentError, nothing written.
+      lazy_sparse: for `IndexedSlices` gradients, update only the rows they touch (and those
+        rows' slots), like TF1's `LazyAdamOptimizer`: much less memory traffic for a large
+        embedding table, but not the stock result (untouched rows' slots do not decay and
+        weight decay skips them).
 
     Returns:
       `ClipApplyResult(global_norm, applied)`. In graph mode, running either runs the step.
@@ -256,22 +264,59 @@ def fused_clip_apply(
                              f"variable {v.name}; each variable may appear once")
         seen[key] = i
         if isinstance(g, tf.IndexedSlices):
-            g = tf.convert_to_tensor(g)
-        g = tf.convert_to_tensor(g, dtype_hint=v.dtype)
+            g = _check_indexed_slices(g, v, i)
+        else:
+            g = tf.convert_to_tensor(g, dtype_hint=v.dtype)
+            if g.shape.is_fully_defined() and v.shape.is_fully_defined() and g.shape != v.shape:
+                what = "shape" if g.shape.num_elements() == v.shape.num_elements() else "element count"
+                raise ValueError(f"grads_and_vars[{i}]: gradient {what} differs: gradient "
+                                 f"{g.shape} vs variable {v.name} {v.shape}")
         if not _grad_dtype_ok(v.dtype, g.dtype):
             raise TypeError(f"grads_and_vars[{i}]: gradient dtype {g.dtype.name} does not match "
                             f"variable {v.name} of dtype {v.dtype.name}")
-        if g.shape.is_fully_defined() and v.shape.is_fully_defined() and g.shape != v.shape:
-            what = "shape" if g.shape.num_elements() == v.shape.num_elements() else "element count"
-            raise ValueError(f"grads_and_vars[{i}]: gradient {what} differs: gradient "
-                             f"{g.shape} vs variable {v.name} {v.shape}")
         grads.append(g)
         variables.append(v)
     if not grads:
         raise ValueError("No gradients provided for any variable (every gradient is None): "
                          f"{[v.name for _, v in pairs]}")
     with tf.name_scope(name or f"clip_apply_{rule.kind}"):
-        return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite)
+        return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite, bool(lazy_sparse))
+
+
+def _check_indexed_slices(g, v, i):
+    """An IndexedSlices gradient of `v`, with what can be checked before the op (static
+    shapes, dtypes); the op checks the rest, indices' range included, before writing."""
+    values = tf.convert_to_tensor(g.values, dtype_hint=v.dtype)
+    indices = tf.convert_to_tensor(g.indices)
+    if indices.dtype not in (tf.int32, tf.int64):
+        raise TypeError(f"grads_and_vars[{i}]: IndexedSlices indices have dtype "
+                        f"{indices.dtype.name}; int32 or int64 expected")
+    if v.shape.rank == 0:
+        raise ValueError(f"grads_and_vars[{i}]: IndexedSlices gradient for the scalar variable "
+                         f"{v.name}; sparse gradients need a variable of rank >= 1")
+    if indices.shape.rank is not None and indices.shape.rank != 1:
+        raise ValueError(f"grads_and_vars[{i}]: IndexedSlices indices must be a vector, got "
+                         f"shape {indices.shape}")
+    if values.shape.rank is not None and v.shape.rank is not None:
+        if values.shape.rank != v.shape.rank or not values.shape[1:].is_compatible_with(v.shape[1:]):
+            raise ValueError(f"grads_and_vars[{i}]: IndexedSlices values of shape {values.shape} "
+                             f"do not fit variable {v.name} of shape {v.shape} (rows must be "
+                             f"{v.shape[1:]})")
+    return tf.IndexedSlices(values, indices, g.dense_shape)
+
+
+def _op_grads(grads):
+    """The `grad`, `indices` and `sparse` inputs of the apply ops for a gradient list:
+    IndexedSlices travel as their values, with their indices and positions."""
+    values, indices, sparse = [], [], []
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            values.append(g.values)
+            indices.append(g.indices)
+            sparse.append(i)
+        else:
+            values.append(g)
+    return values, {"indices": indices, "sparse": sparse}
 
 
 def _as_tf_variable(v):

@@ -29,7 +29,7 @@ import numbers
 import tensorflow as tf
 
 from tfclip import _loader
-from tfclip.ops import ClipApplyResult
+from tfclip.ops import ClipApplyResult, _op_grads
 
 
 def _scalar(x, name):
@@ -112,16 +112,19 @@ class Rule:
         return {"weight_decay": self.weight_decay}
 
     # -- the step -----------------------------------------------------------------------
-    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite):
+    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False):
         slot_lists = {s: [] for s in self.slot_names}
         for v in variables:
             for s, var in self.slots(v).items():
                 slot_lists[s].append(var.handle)
         given = use_norm is not None
+        values, sparse_kw = _op_grads(grads)
         norm, applied = self._call_op(
             [v.handle for v in variables],
-            grads,
+            values,
             slot_lists,
+            lazy=lazy_sparse,
+            **sparse_kw,
             clip=_scalar(clip, "clip"),
             use_norm=_scalar(use_norm if given else 0.0, "use_norm"),
             clip_mode=clip_mode,

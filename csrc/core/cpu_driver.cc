@@ -1,6 +1,8 @@
 // tfclip core, CPU: the norm, scale and apply passes over the chunk plan of a whole list.
 #include "csrc/core/cpu_driver.h"
 
+#include "csrc/core/sparse.h"
+
 #include <cmath>
 #include <type_traits>
 
@@ -64,12 +66,6 @@ void ScaleChunk(const T* in, T* out, int64_t b, int64_t e, double scale) {
   for (int64_t i = b; i < e; ++i) out[i] = Elem<T>::Store(Elem<T>::Load(in[i]) * s);
 }
 
-template <typename M>
-inline M Clamp(M g, M lo, M hi) {
-  // NaN stays NaN (comparisons with NaN are false), as tf.clip_by_value.
-  return g < lo ? lo : (g > hi ? hi : g);
-}
-
 template <typename Rule, typename V, typename G, int kSlots, bool kScaled, bool kClamped>
 void ApplyLoop(const StepConsts<typename Elem<V>::Math> c, V* __restrict__ var,
                const G* __restrict__ grad, V* __restrict__ s0, V* __restrict__ s1,
@@ -81,13 +77,13 @@ void ApplyLoop(const StepConsts<typename Elem<V>::Math> c, V* __restrict__ var,
   for (int64_t i = b; i < e; ++i) {
     M g = static_cast<M>(Elem<G>::Load(grad[i]));
     if (kScaled) g = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(g * scale)));
-    if (kClamped) g = Clamp(g, lo, hi);
+    if (kClamped) g = ClampGrad(g, lo, hi);
     M s[kMaxSlots] = {M(0), M(0), M(0)};
     if (kSlots > 0) s[0] = Elem<V>::Load(s0[i]);
     if (kSlots > 1) s[1] = Elem<V>::Load(s1[i]);
     if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
     M v = DecayVar(c, Elem<V>::Load(var[i]));
-    Rule::Update(c, g, v, s);
+    Rule::Update(c, g, g * g, v, s);
     var[i] = Elem<V>::Store(v);
     if (kSlots > 0) s0[i] = Elem<V>::Store(s[0]);
     if (kSlots > 1) s1[i] = Elem<V>::Store(s[1]);
@@ -130,6 +126,77 @@ void DispatchPair(DType var, DType grad, Fn&& fn) {
   if (var == DType::kFloat && grad == DType::kHalf) return fn(float{}, half{});
   if (var == DType::kFloat && grad == DType::kBFloat16) return fn(float{}, bfloat16{});
   DispatchDType(var, [&](auto v) { fn(v, v); });
+}
+
+
+// An all-rows sparse pass over rows no slice touches: the rule with a zero gradient, as stock
+// Keras computes it on the densified gradient. Branch-free, vectorized like ApplyLoop.
+template <typename Rule, typename V, int kSlots>
+void ZeroGradLoop(const StepConsts<typename Elem<V>::Math> c, V* __restrict__ var,
+                  V* __restrict__ s0, V* __restrict__ s1, V* __restrict__ s2, int64_t b, int64_t e) {
+  using M = typename Elem<V>::Math;
+  for (int64_t i = b; i < e; ++i) {
+    M s[kMaxSlots] = {M(0), M(0), M(0)};
+    if (kSlots > 0) s[0] = Elem<V>::Load(s0[i]);
+    if (kSlots > 1) s[1] = Elem<V>::Load(s1[i]);
+    if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
+    M v = DecayVar(c, Elem<V>::Load(var[i]));
+    Rule::Update(c, M(0), M(0), v, s);
+    var[i] = Elem<V>::Store(v);
+    if (kSlots > 0) s0[i] = Elem<V>::Store(s[0]);
+    if (kSlots > 1) s1[i] = Elem<V>::Store(s[1]);
+    if (kSlots > 2) s2[i] = Elem<V>::Store(s[2]);
+  }
+}
+
+// One unit of a sparse pass (see sparse.h): touched rows through SparseElem, and in an
+// all-rows unit the untouched runs between them through ZeroGradLoop.
+template <typename Rule, typename V, typename G, int kSlots>
+void SparseUnitCpu(const StepConsts<typename Elem<V>::Math>& c, const ApplyTensor& t,
+                   const ClipFactor& f, const SparsePlan& sp, const SparseUnit& u) {
+  using M = typename Elem<V>::Math;
+  V* var = static_cast<V*>(t.var);
+  const G* values = static_cast<const G*>(t.grad);
+  V* sl[kMaxSlots] = {static_cast<V*>(t.slots[0]), static_cast<V*>(t.slots[1]),
+                      static_cast<V*>(t.slots[2])};
+  const M scale = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(f.scale)));
+  const M lo = static_cast<M>(f.lo), hi = static_cast<M>(f.hi);
+  const int64_t w = t.width;
+  auto touched = [&](int64_t uidx) {
+    const int64_t row = sp.urows[uidx];
+    for (int64_t col = 0; col < w; ++col) {
+      const int64_t i = row * w + col;
+      V s[kMaxSlots];
+      for (int k = 0; k < kSlots; ++k) s[k] = sl[k][i];
+      SparseElem<Rule, V, G, kSlots>(c, scale, lo, hi, values, w, col, sp.order.data(),
+                                     sp.ustart[uidx], sp.ustart[uidx + 1], var[i], s);
+      for (int k = 0; k < kSlots; ++k) sl[k][i] = s[k];
+    }
+  };
+  if (!u.all_rows) {
+    for (int64_t x = u.begin; x < u.end; ++x) touched(x);
+    return;
+  }
+  int64_t row = u.begin;
+  for (int64_t x = u.u_begin; x <= u.u_end; ++x) {
+    const int64_t next = x < u.u_end ? sp.urows[x] : u.end;
+    if (next > row) ZeroGradLoop<Rule, V, kSlots>(c, var, sl[0], sl[1], sl[2], row * w, next * w);
+    if (x < u.u_end) touched(x);
+    row = next + 1;
+  }
+}
+
+// The slot counts each rule can have (SGD none, momentum one, Adam two or three).
+template <typename Rule, typename Fn>
+void DispatchSlots(int nslots, Fn&& fn) {
+  if constexpr (std::is_same_v<Rule, SgdRule>) {
+    fn(std::integral_constant<int, 0>{});
+  } else if constexpr (std::is_same_v<Rule, AdamRule>) {
+    if (nslots == 3) fn(std::integral_constant<int, 3>{});
+    else fn(std::integral_constant<int, 2>{});
+  } else {
+    fn(std::integral_constant<int, 1>{});
+  }
 }
 
 }  // namespace
@@ -205,6 +272,7 @@ void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
       for (int64_t c = plan.block_begin[bb]; c < plan.block_begin[be]; ++c) {
         const Chunk& ch = plan.chunks[c];
         const ApplyTensor& t = ts[ch.tensor];
+        if (t.sparse) continue;  // its chunks cover the values (norm); SparseApplyCpu applies it
         DispatchPair(t.var_dtype, t.grad_dtype, [&](auto vtag, auto gtag) {
           using V = decltype(vtag);
           using G = decltype(gtag);
@@ -219,11 +287,46 @@ void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
   });
 }
 
+void SparseApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const SparsePlan& sp,
+                    const ClipFactor* factors, const CpuExecutor& exec) {
+  if (sp.units.empty()) return;
+  const int nslots = NumSlots(rule, hp);
+  const StepConsts<float> cf = MakeStepConsts<float>(hp);
+  const StepConsts<double> cd = MakeStepConsts<double>(hp);
+  DispatchRule(rule, [&](auto rule_tag) {
+    using Rule = decltype(rule_tag);
+    const int64_t nunits = static_cast<int64_t>(sp.units.size());
+    exec.parallel_for(nunits, kChunkElems * kApplyCostPerElem, [&](int64_t ub, int64_t ue) {
+      for (int64_t x = ub; x < ue; ++x) {
+        const SparseUnit& u = sp.units[x];
+        const ApplyTensor& t = ts[u.tensor];
+        DispatchPair(t.var_dtype, t.grad_dtype, [&](auto vtag, auto gtag) {
+          using V = decltype(vtag);
+          using G = decltype(gtag);
+          DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
+            constexpr int kS = decltype(slots_tag)::value;
+            if constexpr (std::is_same_v<typename Elem<V>::Math, double>) {
+              SparseUnitCpu<Rule, V, G, kS>(cd, t, factors[u.tensor], sp, u);
+            } else {
+              SparseUnitCpu<Rule, V, G, kS>(cf, t, factors[u.tensor], sp, u);
+            }
+          });
+        });
+      }
+    });
+  });
+}
+
 StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
-                        const ApplyTensor* ts, int n, StepScratch* s, const CpuExecutor& exec) {
+                        const ApplyTensor* ts, int n, bool lazy, StepScratch* s,
+                        const CpuExecutor& exec) {
+  StepResult r;
+  // Indices are checked (and grouped) before anything runs: a bad one writes nothing.
+  r.error = PlanSparse(ts, n, rule, hp, lazy, kChunkElems, &s->sparse);
+  if (!r.error.empty()) return r;
   s->grads.resize(n);
   for (int i = 0; i < n; ++i) {
-    s->grads[i] = TensorView{const_cast<void*>(ts[i].grad), ts[i].size, ts[i].grad_dtype};
+    s->grads[i] = TensorView{const_cast<void*>(ts[i].grad), ts[i].grad_size(), ts[i].grad_dtype};
   }
   PlanList(s->grads.data(), n, &s->plan);
   s->per_tensor.assign(n, 0.0);
@@ -235,11 +338,11 @@ StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
                   exec);
   }
   const ClipOutcome oc = ComputeClipFactors(cfg, s->per_tensor.data(), total, n, s->factors.data());
-  StepResult r;
   r.global_norm = oc.global_norm;
   r.nonfinite = !oc.finite;
   if (!oc.finite && cfg.policy != NonFinitePolicy::kPropagate) return r;  // nothing written
   ApplyCpu(rule, hp, ts, s->plan, s->factors.data(), exec);
+  SparseApplyCpu(rule, hp, ts, s->sparse, s->factors.data(), exec);
   r.applied = true;
   return r;
 }

@@ -5,9 +5,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "csrc/core/multi_tensor.h"
+#include "csrc/core/sparse.h"
 
 namespace tfclip {
 
@@ -39,11 +41,17 @@ void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan
 void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
               const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec);
 
-// Both passes of a clip-and-apply step, with the non-finite policy. Callers validate first.
+// The apply pass of the IndexedSlices gradients of `ts` (planned by PlanSparse).
+void SparseApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const SparsePlan& sp,
+                    const ClipFactor* factors, const CpuExecutor& exec);
+
+// Both passes of a clip-and-apply step, with the non-finite policy. Callers validate first,
+// except the sparse indices, which are checked here before anything is written.
 struct StepResult {
   double global_norm = 0.0;
   bool applied = false;
   bool nonfinite = false;  // with kRaise: the caller reports the error; nothing was written
+  std::string error;       // an out-of-range index: nothing was written
 };
 // scratch is reused across calls when the caller keeps it.
 struct StepScratch {
@@ -51,9 +59,11 @@ struct StepScratch {
   std::vector<double> partials, per_tensor;
   std::vector<ClipFactor> factors;
   std::vector<TensorView> grads;
+  SparsePlan sparse;
 };
+// lazy: sparse gradients update only the rows they touch (see sparse.h).
 StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
-                        const ApplyTensor* ts, int n, StepScratch* scratch,
+                        const ApplyTensor* ts, int n, bool lazy, StepScratch* scratch,
                         const CpuExecutor& exec);
 
 // Cycles of work per element, for the executor's cost model.

@@ -26,9 +26,17 @@ struct ApplyTensor {
   void* var = nullptr;
   const void* grad = nullptr;
   void* slots[kMaxSlots] = {nullptr, nullptr, nullptr};
-  int64_t size = 0;
+  int64_t size = 0;  // elements of the variable (and of a dense gradient)
   DType var_dtype = DType::kFloat;  // slots share the variable's dtype
   DType grad_dtype = DType::kFloat;
+  // An IndexedSlices gradient: `grad` holds nnz slices of `width` elements, slice j for row
+  // indices[j] of the variable seen as a rows x width matrix. Indices are in host memory.
+  bool sparse = false;
+  const int64_t* indices = nullptr;
+  int64_t nnz = 0;
+  int64_t rows = 0;
+  int64_t width = 0;
+  int64_t grad_size() const { return sparse ? nnz * width : size; }
 };
 
 struct Chunk {
@@ -73,6 +81,20 @@ struct ClipFactor {
   double lo = -INFINITY;
   double hi = INFINITY;
 };
+
+// A gradient element through its clip factor, as the dense apply pass does it:
+// g' = clamp(cast<G>(g * cast<G>(scale)), lo, hi), in the variable's math type M. A scale of 1
+// and infinite bounds are exact no-ops; NaN stays NaN through the clamp, as tf.clip_by_value.
+template <typename M>
+TFCLIP_HD M ClampGrad(M g, M lo, M hi) {
+  return g < lo ? lo : (g > hi ? hi : g);
+}
+template <typename G, typename M>
+TFCLIP_HD M ClipGrad(G graw, M scale, M lo, M hi) {
+  M g = static_cast<M>(Elem<G>::Load(graw));
+  g = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(g * scale)));
+  return ClampGrad(g, lo, hi);
+}
 
 // TF's clip_by_global_norm scale: clip * min(1/norm, 1/clip) + (norm - norm); NaN when the
 // norm is inf or NaN. Host and device (the CUDA finalize kernel computes it on the GPU).

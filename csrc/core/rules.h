@@ -3,7 +3,11 @@
 // is written twice. Math is in float for half/bfloat16/float storage and double for double.
 //
 // Each rule mirrors TensorFlow's own training op / Keras 3 optimizer, operation for operation,
-// so results agree to the last bit or two with the stock path:
+// so results agree to the last bit or two with the stock path. Update(c, g, gsq, var, slots)
+// takes the gradient and "its square": g*g for a dense gradient; for a row of an IndexedSlices
+// gradient with duplicate indices, g is the sum of the duplicates and gsq g*g or, with
+// HParams::sum_of_squares, the sum of their squares (csrc/core/sparse.h). A rule with kScatter
+// is instead applied once per duplicate, in order, as TF's scatter ops do.
 //   SgdRule            ResourceApplyGradientDescent / keras SGD(momentum=0)
 //   MomentumRule       ResourceApplyMomentum (tf.compat.v1.train.MomentumOptimizer)
 //   KerasMomentumRule  ResourceApplyKerasMomentum / keras SGD(momentum>0)
@@ -34,6 +38,10 @@ struct HParams {
   double step = 1.0;          // Adam bias correction: 1-based step
   bool nesterov = false;
   bool amsgrad = false;
+  // IndexedSlices rows with duplicate indices: Adam's v takes the sum of the duplicates'
+  // squares (stock Keras when nothing densifies the gradient first) instead of the square of
+  // their sum (a dense gradient's result; TF1 Adam; Keras after global_clipnorm densified it).
+  bool sum_of_squares = false;
 };
 
 int NumSlots(RuleKind rule, const HParams& hp);
@@ -44,7 +52,7 @@ template <typename M>
 struct StepConsts {
   M lr, momentum, one_minus_beta_1, one_minus_beta_2, epsilon, alpha, wd_lr_factor;
   M weight_decay;
-  bool nesterov, amsgrad, decay;
+  bool nesterov, amsgrad, decay, sum_of_squares;
 };
 
 template <typename M>
@@ -66,6 +74,7 @@ StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.wd_lr_factor = c.weight_decay * c.lr;
   c.nesterov = hp.nesterov;
   c.amsgrad = hp.amsgrad;
+  c.sum_of_squares = hp.sum_of_squares;
   return c;
 }
 
@@ -76,16 +85,18 @@ TFCLIP_HD M DecayVar(const StepConsts<M>& c, M var) {
 }
 
 struct SgdRule {
+  static constexpr bool kScatter = true;  // keras SGD on IndexedSlices: scatter_sub(g * lr)
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* /*slots*/) {
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* /*slots*/) {
     var = var - g * c.lr;
   }
 };
 
 struct MomentumRule {
   // accum = accum * momentum + grad; var -= lr * accum  (nesterov: var -= grad*lr + accum*momentum*lr)
+  static constexpr bool kScatter = false;
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* s) {
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* s) {
     M accum = s[0] * c.momentum + g;
     s[0] = accum;
     if (c.nesterov) {
@@ -98,8 +109,9 @@ struct MomentumRule {
 
 struct KerasMomentumRule {
   // m = -grad*lr + m*momentum; var += m  (nesterov: var += -grad*lr + m*momentum)
+  static constexpr bool kScatter = false;
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* s) {
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* s) {
     const M neg_g_lr = -g * c.lr;
     const M m = neg_g_lr + s[0] * c.momentum;
     s[0] = m;
@@ -108,11 +120,12 @@ struct KerasMomentumRule {
 };
 
 struct AdamRule {
-  // m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2); [vhat = max(vhat, v)]; var -= m*alpha/(sqrt(v)+eps)
+  // m += (g - m)(1 - b1); v += (gsq - v)(1 - b2); [vhat = max(vhat, v)]; var -= m*alpha/(sqrt(v)+eps)
+  static constexpr bool kScatter = false;
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M& var, M* s) {
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
     const M m = s[0] + (g - s[0]) * c.one_minus_beta_1;
-    M v = s[1] + (g * g - s[1]) * c.one_minus_beta_2;
+    M v = s[1] + (gsq - s[1]) * c.one_minus_beta_2;
     s[0] = m;
     s[1] = v;
     if (c.amsgrad) {

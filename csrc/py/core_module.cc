@@ -164,6 +164,7 @@ HParams ParseHParams(RuleKind rule, const py::dict& d) {
     const std::string k = py::str(item.first);
     if (k == "nesterov") { hp.nesterov = item.second.cast<bool>(); continue; }
     if (k == "amsgrad") { hp.amsgrad = item.second.cast<bool>(); continue; }
+    if (k == "sum_of_squares") { hp.sum_of_squares = item.second.cast<bool>(); continue; }
     const double v = item.second.cast<double>();
     if (k == "learning_rate" || k == "lr") hp.lr = v;
     else if (k == "momentum") hp.momentum = v;
@@ -231,12 +232,50 @@ struct ApplyCall {
   HParams hp;
   ClipConfig cfg;
   std::vector<ApplyTensor> ts;
+  bool lazy = false;
+  std::vector<std::vector<int64_t>> rows;  // the int64 indices of each sparse gradient
 };
+
+// indices[i] for an IndexedSlices gradient: a 1-D NumPy integer array (host memory, for the
+// CUDA entry points too, as the TF GPU kernels take them); grads[i] holds its slices.
+void SetSparse(const py::handle& h, const Array& var, const Array& values, size_t i,
+               std::vector<int64_t>* rows, ApplyTensor* t) {
+  const std::string name = Idx("indices", i);
+  if (!py::isinstance<py::array>(h)) Fail(name + " is not a NumPy array (or None for a dense gradient)");
+  const py::array a = py::reinterpret_borrow<py::array>(h);
+  if (a.ndim() != 1) Fail(name + " must be 1-D, got " + std::to_string(a.ndim()) + " dimensions");
+  if (var.shape.empty()) Fail(Idx("vars", i) + " is a scalar; a sparse gradient needs rank >= 1");
+  std::vector<int64_t> want{static_cast<int64_t>(a.size())};
+  want.insert(want.end(), var.shape.begin() + 1, var.shape.end());
+  if (values.shape != want) {
+    Fail(values.name + " has shape " + ShapeStr(values.shape) + "; with " + std::to_string(a.size()) +
+         " indices and " + var.name + " of shape " + ShapeStr(var.shape) + " it must be " + ShapeStr(want));
+  }
+  const std::string dt = py::str(a.dtype().attr("name"));
+  rows->resize(static_cast<size_t>(a.size()));
+  if (dt == "int64") {
+    const auto v = a.cast<py::array_t<int64_t, py::array::c_style>>();
+    std::memcpy(rows->data(), v.data(), sizeof(int64_t) * rows->size());
+  } else if (dt == "int32") {
+    const auto v = a.cast<py::array_t<int32_t, py::array::c_style>>();
+    for (size_t j = 0; j < rows->size(); ++j) (*rows)[j] = v.data()[j];
+  } else {
+    Fail(name + " has dtype " + dt + "; indices must be int32 or int64");
+  }
+  t->sparse = true;
+  t->indices = rows->data();
+  t->nnz = static_cast<int64_t>(a.size());
+  t->rows = var.shape[0];
+  t->width = 1;
+  for (size_t d = 1; d < var.shape.size(); ++d) t->width *= var.shape[d];
+}
 
 ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
                        const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
-                       double clip, py::object use_norm, const std::string& nonfinite, MakeArray make) {
+                       double clip, py::object use_norm, const std::string& nonfinite,
+                       const py::object& indices_o, bool lazy, MakeArray make) {
   ApplyCall call;
+  call.lazy = lazy;
   if (!ParseRule(rule_name, &call.rule)) Fail("unknown rule '" + rule_name + "'");
   call.hp = ParseHParams(call.rule, hparams);
   ClipConfig& cfg = call.cfg;
@@ -270,7 +309,16 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
            " arrays for " + std::to_string(n) + " variables");
     }
   }
+  py::list indices;
+  if (!indices_o.is_none()) {
+    indices = indices_o.cast<py::list>();
+    if (static_cast<int>(indices.size()) != n) {
+      Fail("indices has " + std::to_string(indices.size()) + " entries for " + std::to_string(n) +
+           " variables (None for each dense gradient)");
+    }
+  }
   call.ts.resize(n);
+  call.rows.resize(n);
   std::map<const void*, std::string> seen;
   auto claim = [&](const Array& a) {
     if (a.size == 0) return;  // empty arrays own no memory to alias
@@ -280,7 +328,10 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
   for (int i = 0; i < n; ++i) {
     const Array& v = vars[i];
     const Array& g = grads[i];
-    if (v.shape != g.shape) {
+    const bool sparse = !indices_o.is_none() && !indices[i].is_none();
+    if (sparse) {
+      SetSparse(indices[i], v, g, i, &call.rows[i], &call.ts[i]);
+    } else if (v.shape != g.shape) {
       Fail(g.name + " has shape " + ShapeStr(g.shape) + " but " + v.name + " has shape " +
            ShapeStr(v.shape));
     }
@@ -310,16 +361,18 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
 
 py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
                     const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
-                    double clip, py::object use_norm, const std::string& nonfinite) {
+                    double clip, py::object use_norm, const std::string& nonfinite,
+                    py::object indices, bool lazy) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
-                             use_norm, nonfinite, &FromNumpy);
+                             use_norm, nonfinite, indices, lazy, &FromNumpy);
   StepScratch scratch;
   StepResult r;
   {
     py::gil_scoped_release nogil;
-    r = ClipApplyCpu(c.rule, c.hp, c.cfg, c.ts.data(), static_cast<int>(c.ts.size()), &scratch,
-                     PyExecutor());
+    r = ClipApplyCpu(c.rule, c.hp, c.cfg, c.ts.data(), static_cast<int>(c.ts.size()), c.lazy,
+                     &scratch, PyExecutor());
   }
+  if (!r.error.empty()) Fail(r.error);
   if (r.nonfinite && c.cfg.policy == NonFinitePolicy::kRaise) FailNonFinite();
   return py::make_tuple(r.global_norm, r.applied);
 }
@@ -364,9 +417,10 @@ void* ScalarOut(py::object o, const char* what, DType* dtype, bool is_bool) {
 }
 
 template <typename Fn>
-void RunStep(const std::vector<int64_t>& sizes, void* stream, Fn&& fn) {
+void RunStep(const std::vector<int64_t>& sizes, void* stream, Fn&& fn,
+             const SparsePlan* sparse = nullptr) {
   cuda::CudaPlan plan;
-  cuda::PlanCudaStep(sizes.data(), static_cast<int>(sizes.size()), &plan);
+  cuda::PlanCudaStep(sizes.data(), static_cast<int>(sizes.size()), &plan, sparse);
   void* host = nullptr;
   void* dev = nullptr;
   Check(Workspace().Acquire(plan.host_bytes, plan.device_bytes, stream, &host, &dev));
@@ -454,10 +508,14 @@ py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_li
 py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
                            const py::list& grads_l, const py::list& slots_l, const py::dict& hparams,
                            const std::string& clip_mode, double clip, py::object use_norm,
-                           const std::string& nonfinite, py::object norm_out,
-                           py::object applied_out, py::object stream_o) {
+                           const std::string& nonfinite, py::object indices, bool lazy,
+                           py::object norm_out, py::object applied_out, py::object stream_o) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
-                             use_norm, nonfinite, &FromCuda);
+                             use_norm, nonfinite, indices, lazy, &FromCuda);
+  SparsePlan sparse;
+  const std::string serr = PlanSparse(c.ts.data(), static_cast<int>(c.ts.size()), c.rule, c.hp,
+                                      c.lazy, cuda::kCudaChunkElems, &sparse);
+  if (!serr.empty()) Fail(serr);
   void* stream = StreamPtr(stream_o);
   cuda::CudaOutputs o;
   DType unused;
@@ -472,12 +530,12 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
     o.applied = reinterpret_cast<bool*>(static_cast<char*>(tmp->p) + 8);
   }
   std::vector<int64_t> sizes;
-  for (const auto& t : c.ts) sizes.push_back(t.size);
+  for (const auto& t : c.ts) sizes.push_back(t.grad_size());
   bool nonfinite_hit = false;
   RunStep(sizes, stream, [&](const cuda::CudaPlan& p, void* h, void* d) {
     return cuda::CudaClipApply(c.rule, c.hp, c.cfg, c.ts.data(), static_cast<int>(c.ts.size()), p,
                                h, d, o, stream, &nonfinite_hit);
-  });
+  }, &sparse);
   if (nonfinite_hit) FailNonFinite();
   if (!sync) return py::none();
   double res[2] = {0, 0};
@@ -512,8 +570,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("clip_apply", &ClipApply, py::arg("rule"), py::arg("vars"), py::arg("grads"),
         py::arg("slots"), py::arg("hparams"), py::arg("clip_mode") = "none",
         py::arg("clip") = 0.0, py::arg("use_norm") = py::none(), py::arg("nonfinite") = "skip",
+        py::arg("indices") = py::none(), py::arg("lazy") = false,
         "Clip and apply in place. rule: sgd | momentum | keras_momentum | adam. slots: one list "
-        "of arrays per slot (momentum: [accum]; adam: [m, v] or [m, v, vhat]). Returns "
+        "of arrays per slot (momentum: [accum]; adam: [m, v] or [m, v, vhat]). indices: None, "
+        "or per variable None (dense) or an int32/int64 array of rows, grads[i] then holding "
+        "the slices (IndexedSlices); lazy: sparse updates touch only those rows. Returns "
         "(global_norm, applied).");
   m.def("set_num_threads", [](int n) { g_num_threads = n; }, py::arg("n"),
         "Threads for the CPU passes (0: all cores). Results do not depend on it.");
@@ -534,11 +595,13 @@ PYBIND11_MODULE(_core, m) {
   m.def("cuda_clip_apply", &CudaClipApplyPy, py::arg("rule"), py::arg("vars"), py::arg("grads"),
         py::arg("slots"), py::arg("hparams"), py::arg("clip_mode") = "none",
         py::arg("clip") = 0.0, py::arg("use_norm") = py::none(), py::arg("nonfinite") = "skip",
+        py::arg("indices") = py::none(), py::arg("lazy") = false,
         py::arg("norm_out") = py::none(), py::arg("applied_out") = py::none(),
         py::arg("stream") = py::none(),
         "clip_apply on CUDA arrays. With norm_out/applied_out (device scalars) nothing waits "
         "and None is returned; else (global_norm, applied) after a wait. nonfinite='raise' "
-        "always waits. bfloat16 arrays are passed as uint16 views.");
+        "always waits. bfloat16 arrays are passed as uint16 views. indices (host NumPy arrays, "
+        "as clip_apply) make grads[i] the slices of an IndexedSlices gradient.");
   m.def("cuda_last_launches", &cuda::LastStepLaunches,
         "Kernel launches of the last CUDA step issued from this thread.");
   m.def("cuda_device", &CudaDevice, "Name and compute capability of the current CUDA device.");

@@ -96,8 +96,8 @@ class GpuStep {
   explicit GpuStep(OpKernelContext* ctx)
       : ctx_(ctx), stream_(ctx->op_device_context()->stream()->platform_specific_handle().stream) {}
 
-  absl::Status Plan(const std::vector<int64_t>& sizes) {
-    cuda::PlanCudaStep(sizes.data(), static_cast<int>(sizes.size()), &plan_);
+  absl::Status Plan(const std::vector<int64_t>& sizes, const SparsePlan* sparse = nullptr) {
+    cuda::PlanCudaStep(sizes.data(), static_cast<int>(sizes.size()), &plan_, sparse);
     tf::AllocatorAttributes host_attr;
     host_attr.set_on_host(true);
     host_attr.set_gpu_compatible(true);
@@ -313,6 +313,19 @@ class ClipApplyOp : public OpKernel {
     OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
     OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
                 tf::errors::InvalidArgument("nonfinite ", policy));
+    OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
+    OP_REQUIRES_OK(c, c->GetAttr("sum_of_squares", &hp_.sum_of_squares));
+    std::vector<int32_t> sparse;
+    OP_REQUIRES_OK(c, c->GetAttr("sparse", &sparse));
+    sparse_of_.assign(static_cast<size_t>(n_), -1);
+    for (size_t k = 0; k < sparse.size(); ++k) {
+      const int32_t i = sparse[k];
+      OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > sparse[k - 1]),
+                  tf::errors::InvalidArgument("sparse must list gradient positions in [0, ", n_,
+                                              ") in increasing order; got ", i, " at ", k));
+      sparse_of_[i] = static_cast<int>(k);
+    }
+    num_sparse_ = static_cast<int>(sparse.size());
     if (c->HasAttr("use_nesterov")) OP_REQUIRES_OK(c, c->GetAttr("use_nesterov", &hp_.nesterov));
     if (c->HasAttr("amsgrad")) {
       OP_REQUIRES_OK(c, c->GetAttr("amsgrad", &hp_.amsgrad));
@@ -324,6 +337,47 @@ class ClipApplyOp : public OpKernel {
     }
   }
 
+  // An IndexedSlices gradient of vars[i]: values [k] + var.shape[1:], indices [k] (int32 or
+  // int64, read as int64 here; their range is checked by PlanSparse before anything is written).
+  static absl::Status CheckSparse(int i, const Tensor& var, const Tensor& values,
+                                  const Tensor& idx, std::vector<int64_t>* rows_out,
+                                  ApplyTensor* t) {
+    const std::string g = absl::StrCat("grads[", i, "] (IndexedSlices)");
+    if (var.dims() < 1) {
+      return tf::errors::InvalidArgument(g, ": vars[", i, "] is a scalar; IndexedSlices need a "
+                                         "variable of rank >= 1");
+    }
+    if (!tf::TensorShapeUtils::IsVector(idx.shape())) {
+      return tf::errors::InvalidArgument(g, ": indices must be a vector, got shape ",
+                                         idx.shape().DebugString());
+    }
+    tf::TensorShape row_shape = var.shape();
+    row_shape.RemoveDim(0);
+    tf::TensorShape want({idx.NumElements()});
+    want.AppendShape(row_shape);
+    if (values.shape() != want) {
+      return tf::errors::InvalidArgument(g, ": values have shape ", values.shape().DebugString(),
+                                         "; with ", idx.NumElements(), " indices and vars[", i,
+                                         "] of shape ", var.shape().DebugString(), " they must be ",
+                                         want.DebugString());
+    }
+    std::vector<int64_t>& rows = *rows_out;
+    rows.resize(static_cast<size_t>(idx.NumElements()));
+    if (idx.dtype() == tf::DT_INT32) {
+      const auto f = idx.flat<int32_t>();
+      for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
+    } else {
+      const auto f = idx.flat<int64_t>();
+      for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
+    }
+    t->sparse = true;
+    t->indices = rows.data();
+    t->nnz = idx.NumElements();
+    t->rows = var.dim_size(0);
+    t->width = row_shape.num_elements();
+    return absl::OkStatus();
+  }
+
   void Compute(OpKernelContext* ctx) override {
     HParams hp = hp_;
     OP_REQUIRES_OK(ctx, ReadHParams(ctx, spec_, &hp));
@@ -333,10 +387,14 @@ class ClipApplyOp : public OpKernel {
     const std::string cerr = ValidateClipConfig(cfg);
     OP_REQUIRES(ctx, cerr.empty(), tf::errors::InvalidArgument(cerr));
 
-    tf::OpInputList grads;
+    tf::OpInputList grads, indices;
     OP_REQUIRES_OK(ctx, ctx->input_list("grad", &grads));
     OP_REQUIRES(ctx, grads.size() == n_,
                 tf::errors::InvalidArgument("got ", grads.size(), " gradients for ", n_, " variables"));
+    OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
+    OP_REQUIRES(ctx, indices.size() == num_sparse_,
+                tf::errors::InvalidArgument("got ", indices.size(), " index vectors for ",
+                                            num_sparse_, " sparse gradients"));
 
     // Look up every resource: vars, then each slot list (slot k of var i is slots[k][i]).
     const int nslots = NumSlots(spec_.kind, hp);
@@ -365,6 +423,7 @@ class ClipApplyOp : public OpKernel {
 
     // Validate everything before the first write.
     std::vector<ApplyTensor> ts(n_);
+    std::vector<std::vector<int64_t>> sparse_rows(static_cast<size_t>(num_sparse_));
     for (int i = 0; i < n_; ++i) {
       tf::Var* var = refs[i].var.get();
       OP_REQUIRES(ctx, var->is_initialized,
@@ -376,7 +435,10 @@ class ClipApplyOp : public OpKernel {
                                               "; only half, bfloat16, float and double variables"));
       OP_REQUIRES(ctx, ToCoreDType(grads[i].dtype(), &ts[i].grad_dtype),
                   tf::errors::InvalidArgument("grads[", i, "] has unsupported dtype"));
-      if (vt.shape() != grads[i].shape()) {
+      if (sparse_of_[i] >= 0) {
+        OP_REQUIRES_OK(ctx, CheckSparse(i, vt, grads[i], indices[sparse_of_[i]],
+                                        &sparse_rows[sparse_of_[i]], &ts[i]));
+      } else if (vt.shape() != grads[i].shape()) {
         if (vt.NumElements() != grads[i].NumElements()) {
           ctx->CtxFailure(tf::errors::InvalidArgument(
               "grads[", i, "] has ", grads[i].NumElements(), " elements (shape ",
@@ -428,10 +490,16 @@ class ClipApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
+      // Indices are in host memory (HostMemory("indices")): checked and grouped here, before
+      // any launch, so a bad one writes nothing and costs no device round trip.
+      SparsePlan sparse;
+      const std::string serr = PlanSparse(ts.data(), n_, spec_.kind, hp, lazy_, cuda::kCudaChunkElems,
+                                          &sparse);
+      OP_REQUIRES(ctx, serr.empty(), tf::errors::InvalidArgument(serr));
       GpuStep step(ctx);
       std::vector<int64_t> sizes;
-      for (const ApplyTensor& t : ts) sizes.push_back(t.size);
-      OP_REQUIRES_OK(ctx, step.Plan(sizes));
+      for (const ApplyTensor& t : ts) sizes.push_back(t.grad_size());
+      OP_REQUIRES_OK(ctx, step.Plan(sizes, &sparse));
       cuda::CudaOutputs o = GpuStep::NormOutput(norm_out, DType::kFloat);
       o.applied = reinterpret_cast<bool*>(const_cast<char*>(applied_out->tensor_data().data()));
       bool nonfinite = false;
@@ -446,7 +514,8 @@ class ClipApplyOp : public OpKernel {
     } else {
       StepScratch scratch;
       const StepResult r =
-          ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, &scratch, TfExecutor(ctx));
+          ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, lazy_, &scratch, TfExecutor(ctx));
+      OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
       OP_REQUIRES(ctx, !(r.nonfinite && cfg.policy == NonFinitePolicy::kRaise),
                   tf::errors::InvalidArgument("the global norm of the gradients is ",
                                               r.global_norm,
@@ -462,6 +531,9 @@ class ClipApplyOp : public OpKernel {
   int n_ = 0;
   HParams hp_;
   ClipConfig cfg_;
+  bool lazy_ = false;
+  std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
+  int num_sparse_ = 0;
 };
 
 template <RuleKind K, typename D>
@@ -495,7 +567,8 @@ using ::tensorflow::DEVICE_GPU;
 
 // Scalars the host must see before launching (clip values, hyper-parameters) and resource
 // handles live in host memory on GPU, as for TF's own ResourceApply* GPU kernels.
-#define TFCLIP_HOST_CLIP .HostMemory("clip").HostMemory("use_norm").HostMemory("var")
+#define TFCLIP_HOST_CLIP \
+  .HostMemory("clip").HostMemory("use_norm").HostMemory("var").HostMemory("indices")
 #define TFCLIP_HOST_LR_WD .HostMemory("lr").HostMemory("weight_decay")
 
 TFCLIP_REGISTER_NORM_OPS(DEVICE_CPU, OnCpu)

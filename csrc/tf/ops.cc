@@ -63,8 +63,15 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // the gradient's dtype equals the variable's, or is half/bfloat16 for a float variable), with
 // the rule's slots as further lists of N resources. Outputs the pre-clip global norm and
 // whether the update was applied (false only when nonfinite='skip' met a non-finite norm).
+// IndexedSlices gradients: `sparse` lists their positions in `grad` (ascending); for each,
+// grad holds the slices (`.values`, shape [k] + var.shape[1:]) and `indices` one int32/int64
+// vector of k rows. `lazy`: only touched rows (and their slots) update; else stock Keras
+// semantics (slots decay on every row). `sum_of_squares`: duplicate rows feed Adam's v the sum
+// of their squares (stock Keras on raw IndexedSlices), not the square of their sum (the dense
+// result). See csrc/core/sparse.h.
 #define TFCLIP_APPLY_COMMON                                           \
-  Input("clip: double")                                               \
+  Input("indices: Tindices")                                          \
+      .Input("clip: double")                                          \
       .Input("use_norm: double")                                      \
       .Output("global_norm: float")                                   \
       .Output("applied: bool")                                        \
@@ -73,6 +80,10 @@ REGISTER_OP("TfclipClipByGlobalNorm")
       .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'") \
       .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")    \
       .Attr("use_given_norm: bool = false")                           \
+      .Attr("Tindices: list({int32, int64}) >= 0")                    \
+      .Attr("sparse: list(int) = []")                                 \
+      .Attr("lazy: bool = false")                                     \
+      .Attr("sum_of_squares: bool = false")                           \
       .SetShapeFn(ScalarOutputs)
 
 // var -= lr * g  (ResourceApplyGradientDescent, keras SGD without momentum)

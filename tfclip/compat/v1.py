@@ -19,13 +19,17 @@ Adam's bias correction does not), and resource variables are required (TF2's def
 TF1 graph, `tf.compat.v1.enable_resource_variables()`). Adam's bias correction uses
 `beta**t` from a step counter rather than TF1's running `beta_power` products: the same value
 to float rounding.
+
+`IndexedSlices` gradients (embeddings) are applied without densifying them, as the stock
+classes apply them: SGD as a scatter, Momentum on the touched rows only (duplicates summed),
+Adam on every row (its slots decay everywhere; duplicates summed before squaring for `v`).
 """
 import math
 
 import tensorflow as tf
 
 from tfclip import _loader
-from tfclip.ops import _CLIP_ARGS, _CLIP_MODES, _check_policy
+from tfclip.ops import _CLIP_ARGS, _CLIP_MODES, _check_policy, _op_grads
 from tfclip.rules import _scalar
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer"]
@@ -87,9 +91,9 @@ class _Fused(tf.compat.v1.train.Optimizer):
             if not hasattr(v, "handle"):
                 raise TypeError(f"grads_and_vars[{i}]: {v.name} is not a resource variable; tfclip "
                                 "needs resource variables (tf.compat.v1.enable_resource_variables())")
-            if isinstance(g, tf.IndexedSlices):
+            if not isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
-            grads.append(tf.convert_to_tensor(g))
+            grads.append(g)
             var_list.append(v)
         if not var_list:
             raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in pairs]}")
@@ -108,10 +112,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
                     return tf.group(*updates, name="apply")
                 return tf.compat.v1.assign_add(global_step, 1, name="apply").op
 
+    # IndexedSlices updates as the stock TF1 class applies them (_resource_apply_sparse).
+    _lazy_sparse = False
+
     def _fused(self, var_list, grads):
+        values, sparse_kw = _op_grads(grads)
         kw = dict(clip=tf.constant(self._clip, tf.float64), use_norm=tf.constant(0.0, tf.float64),
-                  clip_mode=self._clip_mode, nonfinite=self._nonfinite)
-        return self._call(_loader.ops(), [v.handle for v in var_list], grads,
+                  clip_mode=self._clip_mode, nonfinite=self._nonfinite, lazy=self._lazy_sparse,
+                  **sparse_kw)
+        return self._call(_loader.ops(), [v.handle for v in var_list], values,
                           lambda s: [self.get_slot(v, s).handle for v in var_list], kw)
 
     # The stock per-variable hooks are not used: everything goes through apply_gradients.
@@ -138,6 +147,7 @@ class MomentumOptimizer(_Fused):
     """tf.compat.v1.train.MomentumOptimizer (slot `momentum`) with fused clipping."""
 
     _slot_names = ("momentum",)
+    _lazy_sparse = True  # ResourceSparseApplyMomentum updates only the touched rows
 
     def __init__(self, learning_rate, momentum, use_locking=False, name="Momentum", use_nesterov=False, *,
                  global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
