@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds tfclip._core with AddressSanitizer + UndefinedBehaviorSanitizer (no TensorFlow, no CUDA)
+# and runs the core's property tests (tests/test_core_properties.py: random lists, dtypes, clip
+# modes, rules and sparse updates against NumPy float64) against that build. Any ASan or UBSan
+# report aborts the run with a non-zero exit.
+#   scripts/sanitize.sh                 (uses `python` on PATH: numpy, pytest, hypothesis, pybind11, cmake)
+#   PYTHON=/path/python scripts/sanitize.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+BUILD="${BUILD_DIR:-build-sanitize}"
+cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.executable)')" \
+  -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA=OFF -DTFCLIP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target _core
+CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
+CC_BIN="${CC:-gcc}"
+PRELOAD="$("$CC_BIN" -print-file-name=libasan.so) $("$CC_BIN" -print-file-name=libubsan.so)"
+echo "+ sanitized _core: $CORE"
+# Python is not instrumented: preload the runtimes; its own allocations at exit are not ours (no
+# leak check). UBSan findings are fatal.
+LD_PRELOAD="$PRELOAD" \
+ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:strict_string_checks=1:check_initialization_order=1" \
+UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+TFCLIP_CORE_MODULE="$CORE" \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_core_properties.py "$@"
