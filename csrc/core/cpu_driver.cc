@@ -287,6 +287,15 @@ void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
   });
 }
 
+template <typename T>
+T RoundNorm(double norm) {
+  ScopedKeepDenormals keep;
+  volatile T r = static_cast<T>(norm);  // converted inside the scope, not hoisted out of it
+  return r;
+}
+template float RoundNorm<float>(double);
+template double RoundNorm<double>(double);
+
 void SparseApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const SparsePlan& sp,
                     const ClipFactor* factors, const CpuExecutor& exec) {
   if (sp.units.empty()) return;

@@ -66,6 +66,11 @@ StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
                         const ApplyTensor* ts, int n, bool lazy, StepScratch* scratch,
                         const CpuExecutor& exec);
 
+// A norm rounded to float (or kept double) with subnormal results kept: TF runs kernels with
+// flush-to-zero set, which would turn a right, subnormal float norm into 0.
+template <typename T>
+T RoundNorm(double norm);
+
 // Cycles of work per element, for the executor's cost model.
 constexpr int64_t kNormCostPerElem = 2;
 constexpr int64_t kApplyCostPerElem = 10;

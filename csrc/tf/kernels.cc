@@ -166,7 +166,7 @@ class GlobalNormOp : public OpKernel {
       OP_REQUIRES_OK(ctx, step.Done());
 #endif
     } else {
-      out->scalar<Tnorm>()() = static_cast<Tnorm>(GlobalNormCpu(views.data(), n, TfExecutor(ctx)));
+      out->scalar<Tnorm>()() = RoundNorm<Tnorm>(GlobalNormCpu(views.data(), n, TfExecutor(ctx)));
     }
   }
 };
@@ -214,7 +214,7 @@ class ClipByGlobalNormOp : public OpKernel {
       const CpuExecutor exec = TfExecutor(ctx);
       const double norm = use_given_norm_ ? use_norm : GlobalNormCpu(in.data(), n, exec);
       // The norm the caller sees is in Tnorm; TF computes the scale from that value.
-      const Tnorm norm_t = static_cast<Tnorm>(norm);
+      const Tnorm norm_t = RoundNorm<Tnorm>(norm);
       ScaleListCpu(in.data(), out.data(), n, GlobalClipScale(clip_norm, static_cast<double>(norm_t)),
                    exec);
       norm_out->scalar<Tnorm>()() = norm_t;
@@ -521,7 +521,7 @@ class ClipApplyOp : public OpKernel {
                                               r.global_norm,
                                               " (non-finite) and nonfinite='raise'; no variable "
                                               "was updated"));
-      norm_out->scalar<float>()() = static_cast<float>(r.global_norm);
+      norm_out->scalar<float>()() = RoundNorm<float>(r.global_norm);
       applied_out->scalar<bool>()() = r.applied;
     }
   }
