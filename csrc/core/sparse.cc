@@ -19,7 +19,7 @@ std::string PlanSparse(const ApplyTensor* ts, int n, RuleKind rule, const HParam
   plan->ustart.clear();
   plan->units.clear();
   const bool all_rows = SparseAllRows(rule, hp, lazy);
-  std::vector<int64_t> local;
+  std::vector<int64_t>& local = plan->sort_buf;
   for (int i = 0; i < n; ++i) {
     const ApplyTensor& t = ts[i];
     if (!t.sparse) continue;

@@ -39,6 +39,7 @@ struct SparsePlan {
   std::vector<int64_t> urows;   // touched rows, ascending, per tensor one after another
   std::vector<int64_t> ustart;  // urows.size() + 1 offsets into `order`
   std::vector<SparseUnit> units;
+  std::vector<int64_t> sort_buf;  // planning scratch, kept with the plan
   bool empty() const { return units.empty(); }
 };
 

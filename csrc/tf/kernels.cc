@@ -38,7 +38,18 @@ constexpr bool kGpu = std::is_same_v<D, OnGpu>;
 CpuExecutor TfExecutor(OpKernelContext* ctx) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return CpuExecutor{[pool](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
-    pool->ParallelFor(n, cost, fn);
+    // One contiguous range of units per thread (as many as the work is worth): streams stay
+    // long, and no thread picks up scattered small shards. The partition never changes a result.
+    constexpr int64_t kMinCyclesPerThread = int64_t{1} << 17;
+    const int64_t threads = std::max<int64_t>(
+        1, std::min<int64_t>({static_cast<int64_t>(pool->NumThreads()) + 1, n,
+                              n * cost / kMinCyclesPerThread}));
+    if (threads <= 1) {
+      fn(0, n);
+      return;
+    }
+    const int64_t per = (n + threads - 1) / threads;
+    pool->TransformRangeConcurrently(per, n, fn);
   }};
 }
 
@@ -253,8 +264,28 @@ absl::Status ReadHParams(OpKernelContext* ctx, const RuleSpec& spec, HParams* hp
 
 // One resource variable input: where it came from (for errors) and the looked-up Var.
 struct VarRef {
-  std::string name;  // e.g. "vars[3]" or "m[3]"
+  const char* label;  // the input list: "vars", "m", ...
+  int index;
   tf::core::RefCountPtr<tf::Var> var;
+  std::string name() const { return absl::StrCat(label, "[", index, "]"); }  // errors only
+};
+
+// Holds the locks of a step's variables, released in reverse order.
+class LockSet {
+ public:
+  LockSet() = default;
+  LockSet(const LockSet&) = delete;
+  LockSet& operator=(const LockSet&) = delete;
+  void Lock(tf::mutex* m) TF_NO_THREAD_SAFETY_ANALYSIS {
+    m->lock();
+    held_.push_back(m);
+  }
+  ~LockSet() TF_NO_THREAD_SAFETY_ANALYSIS {
+    for (auto it = held_.rbegin(); it != held_.rend(); ++it) (*it)->unlock();
+  }
+
+ private:
+  std::vector<tf::mutex*> held_;
 };
 
 absl::Status LookupVars(OpKernelContext* ctx, const char* input, const char* label, int n,
@@ -265,11 +296,10 @@ absl::Status LookupVars(OpKernelContext* ctx, const char* input, const char* lab
     return tf::errors::InvalidArgument("got ", stop - start, " ", label, " for ", n, " variables");
   }
   for (int i = 0; i < n; ++i) {
-    VarRef r;
-    r.name = absl::StrCat(label, "[", i, "]");
+    VarRef r{label, i, {}};
     const absl::Status s = tf::LookupResource(ctx, tf::HandleFromInput(ctx, start + i), &r.var);
     if (!s.ok()) {
-      return tf::errors::FailedPrecondition(r.name, " is not initialized (or was deleted): ",
+      return tf::errors::FailedPrecondition(r.name(), " is not initialized (or was deleted): ",
                                             s.message());
     }
     out->push_back(std::move(r));
@@ -399,27 +429,30 @@ class ClipApplyOp : public OpKernel {
     // Look up every resource: vars, then each slot list (slot k of var i is slots[k][i]).
     const int nslots = NumSlots(spec_.kind, hp);
     std::vector<VarRef> refs;
+    refs.reserve(static_cast<size_t>((nslots + 1) * n_));
     OP_REQUIRES_OK(ctx, LookupVars(ctx, "var", "vars", n_, &refs));
     for (int k = 0; k < nslots; ++k) {
       OP_REQUIRES_OK(ctx, LookupVars(ctx, spec_.slots[k], spec_.slots[k], n_, &refs));
     }
 
-    // The same variable twice would be updated twice (and would deadlock a naive lock): an error.
-    std::map<tf::Var*, const std::string*> seen;
-    for (const VarRef& r : refs) {
-      auto it = seen.emplace(r.var.get(), &r.name);
-      OP_REQUIRES(ctx, it.second,
-                  tf::errors::InvalidArgument(r.name, " and ", *it.first->second,
+    // Lock in increasing mutex address, as TF's own multi-variable ops do. The same variable
+    // twice would be updated twice (and would deadlock a naive lock): sorted, it is adjacent.
+    std::vector<int> order(refs.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<int>(k);
+    std::sort(order.begin(), order.end(), [&](int a, int b) {
+      const tf::mutex* ma = refs[a].var->mu();
+      const tf::mutex* mb = refs[b].var->mu();
+      return ma != mb ? ma < mb : a < b;
+    });
+    for (size_t k = 1; k < order.size(); ++k) {
+      const VarRef& a = refs[order[k - 1]];
+      const VarRef& b = refs[order[k]];
+      OP_REQUIRES(ctx, a.var.get() != b.var.get(),
+                  tf::errors::InvalidArgument(b.name(), " and ", a.name(),
                                               " are the same variable; each may appear once"));
     }
-    // Lock in increasing mutex address, as TF's own multi-variable ops do.
-    std::vector<tf::Var*> order;
-    for (const VarRef& r : refs) order.push_back(r.var.get());
-    std::sort(order.begin(), order.end(),
-              [](tf::Var* a, tf::Var* b) { return a->mu() < b->mu(); });
-    std::vector<std::unique_ptr<tf::mutex_lock>> locks;
-    locks.reserve(order.size());
-    for (tf::Var* v : order) locks.push_back(std::make_unique<tf::mutex_lock>(*v->mu()));
+    LockSet locks;
+    for (int k : order) locks.Lock(refs[k].var->mu());
 
     // Validate everything before the first write.
     std::vector<ApplyTensor> ts(n_);
@@ -455,11 +488,11 @@ class ClipApplyOp : public OpKernel {
       for (int k = 0; k < nslots; ++k) {
         const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
         OP_REQUIRES(ctx, s.var->is_initialized,
-                    tf::errors::FailedPrecondition(s.name, " is not initialized"));
+                    tf::errors::FailedPrecondition(s.name(), " is not initialized"));
         const Tensor& st = *s.var->tensor();
         OP_REQUIRES(ctx, st.dtype() == vt.dtype() && st.shape() == vt.shape(),
                     tf::errors::InvalidArgument(
-                        s.name, " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(),
+                        s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(),
                         " but vars[", i, "] is ", tf::DataTypeString(vt.dtype()),
                         vt.shape().DebugString(), "; a slot must match its variable"));
       }
@@ -512,9 +545,11 @@ class ClipApplyOp : public OpKernel {
                                               "and nonfinite='raise'; no variable was updated"));
 #endif
     } else {
-      StepScratch scratch;
+      // The plan and partials' buffers are kept across steps (nothing allocated per step once
+      // they have grown); a concurrent call of the same kernel waits for them.
+      tf::mutex_lock scratch_lock(scratch_mu_);
       const StepResult r =
-          ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, lazy_, &scratch, TfExecutor(ctx));
+          ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, lazy_, &scratch_, TfExecutor(ctx));
       OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
       OP_REQUIRES(ctx, !(r.nonfinite && cfg.policy == NonFinitePolicy::kRaise),
                   tf::errors::InvalidArgument("the global norm of the gradients is ",
@@ -534,6 +569,8 @@ class ClipApplyOp : public OpKernel {
   bool lazy_ = false;
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
+  tf::mutex scratch_mu_;
+  StepScratch scratch_ TF_GUARDED_BY(scratch_mu_);
 };
 
 template <RuleKind K, typename D>
