@@ -89,3 +89,39 @@ def test_core_half_conversion_matches_numpy(rng):
     # (x16 holds infs from the overflow cases: "propagate" applies them as TF would.)
     _core.clip_apply("sgd", [v], [x16], [], {"learning_rate": 1.0}, nonfinite="propagate")
     np.testing.assert_array_equal(v, -x16.astype(np.float32))
+
+
+def test_every_cpu_variant_gives_the_same_bits():
+    """The CPU passes are compiled per instruction set and picked at run time; every variant
+    this CPU runs gives the same bits for the norm, the clip and each rule's apply."""
+    isas = _core.cpu_isas()
+    assert isas[-1] == "baseline" and _core.cpu_isa() in isas
+    rng = np.random.default_rng(3)
+    shapes = [(70_001,), (3, 5), (), (0,), (257,)]
+    results = {}
+    try:
+        for isa in isas:
+            _core.set_cpu_isa(isa)
+            out = [_core.global_norm([rng.normal(size=(1000,)).astype(np.float32)])]
+            rng = np.random.default_rng(3)
+            for rule, slots, hp in [("sgd", 0, {"lr": 0.1, "weight_decay": 0.01}),
+                                    ("momentum", 1, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+                                    ("keras_momentum", 1, {"lr": 0.1, "momentum": 0.9}),
+                                    ("adam", 3, {"lr": 0.1, "amsgrad": True, "step": 3})]:
+                for gdt in (np.float32, np.float16):
+                    r = np.random.default_rng(4)
+                    vs = [np.asarray(r.normal(size=s), np.float32) for s in shapes]
+                    gs = [np.asarray(r.normal(size=s), gdt) for s in shapes]
+                    sl = [[np.asarray(np.abs(r.normal(size=s)), np.float32) for s in shapes] for _ in range(slots)]
+                    _core.clip_apply(rule, vs, gs, sl, hp, "global_norm", 0.5)
+                    out += [a.tobytes() for a in vs + [x for s in sl for x in s]]
+            clipped, norm = _core.clip_by_global_norm([np.asarray(r.normal(size=s), np.float64) for s in shapes], 0.3)
+            out += [norm] + [c.tobytes() for c in clipped]
+            results[isa] = out
+    finally:
+        _core.set_cpu_isa(isas[0])
+    first = results[isas[0]]
+    for isa in isas[1:]:
+        assert results[isa] == first, isa
+    with pytest.raises(ValueError, match="not supported"):
+        _core.set_cpu_isa("sse9")

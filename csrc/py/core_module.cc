@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "csrc/core/cpu_driver.h"
+#include "csrc/core/cpu_kernels.h"
 #if TFCLIP_WITH_CUDA
 #include "cuda/cuda_driver.h"
 #include "cuda/workspace.h"
@@ -580,6 +581,13 @@ PYBIND11_MODULE(_core, m) {
         "Threads for the CPU passes (0: all cores). Results do not depend on it.");
   m.def("num_threads", &NumThreads);
   m.attr("chunk_elems") = kChunkElems;
+  m.def("cpu_isa", [] { return std::string(ActiveCpuKernels().name); },
+        "The instruction set the CPU passes run with (avx512, avx2 or baseline), picked at run "
+        "time from the CPU (or TFCLIP_CPU_ISA).");
+  m.def("cpu_isas", &SupportedCpuIsas, "The instruction-set variants this CPU can run, best first.");
+  m.def("set_cpu_isa", [](const std::string& name) {
+          if (!SetCpuIsa(name)) Fail("CPU variant '" + name + "' is not supported here");
+        }, py::arg("name"), "Switch variant (every variant gives the same bits).");
 #if TFCLIP_WITH_CUDA
   m.attr("cuda") = true;
   m.attr("cuda_chunk_elems") = cuda::kCudaChunkElems;

@@ -1,0 +1,36 @@
+// tfclip core, CPU: the passes that touch every element, compiled once per instruction set
+// (csrc/core/isa/*.cc: AVX-512, AVX2, baseline x86-64; baseline only elsewhere) from the one
+// source csrc/core/cpu_kernels.inc, and picked at run time from what the CPU supports. Never
+// -march=native: the shipped library runs on any x86-64. Every variant is built with
+// -ffp-contract=off and runs the same operations in the same order, so all of them give the
+// same bits (tests/test_core_parity.py checks).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "csrc/core/cpu_driver.h"
+
+namespace tfclip {
+
+struct CpuKernels {
+  const char* name;
+  void (*sum_squares)(const TensorView* ts, int n, const ChunkPlan& plan, double* partials,
+                      double* per_tensor, double* total, const CpuExecutor& exec);
+  void (*scale)(const TensorView* in, const TensorView* out, const ChunkPlan& plan, double scale,
+                const CpuExecutor& exec);
+  void (*apply)(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const ChunkPlan& plan,
+                const ClipFactor* factors, const CpuExecutor& exec);
+  void (*sparse_apply)(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
+                       const SparsePlan& sp, const ClipFactor* factors, const CpuExecutor& exec);
+};
+
+// The variant in use: the best the CPU supports, or TFCLIP_CPU_ISA (avx512 | avx2 | baseline)
+// when set and supported.
+const CpuKernels& ActiveCpuKernels();
+// The variants this build has and this CPU can run, best first.
+std::vector<std::string> SupportedCpuIsas();
+// Switches the variant (tests, benchmarks); false if it is not supported here.
+bool SetCpuIsa(const std::string& name);
+
+}  // namespace tfclip
