@@ -1,4 +1,7 @@
-// The CPU passes built for AVX-512 (F, BW, VL, DQ) with AVX2, FMA and F16C available. Flags: CMakeLists.txt (TFCLIP_ISA_FLAGS_avx512).
+// The CPU passes built for AVX-512 (F, BW, VL, DQ), 512-bit vectors preferred. Only the code of
+// cpu_kernels.inc gets this target (TFCLIP_ISA_BEGIN/END there); every header is compiled for
+// the baseline, so a shared inline copy the linker keeps is safe on any x86-64.
 #define TFCLIP_ISA_NS isa_avx512
 #define TFCLIP_ISA_NAME "avx512"
+#define TFCLIP_ISA_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
 #include "csrc/core/cpu_kernels.inc"
