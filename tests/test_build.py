@@ -131,3 +131,12 @@ def test_each_variant_vectorizes_the_adam_step(path):
     assert "\tsqrtps " in apply_code("tfclip::isa_baseline::")
     assert any("vsqrtps" in l and "%ymm" in l for l in apply_code("tfclip::isa_avx2::").split("\n"))
     assert any("vsqrtps" in l and "%zmm" in l for l in apply_code("tfclip::isa_avx512::").split("\n"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: p.rsplit("/", 1)[-1].split(".")[0])
+def test_avx_variants_convert_float16_with_f16c(path):
+    funcs = _functions(path)
+    for ns in _AVX_NS:
+        code = [line for name, body in funcs.items() if ns in name for line in body]
+        assert any("vcvtph2ps" in line for line in code), ns
+        assert any("vcvtps2ph" in line for line in code), ns

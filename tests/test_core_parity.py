@@ -125,3 +125,36 @@ def test_every_cpu_variant_gives_the_same_bits():
         assert results[isa] == first, isa
     with pytest.raises(ValueError, match="not supported"):
         _core.set_cpu_isa("sse9")
+
+
+def test_float16_gradients_round_alike_in_every_cpu_variant():
+    """Every finite float16 value as a gradient, scaled by a global clip and rounded back to
+    float16 (TF's `g * cast(scale, float16)`), then applied by SGD at lr 1 to zeros: the variable
+    is exactly -round(g * scale). The AVX variants convert with F16C, the baseline in software:
+    all must equal NumPy's float32 -> float16 rounding, and a NaN must give the same bits."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    g = bits.view(np.float16)
+    g = g[np.isfinite(g)]
+    norm = _core.global_norm([g])
+    clip = norm * 0.3  # a scale whose float16 rounding is inexact
+    scale16 = np.float16(np.float64(clip) / norm)  # the op rounds the scale to the gradient's dtype
+    want = np.float32(0.0) - (g.astype(np.float32) * np.float32(scale16)).astype(np.float16).astype(np.float32)
+    nan_grad = np.array([1.0, np.nan, -2.0, 3.0], np.float16)
+    nan_grad.view(np.uint16)[1] = 0xfd37  # a negative NaN with a payload
+    isas = _core.cpu_isas()
+    nan_bits = {}
+    try:
+        for isa in isas:
+            _core.set_cpu_isa(isa)
+            v = np.full(g.shape, np.nan, np.float32)  # poisoned, then zeroed: SGD writes v - g
+            v[:] = 0.0
+            _core.clip_apply("sgd", [v], [g], [], {"lr": 1.0}, "global_norm", clip)
+            np.testing.assert_array_equal(v.view(np.uint32), want.view(np.uint32), err_msg=isa)
+            w = np.zeros(4, np.float32)
+            _core.clip_apply("sgd", [w], [nan_grad], [], {"lr": 1.0}, "global_norm", 1.0,
+                             nonfinite="propagate")
+            assert np.isnan(w).all(), isa
+            nan_bits[isa] = w.tobytes()
+    finally:
+        _core.set_cpu_isa(isas[0])
+    assert len(set(nan_bits.values())) == 1, {k: np.frombuffer(b, np.uint32) for k, b in nan_bits.items()}

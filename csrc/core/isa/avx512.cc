@@ -1,7 +1,8 @@
 // The CPU passes built for AVX-512 (F, BW, VL, DQ), 512-bit vectors preferred. Only the code of
-// cpu_kernels.inc gets this target (TFCLIP_ISA_BEGIN/END there); every header is compiled for
+// cpu_kernels.inc gets this target (its #pragma GCC target region); every header is compiled for
 // the baseline, so a shared inline copy the linker keeps is safe on any x86-64.
 #define TFCLIP_ISA_NS isa_avx512
 #define TFCLIP_ISA_NAME "avx512"
 #define TFCLIP_ISA_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
+#define TFCLIP_ISA_F16C 1  // the target has F16C (GCC defines no __F16C__ after a target pragma)
 #include "csrc/core/cpu_kernels.inc"
