@@ -357,3 +357,30 @@ def test_update_does_not_change_a_value_read_before(rng):
     tfclip.fused_clip_apply([(tf.ones([6]), v)], tfclip.rules.SGD(1.0))
     np.testing.assert_array_equal(before.numpy(), snapshot)
     np.testing.assert_array_equal(v.numpy(), snapshot - 1)
+
+
+def test_one_rule_over_changing_variable_lists_keeps_each_variables_slots():
+    """Eagerly, a rule keeps the op's handle lists for the last list of variables. Lists that
+    change order or membership between steps must still reach each variable's own slots."""
+    a = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    b = tf.Variable([10.0, 20.0, 30.0], dtype=tf.float64)
+    rule = tfclip.rules.SGD(0.1, momentum=0.9)
+    want = {"a": [np.array([1.0, 2.0]), np.zeros(2)], "b": [np.array([10.0, 20.0, 30.0]), np.zeros(3)]}
+
+    def step(names_and_grads):
+        pairs = [(tf.constant(g, tf.float64), {"a": a, "b": b}[k]) for k, g in names_and_grads]
+        tfclip.fused_clip_apply(pairs, rule)
+        for k, g in names_and_grads:  # Keras SGD momentum: m = 0.9 m - lr g; var += m
+            var, m = want[k]
+            m[:] = 0.9 * m - 0.1 * np.asarray(g)
+            var += m
+
+    step([("a", [1.0, -1.0]), ("b", [0.5, 0.5, 0.5])])
+    step([("a", [2.0, 0.0]), ("b", [1.0, 1.0, 1.0])])  # the same list again: cached handles
+    step([("b", [-3.0, 0.0, 3.0]), ("a", [4.0, 4.0])])  # another order
+    step([("a", [1.0, 1.0])])  # a subset
+    step([("a", [0.5, 0.0]), ("b", [1.0, 2.0, 3.0])])
+    np.testing.assert_allclose(a.numpy(), want["a"][0], rtol=1e-12)
+    np.testing.assert_allclose(b.numpy(), want["b"][0], rtol=1e-12)
+    np.testing.assert_allclose(rule.slots(a)["momentum"].numpy(), want["a"][1], rtol=1e-12)
+    np.testing.assert_allclose(rule.slots(b)["momentum"].numpy(), want["b"][1], rtol=1e-12)

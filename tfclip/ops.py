@@ -8,6 +8,11 @@ import tensorflow as tf
 from tfclip import _loader
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+# The same, as DataType enums: an int set lookup per check, not DType.__eq__ per entry (the
+# per-variable checks run on every eager step).
+_FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in _FLOAT_DTYPES)
+_F32, _HALF_ENUMS = tf.float32.as_datatype_enum, frozenset((tf.float16.as_datatype_enum,
+                                                             tf.bfloat16.as_datatype_enum))
 
 ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied"])
 ClipApplyResult.__doc__ = """What `fused_clip_apply` returns.
@@ -32,7 +37,7 @@ def _float_values(t_list, what):
             continue
         v = t.values if isinstance(t, tf.IndexedSlices) else t
         v = tf.convert_to_tensor(v, dtype_hint=tf.float32, name=f"t_{i}")
-        if v.dtype not in _FLOAT_DTYPES:
+        if v.dtype.as_datatype_enum not in _FLOAT_ENUMS:
             raise ValueError(
                 f"{what}[{i}] has dtype {v.dtype.name}; tfclip takes float16, bfloat16, float32 "
                 "and float64 tensors"
@@ -253,7 +258,7 @@ def fused_clip_apply(
         if v is None:
             raise TypeError(f"grads_and_vars[{i}] holds a {type(pair[1]).__name__}, not a "
                             "resource tf.Variable or keras.Variable")
-        if v.dtype not in _FLOAT_DTYPES:
+        if v.dtype.as_datatype_enum not in _FLOAT_ENUMS:
             raise TypeError(f"grads_and_vars[{i}]: variable {v.name} has dtype {v.dtype.name}; "
                             "only float16, bfloat16, float32 and float64 variables can be trained")
         if g is None:
@@ -266,11 +271,13 @@ def fused_clip_apply(
         if isinstance(g, tf.IndexedSlices):
             g = _check_indexed_slices(g, v, i)
         else:
-            g = tf.convert_to_tensor(g, dtype_hint=v.dtype)
-            if g.shape.is_fully_defined() and v.shape.is_fully_defined() and g.shape != v.shape:
-                what = "shape" if g.shape.num_elements() == v.shape.num_elements() else "element count"
+            if not isinstance(g, tf.Tensor):
+                g = tf.convert_to_tensor(g, dtype_hint=v.dtype)
+            gs, vs = g.shape, v.shape
+            if gs != vs and gs.is_fully_defined() and vs.is_fully_defined():
+                what = "shape" if gs.num_elements() == vs.num_elements() else "element count"
                 raise ValueError(f"grads_and_vars[{i}]: gradient {what} differs: gradient "
-                                 f"{g.shape} vs variable {v.name} {v.shape}")
+                                 f"{gs} vs variable {v.name} {vs}")
         if not _grad_dtype_ok(v.dtype, g.dtype):
             raise TypeError(f"grads_and_vars[{i}]: gradient dtype {g.dtype.name} does not match "
                             f"variable {v.name} of dtype {v.dtype.name}")
@@ -330,6 +337,5 @@ def _as_tf_variable(v):
 
 
 def _grad_dtype_ok(var_dtype, grad_dtype):
-    return var_dtype == grad_dtype or (
-        var_dtype == tf.float32 and grad_dtype in (tf.float16, tf.bfloat16)
-    )
+    v, g = var_dtype.as_datatype_enum, grad_dtype.as_datatype_enum
+    return v == g or (v == _F32 and g in _HALF_ENUMS)

@@ -54,6 +54,7 @@ class Rule:
         self.name = name or type(self).__name__
         self._slots = {}
         self._iterations = None
+        self._handle_cache = None  # see _handles
         for k, v in self._config_numbers().items():
             if isinstance(v, numbers.Real) and not isinstance(v, bool):
                 _check_number(k, v)
@@ -112,15 +113,33 @@ class Rule:
         return {"weight_decay": self.weight_decay}
 
     # -- the step -----------------------------------------------------------------------
-    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False):
+    def _handles(self, variables):
+        """The op's resource inputs: the variables' handles and each slot's list of handles.
+
+        Eagerly and outside `tf.distribute` (where a handle depends on the replica context) they
+        are kept for the last list of variables, so a repeated step pays no per-variable Python
+        here. The entry holds the variables themselves, so their ids cannot be reused while it
+        stands.
+        """
+        cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
+        ids = tuple(map(id, variables))
+        if cacheable and self._handle_cache is not None and self._handle_cache[0] == ids:
+            return self._handle_cache[2], self._handle_cache[3]
         slot_lists = {s: [] for s in self.slot_names}
         for v in variables:
             for s, var in self.slots(v).items():
                 slot_lists[s].append(var.handle)
+        var_handles = [v.handle for v in variables]
+        if cacheable:
+            self._handle_cache = (ids, list(variables), var_handles, slot_lists)
+        return var_handles, slot_lists
+
+    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False):
+        var_handles, slot_lists = self._handles(variables)
         given = use_norm is not None
         values, sparse_kw = _op_grads(grads)
         norm, applied = self._call_op(
-            [v.handle for v in variables],
+            var_handles,
             values,
             slot_lists,
             lazy=lazy_sparse,
