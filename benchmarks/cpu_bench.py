@@ -1,15 +1,25 @@
-"""One fp32 clip(global 1.0) + Adam step: tfclip against TensorFlow's paths, on the CPU.
+"""CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
+                                   [--extras rules,grad_dtypes,overhead]
 
-Each figure is the median of --repeats timed steps (after two warm-up steps) and is also shown
-as a ratio to a memory-bandwidth floor measured in the same run: 32 bytes per parameter
-(4 to read the gradient for the norm, 16 to read grad/var/m/v, 12 to write var/m/v) at the
-read+write bandwidth of a large multi-threaded copy. Machines are shared and noisy: compare
-ratios within one run, not absolute times across runs.
+Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
+warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
+cost of passing them in (about 3 us each here: 24 ms for small2000's 8000), whatever the step
+does; the "harness" row measures that cost with the same captures around one no-op, and "net"
+is a method's time minus it. "x floor" divides net time by the memory floor: 32 bytes per
+parameter (4 to read the gradient for the norm, 16 to read grad/var/m/v, 12 to write var/m/v)
+at the speed of a multi-threaded copy that moves as many bytes, timed in the same interleaved
+loop as the methods (a bandwidth read once at the start swung the ratios by 20% between runs).
+
+Extras (tfclip only): SGD, Momentum and AdamW on the BERT-base set against their own floors
+(16, 24 and 32 B/param); float16/bfloat16 gradients for float32 variables, per parameter,
+against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
+`tf.function`. Machines are shared and noisy: compare ratios within one run.
 """
 import argparse
 import os
+import sys
 import threading
 import time
 
@@ -19,7 +29,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tfclip  # noqa: E402
+from tfclip import _core  # noqa: E402,F401  (tfclip._core.cpu_isa)
 
 BYTES_PER_PARAM = 32
 
@@ -57,14 +69,16 @@ def small2000():
 SETS = {"resnet50": resnet50_like, "bert_base": bert_base_like, "small2000": small2000}
 
 
-def copy_bandwidth(nbytes=512 << 20, threads=None, repeats=5):
-    """Read+write bytes per second of a large copy split over all cores (numpy releases the GIL)."""
+def floor_copy(n_params, threads=None):
+    """A copy that moves 32 bytes per parameter (reads 16, writes 16), split over all cores
+    (numpy releases the GIL). It is timed in the same interleaved loop as the methods, so the
+    floor sees the same machine they do; its median time is the floor."""
     threads = threads or os.cpu_count() or 1
-    n = nbytes // 4
+    n = 4 * n_params  # float32 elements: 16 bytes per parameter each way
     src = np.ones(n, np.float32)
-    dst = np.empty_like(src)
-    parts = np.array_split(np.arange(n), threads)
-    bounds = [(p[0], p[-1] + 1) for p in parts if len(p)]
+    dst = np.zeros_like(src)
+    parts = np.array_split(np.arange(0, n, 1 << 16), threads)
+    bounds = [(int(p[0]), min(n, int(p[-1]) + (1 << 16))) for p in parts if len(p)]
 
     def run():
         ts = [threading.Thread(target=np.copyto, args=(dst[b:e], src[b:e])) for b, e in bounds]
@@ -72,22 +86,13 @@ def copy_bandwidth(nbytes=512 << 20, threads=None, repeats=5):
             t.start()
         for t in ts:
             t.join()
-
-    run()
-    best = min(_timed(run) for _ in range(repeats))
-    return 2 * nbytes / best
+    return run
 
 
 def _timed(fn):
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def median_time(fn, repeats):
-    fn()
-    fn()
-    return float(np.median([_timed(fn) for _ in range(repeats)]))
 
 
 def contestants(variables, grads):
@@ -127,42 +132,198 @@ def contestants(variables, grads):
                                          epsilon=1e-7, grad=g)
         step.assign_add(1.0)
 
+    # The cost of calling a tf.function with these captures, whatever it does: the same
+    # variables, two slot sets and the gradients, passed to one no-op.
+    @tf.function
+    def harness():
+        handles = [v.handle for v in list(variables) + ms + vs]
+        return tf.raw_ops.IdentityN(input=handles + list(grads))[-1]
+
     return {
         "tfclip fused_clip_apply": fused,
         "tf.clip_by_global_norm + Keras Adam": keras_unfused,
         "Keras Adam(global_clipnorm), XLA": keras_xla,
         "clip + per-var ResourceApplyAdam": raw_per_variable,
-    }
+    }, harness
+
+
+def interleaved_medians(fns, repeats):
+    """Median seconds per call of each function, calls interleaved so drift hits all alike."""
+    for fn in fns.values():
+        fn()
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            times[k].append(_timed(fn))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def make_set(name, rng, grad_dtype=np.float32):
+    shapes = SETS[name]()
+    variables = [tf.Variable(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+    grads = [tf.constant(rng.standard_normal(s, dtype=np.float32).astype(grad_dtype)) for s in shapes]
+    return shapes, variables, grads
+
+
+def main_table(args, rng):
+    header = (f"{'set':<10} {'params':>7} {'tensors':>7}  {'method':<37} {'ms/call':>8} {'net ms':>8} "
+              f"{'x floor':>8} {'x tfclip':>9}")
+    print(header)
+    print("-" * len(header))
+    for name in args.sets.split(","):
+        shapes, variables, grads = make_set(name, rng)
+        n = sum(int(np.prod(s)) for s in shapes)
+        fns, harness = contestants(variables, grads)
+        results = interleaved_medians({**fns, "harness": harness, "floor": floor_copy(n)}, args.repeats)
+        h = results.pop("harness")
+        floor = results.pop("floor")
+        base = results["tfclip fused_clip_apply"] - h
+        for i, (label, t) in enumerate(results.items()):
+            first = f"{name:<10} {n / 1e6:6.1f}M {len(shapes):7d}" if i == 0 else " " * 26
+            print(f"{first}  {label:<37} {t * 1e3:8.2f} {(t - h) * 1e3:8.2f} {(t - h) / floor:8.2f} "
+                  f"{(t - h) / base:9.2f}")
+        print(f"{'':26}  {'harness (captures, no-op)':<37} {h * 1e3:8.2f}")
+        print(f"{'':26}  {'floor (32 B/param copy, same loop)':<37} {'':8} {floor * 1e3:8.2f} {1.0:8.2f}"
+              f"   ({BYTES_PER_PARAM * n / floor / 1e9:.1f} GB/s)")
+        del variables, grads
+
+
+RULE_BYTES = {"SGD": 16, "Momentum": 24, "Adam": 32, "AdamW": 32}
+
+
+def rules_table(args, rng):
+    """tfclip's SGD, Keras momentum, Adam and AdamW on the BERT-base set, each against its floor."""
+    shapes, variables, grads = make_set("bert_base", rng)
+    n = sum(int(np.prod(s)) for s in shapes)
+    rules = {"SGD": tfclip.rules.SGD(1e-9), "Momentum": tfclip.rules.SGD(1e-9, momentum=0.9),
+             "Adam": tfclip.rules.Adam(1e-9), "AdamW": tfclip.rules.AdamW(1e-9, weight_decay=1e-9)}
+    fns = {}
+    for label, rule in rules.items():
+        def make(rule=rule):
+            @tf.function
+            def f():
+                return tfclip.fused_clip_apply(zip(grads, variables), rule, global_clipnorm=1.0).applied
+
+            f()  # creates the slots, so the harness can capture them too
+
+            @tf.function
+            def harness():
+                handles = [v.handle for v in list(variables) + rule.variables[1:]]
+                return tf.raw_ops.IdentityN(input=handles + list(grads))[-1]
+            return f, harness
+        fns[label], fns[label + " harness"] = make()
+    fns["floor"] = floor_copy(n)
+    results = interleaved_medians(fns, args.repeats)
+    print(f"\nbert_base ({n / 1e6:.1f}M params): tfclip rules against their own floors (the 32 B/param"
+          f" copy's median, scaled by each rule's bytes)")
+    print(f"{'rule':<10} {'B/param':>8} {'ms/call':>8} {'net ms':>8} {'floor ms':>9} {'x floor':>8}")
+    for label in rules:
+        t, h = results[label], results[label + " harness"]
+        floor = results["floor"] * RULE_BYTES[label] / BYTES_PER_PARAM
+        print(f"{label:<10} {RULE_BYTES[label]:8d} {t * 1e3:8.2f} {(t - h) * 1e3:8.2f} {floor * 1e3:9.2f} "
+              f"{(t - h) / floor:8.2f}")
+
+
+def grad_dtypes_table(args, rng):
+    """Float32 variables with float32, float16 and bfloat16 gradients: time per parameter."""
+    shapes = SETS["bert_base"]()
+    variables = [tf.Variable(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+    base = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    n = sum(int(np.prod(s)) for s in shapes)
+    fns = {}
+    for label, dt in (("float32", tf.float32), ("float16", tf.float16), ("bfloat16", tf.bfloat16)):
+        grads = [tf.cast(tf.constant(b), dt) for b in base]
+        rule = tfclip.rules.Adam(1e-9)
+
+        def make(grads=grads, rule=rule):
+            @tf.function
+            def f():
+                return tfclip.fused_clip_apply(zip(grads, variables), rule, global_clipnorm=1.0).applied
+            return f
+        fns[label] = make()
+    results = interleaved_medians(fns, args.repeats)
+    print(f"\nbert_base, float32 variables, Adam: gradient dtype (bytes/param: 32 for float32, 28 for 16-bit)")
+    print(f"{'grads':<10} {'ms':>8} {'ns/param':>9} {'x float32':>10}")
+    for label, t in results.items():
+        print(f"{label:<10} {t * 1e3:8.2f} {t / n * 1e9:9.3f} {t / results['float32']:10.2f}")
+
+
+def overhead_table(args, rng):
+    """The fixed cost of one call with 200 variables of 4 elements (kernel time ~0)."""
+    variables = [tf.Variable(rng.standard_normal(4, dtype=np.float32)) for _ in range(200)]
+    grads = [tf.constant(rng.standard_normal(4, dtype=np.float32)) for _ in range(200)]
+    rule = tfclip.rules.Adam(1e-9)
+    pairs = list(zip(grads, variables))
+    tfclip.fused_clip_apply(pairs, rule, global_clipnorm=1.0)  # slots
+    ops = tfclip._loader.ops()
+    handles = [v.handle for v in variables]
+    m = [rule.slots(v)["m"].handle for v in variables]
+    s = [rule.slots(v)["v"].handle for v in variables]
+    f64 = lambda x: tf.constant(x, tf.float64)  # noqa: E731
+    hp = dict(lr=f64(1e-9), beta_1=f64(0.9), beta_2=f64(0.999), epsilon=f64(1e-7),
+              weight_decay=f64(0.0), step=f64(1.0), clip=f64(1.0), use_norm=f64(0.0))
+
+    def raw_op():
+        return ops.tfclip_clip_apply_adam(var=handles, m=m, v=s, vhat=[], grad=grads, indices=[],
+                                          clip_mode="global_norm", **hp)
+
+    @tf.function
+    def in_function():
+        return tfclip.fused_clip_apply(pairs, rule, global_clipnorm=1.0).applied
+
+    @tf.function
+    def harness():
+        return tf.raw_ops.IdentityN(input=handles + m + s + grads)[-1]
+
+    # TF's own costs for the same 800 inputs / 600 resources, for scale.
+    def eager_identity_n():
+        return tf.raw_ops.IdentityN(input=handles + m + s + grads)
+
+    step = tf.Variable(1.0, dtype=tf.float32)
+
+    @tf.function
+    def per_var_resource_apply_adam():
+        for v, mv, vv, g in zip(variables, m, s, grads):
+            tf.raw_ops.ResourceApplyAdam(var=v.handle, m=mv, v=vv, beta1_power=0.9, beta2_power=0.999,
+                                         lr=1e-9, beta1=0.9, beta2=0.999, epsilon=1e-7, grad=g)
+        return step.read_value()
+
+    fns = {"eager fused_clip_apply (Python + op)": lambda: tfclip.fused_clip_apply(pairs, rule, global_clipnorm=1.0),
+           "eager op call (dispatch + op)": raw_op,
+           "eager IdentityN, same inputs [TF]": eager_identity_n,
+           "tf.function call": in_function,
+           "tf.function, 200 ResourceApplyAdam [TF]": per_var_resource_apply_adam,
+           "harness (captures, no-op)": harness}
+    results = interleaved_medians(fns, max(args.repeats, 51))
+    h = results["harness (captures, no-op)"]
+    print("\n200 variables x 4 elements, Adam, global clip: fixed cost per call ([TF]: TF's own, for scale)")
+    for label, t in results.items():
+        extra = f"   beyond the harness: {(t - h) * 1e6:7.1f} us" if label.startswith("tf.function") else ""
+        print(f"{label:<40} {t * 1e6:9.1f} us{extra}")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--extras", default="rules,grad_dtypes,overhead",
+                   help="comma list of rules, grad_dtypes, overhead (or empty)")
     args = p.parse_args(argv)
 
-    bw = copy_bandwidth()
-    print(f"TensorFlow {tf.__version__}, {os.cpu_count()} cores; copy bandwidth (read+write) "
-          f"{bw / 1e9:.1f} GB/s; floor = {BYTES_PER_PARAM} B/param at that bandwidth\n")
-    header = f"{'set':<10} {'params':>7} {'tensors':>7}  {'method':<37} {'ms':>9} {'x floor':>8} {'x tfclip':>9}"
-    print(header)
-    print("-" * len(header))
+    isa = tfclip._core.cpu_isa()
+    print(f"TensorFlow {tf.__version__}, {os.cpu_count()} cores, tfclip CPU kernels: {isa}; "
+          f"floor = {BYTES_PER_PARAM} B/param moved by a multi-threaded copy timed in the same loop\n")
     rng = np.random.default_rng(0)
-    for name in args.sets.split(","):
-        shapes = SETS[name]()
-        variables = [tf.Variable(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
-        grads = [tf.constant(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
-        n = sum(int(np.prod(s)) for s in shapes)
-        floor = BYTES_PER_PARAM * n / bw
-        results = {}
-        for label, fn in contestants(variables, grads).items():
-            results[label] = median_time(fn, args.repeats)
-        base = results["tfclip fused_clip_apply"]
-        for i, (label, t) in enumerate(results.items()):
-            first = f"{name:<10} {n / 1e6:6.1f}M {len(shapes):7d}" if i == 0 else " " * 26
-            print(f"{first}  {label:<37} {t * 1e3:9.2f} {t / floor:8.2f} {t / base:9.2f}")
-        print(f"{'':26}  {'floor (32 B/param)':<37} {floor * 1e3:9.2f} {1.0:8.2f}")
-        del variables, grads
+    if args.sets:
+        main_table(args, rng)
+    extras = [e for e in args.extras.split(",") if e]
+    if "rules" in extras:
+        rules_table(args, rng)
+    if "grad_dtypes" in extras:
+        grad_dtypes_table(args, rng)
+    if "overhead" in extras:
+        overhead_table(args, rng)
 
 
 if __name__ == "__main__":
