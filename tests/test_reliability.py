@@ -293,6 +293,37 @@ def test_eight_threads_on_shared_variables_equal_a_serial_order():
         assert decoded[0] == decoded[1] == decoded[2]
 
 
+def test_threads_with_different_variable_orders_send_each_gradient_to_its_variable():
+    """One rule, eager steps from 8 threads, each listing the same 4 variables in its own order
+    (a rule keeps the handle lists of the last list it saw): variable k always gets gradient
+    k + 1, so after every step has run, variable k is -(k + 1) * steps, whatever interleaving."""
+    n_threads, steps = 8, 40
+    vs = [tf.Variable(np.zeros(3, np.float64)) for _ in range(4)]
+    rule = tfclip.rules.SGD(1.0)
+    orders = [list(np.random.default_rng(t).permutation(4)) for t in range(n_threads)]
+    barrier = threading.Barrier(n_threads)
+    errors = []
+
+    def work(order):
+        try:
+            pairs = [(tf.constant(np.full(3, k + 1.0)), vs[k]) for k in order]
+            barrier.wait()
+            for _ in range(steps):
+                tfclip.fused_clip_apply(pairs, rule)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(o,)) for o in orders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+    for k, v in enumerate(vs):
+        np.testing.assert_array_equal(v.numpy(), -(k + 1.0) * steps * n_threads)
+
+
 # ---------------------------------------------------------------- memory
 def _rss_mib():
     with open("/proc/self/status") as f:

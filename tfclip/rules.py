@@ -123,8 +123,9 @@ class Rule:
         """
         cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
         ids = tuple(map(id, variables))
-        if cacheable and self._handle_cache is not None and self._handle_cache[0] == ids:
-            return self._handle_cache[2], self._handle_cache[3]
+        cache = self._handle_cache  # read once: another thread may replace it meanwhile
+        if cacheable and cache is not None and cache[0] == ids:
+            return cache[2], cache[3]
         slot_lists = {s: [] for s in self.slot_names}
         for v in variables:
             for s, var in self.slots(v).items():
