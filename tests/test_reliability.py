@@ -252,6 +252,28 @@ def test_overflow_and_subnormal_norm_through_the_op():
 
 
 # ---------------------------------------------------------------- concurrency
+def _run_at_once(work, args):
+    """Runs work(a) for each a in its own thread, all released together by a barrier; fails on
+    a thread still running after 120 s (a deadlock) or on any exception in a thread."""
+    barrier = threading.Barrier(len(args))
+    errors = []
+
+    def run(a):
+        try:
+            barrier.wait()
+            work(a)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+
+
 def test_eight_threads_on_shared_variables_equal_a_serial_order():
     """8 threads each apply one TF1-Momentum step (lr 1, momentum 1) to lists sharing the same
     float64 variables in different orders. Gradient j is 16**j, so the final value encodes the
@@ -264,24 +286,9 @@ def test_eight_threads_on_shared_variables_equal_a_serial_order():
         for v in vs:
             rule.slots(v)  # created up front: slot creation is Python, not part of the op
         orders = [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1]]
-        barrier = threading.Barrier(n)
-        errors = []
-
-        def work(j):
-            try:
-                g = tf.constant(np.full(4, 16.0 ** j))
-                barrier.wait()
-                tfclip.fused_clip_apply([(g, vs[k]) for k in orders[j % 4]], rule)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=work, args=(j,)) for j in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads), "deadlock"
-        assert not errors, errors
+        grads = [tf.constant(np.full(4, 16.0 ** j)) for j in range(n)]
+        _run_at_once(lambda j: tfclip.fused_clip_apply([(grads[j], vs[k]) for k in orders[j % 4]], rule),
+                     range(n))
         total = sum(16.0 ** j for j in range(n))
         decoded = []
         for v in vs:
@@ -301,25 +308,13 @@ def test_threads_with_different_variable_orders_send_each_gradient_to_its_variab
     vs = [tf.Variable(np.zeros(3, np.float64)) for _ in range(4)]
     rule = tfclip.rules.SGD(1.0)
     orders = [list(np.random.default_rng(t).permutation(4)) for t in range(n_threads)]
-    barrier = threading.Barrier(n_threads)
-    errors = []
+    pairs = [[(tf.constant(np.full(3, k + 1.0)), vs[k]) for k in order] for order in orders]
 
-    def work(order):
-        try:
-            pairs = [(tf.constant(np.full(3, k + 1.0)), vs[k]) for k in order]
-            barrier.wait()
-            for _ in range(steps):
-                tfclip.fused_clip_apply(pairs, rule)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def work(t):
+        for _ in range(steps):
+            tfclip.fused_clip_apply(pairs[t], rule)
 
-    threads = [threading.Thread(target=work, args=(o,)) for o in orders]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "deadlock"
-    assert not errors, errors
+    _run_at_once(work, range(n_threads))
     for k, v in enumerate(vs):
         np.testing.assert_array_equal(v.numpy(), -(k + 1.0) * steps * n_threads)
 
