@@ -11,8 +11,8 @@ _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 # The same, as DataType enums: an int set lookup per check, not DType.__eq__ per entry (the
 # per-variable checks run on every eager step).
 _FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in _FLOAT_DTYPES)
-_F32, _HALF_ENUMS = tf.float32.as_datatype_enum, frozenset((tf.float16.as_datatype_enum,
-                                                             tf.bfloat16.as_datatype_enum))
+_F32 = tf.float32.as_datatype_enum
+_F16_OR_BF16 = frozenset((tf.float16.as_datatype_enum, tf.bfloat16.as_datatype_enum))
 
 ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied"])
 ClipApplyResult.__doc__ = """What `fused_clip_apply` returns.
@@ -338,4 +338,4 @@ def _as_tf_variable(v):
 
 def _grad_dtype_ok(var_dtype, grad_dtype):
     v, g = var_dtype.as_datatype_enum, grad_dtype.as_datatype_enum
-    return v == g or (v == _F32 and g in _HALF_ENUMS)
+    return v == g or (v == _F32 and g in _F16_OR_BF16)
