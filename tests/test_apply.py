@@ -384,3 +384,96 @@ def test_one_rule_over_changing_variable_lists_keeps_each_variables_slots():
     np.testing.assert_allclose(b.numpy(), want["b"][0], rtol=1e-12)
     np.testing.assert_allclose(rule.slots(a)["momentum"].numpy(), want["a"][1], rtol=1e-12)
     np.testing.assert_allclose(rule.slots(b)["momentum"].numpy(), want["b"][1], rtol=1e-12)
+
+
+def _snapshot(variables):
+    return [v.numpy().copy() for v in variables]
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (lambda g: tf.reshape(g, [2, 3]), ValueError, "grads_and_vars[1]: gradient shape differs"),
+    (lambda g: g[:5], ValueError, "grads_and_vars[1]: gradient element count differs"),
+    (lambda g: tf.cast(g, tf.float64), TypeError, "grads_and_vars[1]: gradient dtype float64"),
+    (lambda g: tf.cast(g, tf.int32), TypeError, "grads_and_vars[1]: gradient dtype int32"),
+])
+def test_repeated_eager_step_still_names_a_bad_gradient_and_writes_nothing(rng, bad, error, words):
+    """A repeated eager step over the same variables skips the per-pair Python checks (the op
+    checks dtypes and shapes before writing): a bad gradient must still get the named Python
+    error of the full check, with no variable, slot or step count changed."""
+    variables = [tf.Variable(rng.standard_normal(s).astype(np.float32)) for s in [(4,), (6,), (2, 2)]]
+    rule = tfclip.rules.Adam(0.1)
+
+    def grads():
+        return [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in variables]
+
+    tfclip.fused_clip_apply(zip(grads(), variables), rule, global_clipnorm=1.0)
+    tfclip.fused_clip_apply(zip(grads(), variables), rule, global_clipnorm=1.0)  # the fast path
+    assert rule._pairs_cache is not None
+    before = _snapshot(variables + rule.variables)
+    gs = grads()
+    gs[1] = bad(gs[1])
+    with pytest.raises(error) as e:
+        tfclip.fused_clip_apply(zip(gs, variables), rule, global_clipnorm=1.0)
+    assert words in str(e.value)
+    for b, v in zip(before, variables + rule.variables):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert int(rule.iterations.numpy()) == 2
+
+
+def test_repeated_eager_steps_match_the_full_path_whatever_the_gradients(rng):
+    """The same variable list over eager steps whose gradients change kind (dense, None,
+    IndexedSlices, NumPy) and hyper-parameters that change between steps: every step must be
+    the float64 reference's, each variable touched only when it has a gradient."""
+    shapes = [(3, 2), (5,), (4, 2)]
+    variables = [tf.Variable(rng.standard_normal(s)) for s in shapes]
+    want = [v.numpy().copy() for v in variables]
+    rule = tfclip.rules.SGD(0.1)
+    for step in range(8):
+        gs = [rng.standard_normal(s) for s in shapes]
+        given = [tf.constant(g) for g in gs]
+        if step == 3:
+            given[1] = None
+        if step == 4:
+            given[0] = tf.IndexedSlices(tf.constant(gs[0][[2, 0]]), tf.constant([2, 0]), tf.constant([3, 2]))
+            gs[0] = np.zeros((3, 2))
+            gs[0][[2, 0]] = given[0].values.numpy()
+        if step == 5:
+            given[2] = gs[2]  # a NumPy array
+        lr = 0.1 if step < 6 else 0.05
+        rule.learning_rate = lr
+        tfclip.fused_clip_apply(zip(given, variables), rule, global_clipnorm=1.5)
+        present = [g for g, t in zip(gs, given) if t is not None]
+        norm = np.sqrt(sum(np.sum(g * g) for g in present))
+        scale = 1.5 / max(norm, 1.5)
+        for w, g, t in zip(want, gs, given):
+            if t is not None:
+                w -= lr * g * scale
+        for v, w in zip(variables, want):
+            np.testing.assert_allclose(v.numpy(), w, rtol=1e-12, atol=1e-15)
+    assert int(rule.iterations.numpy()) == 8
+
+
+def test_eager_step_counts_only_applied_steps_and_bias_corrects_from_it(rng):
+    """Eagerly the step counter is read and bumped with raw ops: a skipped (non-finite) step
+    must not count, and Adam's bias correction must use the counter's value + 1, also after
+    the counter is set by hand (a restored checkpoint)."""
+    var0 = rng.standard_normal(6).astype(np.float64)
+    var = tf.Variable(var0)
+    rule = tfclip.rules.Adam(0.01)
+    g1 = rng.standard_normal(6)
+    tfclip.fused_clip_apply([(tf.constant(g1), var)], rule)
+    tfclip.fused_clip_apply([(tf.constant([np.nan] * 6, tf.float64), var)], rule)
+    assert int(rule.iterations.numpy()) == 1
+    rule.iterations.assign(41)
+    g2 = rng.standard_normal(6)
+    tfclip.fused_clip_apply([(tf.constant(g2), var)], rule)
+    assert int(rule.iterations.numpy()) == 42
+    # float64 reference: step 1 with t=1, then a step with t=42 on the same m and v.
+    m = 0.1 * g1
+    v = 0.001 * g1 * g1
+    w = var0 - 0.01 * np.sqrt(1 - 0.999) / (1 - 0.9) * m / (np.sqrt(v) + 1e-7)
+    m = 0.9 * m + 0.1 * g2
+    v = 0.999 * v + 0.001 * g2 * g2
+    lr_t = 0.01 * np.sqrt(1 - 0.999 ** 42) / (1 - 0.9 ** 42)
+    w = w - lr_t * m / (np.sqrt(v) + 1e-7)
+    np.testing.assert_allclose(var.numpy(), w, rtol=1e-12)
