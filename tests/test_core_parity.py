@@ -127,20 +127,22 @@ def test_every_cpu_variant_gives_the_same_bits():
         _core.set_cpu_isa("sse9")
 
 
-def test_float16_gradients_round_alike_in_every_cpu_variant():
-    """Every finite float16 value as a gradient, scaled by a global clip and rounded back to
-    float16 (TF's `g * cast(scale, float16)`), then applied by SGD at lr 1 to zeros: the variable
-    is exactly -round(g * scale). The AVX variants convert with F16C, the baseline in software:
-    all must equal NumPy's float32 -> float16 rounding, and a NaN must give the same bits."""
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_16bit_gradients_round_alike_in_every_cpu_variant(dtype):
+    """Every finite 16-bit value as a gradient, scaled by a global clip and rounded back to its
+    dtype (TF's `g * cast(scale, g.dtype)`), then applied by SGD at lr 1 to zeros: the variable
+    is exactly -round(g * scale). The AVX variants convert 8 lanes at a time (F16C for float16,
+    integer ops for bfloat16), the baseline one element at a time: all must equal the
+    float32 -> 16-bit rounding of NumPy / ml_dtypes, and a NaN must give the same bits."""
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    g = bits.view(np.float16)
-    g = g[np.isfinite(g)]
+    g = bits.view(dtype)
+    g = g[np.isfinite(g.astype(np.float32))]
     norm = _core.global_norm([g])
-    clip = norm * 0.3  # a scale whose float16 rounding is inexact
-    scale16 = np.float16(np.float64(clip) / norm)  # the op rounds the scale to the gradient's dtype
-    want = np.float32(0.0) - (g.astype(np.float32) * np.float32(scale16)).astype(np.float16).astype(np.float32)
-    nan_grad = np.array([1.0, np.nan, -2.0, 3.0], np.float16)
-    nan_grad.view(np.uint16)[1] = 0xfd37  # a negative NaN with a payload
+    clip = norm * 0.3  # a scale whose 16-bit rounding is inexact
+    scale16 = dtype(np.float64(clip) / norm)  # the op rounds the scale to the gradient's dtype
+    want = np.float32(0.0) - (g.astype(np.float32) * np.float32(scale16)).astype(dtype).astype(np.float32)
+    nan_grad = np.array([1.0, np.nan, -2.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0], dtype)  # a full vector
+    nan_grad.view(np.uint16)[1] = 0xfd37 if dtype is np.float16 else 0xff97  # negative, a payload
     isas = _core.cpu_isas()
     nan_bits = {}
     try:
@@ -150,7 +152,7 @@ def test_float16_gradients_round_alike_in_every_cpu_variant():
             v[:] = 0.0
             _core.clip_apply("sgd", [v], [g], [], {"lr": 1.0}, "global_norm", clip)
             np.testing.assert_array_equal(v.view(np.uint32), want.view(np.uint32), err_msg=isa)
-            w = np.zeros(4, np.float32)
+            w = np.zeros(nan_grad.shape, np.float32)
             _core.clip_apply("sgd", [w], [nan_grad], [], {"lr": 1.0}, "global_norm", 1.0,
                              nonfinite="propagate")
             assert np.isnan(w).all(), isa
