@@ -24,6 +24,7 @@ The rules match TF's own training ops and the Keras 3 optimizers:
 
 `weight_decay` on any rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
 """
+import functools
 import math
 import numbers
 
@@ -77,18 +78,11 @@ def _on_host(t):
     return ":CPU:" in t.device
 
 
+@functools.cache
 def _eager_one():
     """An int64 1 in host memory, made once (the step counter's increment)."""
-    return _eager_int64_one[0] if _eager_int64_one else _make_eager_one()
-
-
-_eager_int64_one = []
-
-
-def _make_eager_one():
     with tf.device("/device:CPU:0"):
-        _eager_int64_one.append(tf.constant(1, tf.int64))
-    return _eager_int64_one[0]
+        return tf.constant(1, tf.int64)
 
 
 class Rule:
