@@ -287,7 +287,7 @@ def overhead_table(args, rng):
 
     def raw_op():
         return ops.tfclip_clip_apply_adam(var=handles, m=m, v=s, vhat=[], grad=grads, indices=[],
-                                          clip_mode="global_norm", **hp)
+                                          iterations=[], clip_mode="global_norm", **hp)
 
     @tf.function
     def in_function():

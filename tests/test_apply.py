@@ -477,3 +477,111 @@ def test_eager_step_counts_only_applied_steps_and_bias_corrects_from_it(rng):
     lr_t = 0.01 * np.sqrt(1 - 0.999 ** 42) / (1 - 0.9 ** 42)
     w = w - lr_t * m / (np.sqrt(v) + 1e-7)
     np.testing.assert_allclose(var.numpy(), w, rtol=1e-12)
+
+
+# ------------------------------------------------------------------ the op's packed inputs
+F64 = tf.float64
+PACKED_RULES = {  # op, its slot inputs, its hyper-parameters
+    "sgd": ("tfclip_clip_apply_sgd", (), dict(lr=0.1, weight_decay=0.01)),
+    "keras_nesterov": ("tfclip_clip_apply_keras_momentum", ("accum",),
+                       dict(lr=0.1, momentum=0.8, weight_decay=0.0, use_nesterov=True)),
+    "momentum": ("tfclip_clip_apply_momentum", ("accum",), dict(lr=0.1, momentum=0.9, weight_decay=0.0)),
+    "amsgrad_adamw": ("tfclip_clip_apply_adam", ("m", "v", "vhat"),
+                      dict(lr=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.004,
+                           step=3.0, amsgrad=True)),
+}
+
+
+def _raw_apply(name, handles, grads, iterations=(), nonfinite="skip", **hp_over):
+    """One raw apply op call, global clip 0.5: `handles` maps "var" and each slot input to its
+    list; `hp_over` replaces hyper-parameters."""
+    op, slot_inputs, hp = PACKED_RULES[name]
+    hp = {**hp, **{k: v for k, v in hp_over.items() if k in hp}}
+    kw = {k: (tf.constant(v, F64) if isinstance(v, float) else v) for k, v in hp.items()}
+    return getattr(tfclip._loader.ops(), op)(
+        var=handles["var"], **{s: handles[s] for s in slot_inputs}, grad=grads, indices=[],
+        iterations=list(iterations), clip=tf.constant(0.5, F64), use_norm=tf.constant(0.0, F64),
+        clip_mode="global_norm", nonfinite=nonfinite, **kw)
+
+
+def _packed_problem(rng, name, shapes=((3,), (2, 4), (5,), (1,))):
+    """Two identical sets of variables and slots (random, so every slot term matters)."""
+    slot_inputs = PACKED_RULES[name][1]
+    init = {k: [rng.standard_normal(s).astype(np.float32) for s in shapes] for k in ("var",) + slot_inputs}
+    if "v" in init:  # Adam's second moments are >= 0
+        init["v"] = [np.abs(x) for x in init["v"]]
+        init["vhat"] = [x + 0.5 for x in init["v"]]
+    make = lambda: {k: [tf.Variable(x) for x in xs] for k, xs in init.items()}  # noqa: E731
+    return make(), make()
+
+
+@pytest.mark.parametrize("name", PACKED_RULES)
+def test_packed_handle_inputs_update_exactly_as_one_handle_per_input(rng, name):
+    """A resource list may pack its handles into vectors (the eager path packs all of a list
+    into one): the result must be the same bits as one handle per input, for every rule, over
+    steps, including a partition that mixes a vector and a scalar handle in one list."""
+    a, b = _packed_problem(rng, name)
+    pack = lambda vs: tf.raw_ops.Pack(values=[v.handle for v in vs], axis=0)  # noqa: E731
+    for step in range(3):
+        grads = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in a["var"]]
+        ra = _raw_apply(name, {k: [v.handle for v in vs] for k, vs in a.items()}, grads)
+        if step == 1:  # each list as a vector of three and a scalar handle
+            hb = {k: [pack(vs[:3]), vs[3].handle] for k, vs in b.items()}
+        else:
+            hb = {k: [pack(vs)] for k, vs in b.items()}
+        rb = _raw_apply(name, hb, grads)
+        assert float(ra[0]) == float(rb[0]) and bool(ra[1]) and bool(rb[1])
+        for k in a:
+            for x, y in zip(a[k], b[k]):
+                np.testing.assert_array_equal(x.numpy(), y.numpy(), err_msg=f"{name} {k} step {step}")
+
+
+@pytest.mark.parametrize("name", PACKED_RULES)
+def test_op_owned_step_counter_counts_applied_steps_and_gives_adam_its_step(rng, name):
+    """With `iterations`, the op reads the counter under its locks (Adam's t = iterations +
+    step) and advances it by one for an applied step only: the same bits as passing the step
+    and counting outside, a skipped (non-finite) step leaves it alone, 'raise' too."""
+    a, b = _packed_problem(rng, name)
+    counter = tf.Variable(6, dtype=tf.int64)
+    lists = lambda vs: {k: [v.handle for v in x] for k, x in vs.items()}  # noqa: E731
+    for step in range(3):
+        grads = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in a["var"]]
+        # The reference is told t = iterations + 1; the op with the counter is told step=1.
+        ra = _raw_apply(name, lists(a), grads, step=float(counter.numpy()) + 1.0)
+        rb = _raw_apply(name, lists(b), grads, iterations=[counter.handle], step=1.0)
+        assert bool(rb[1]) and int(counter.numpy()) == 7 + step
+        assert float(ra[0]) == float(rb[0])
+        for k in a:
+            for x, y in zip(a[k], b[k]):
+                np.testing.assert_array_equal(x.numpy(), y.numpy(), err_msg=f"{name} {k} step {step}")
+        bad = [tf.fill(g.shape, np.float32("nan")) for g in grads]
+        rs = _raw_apply(name, lists(b), bad, iterations=[counter.handle], step=1.0)
+        assert not bool(rs[1])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+            _raw_apply(name, lists(b), bad, iterations=[counter.handle], step=1.0, nonfinite="raise")
+        assert int(counter.numpy()) == 7 + step  # neither the skipped nor the raised step counted
+        for k in a:
+            for x, y in zip(a[k], b[k]):
+                np.testing.assert_array_equal(x.numpy(), y.numpy())
+
+
+def test_eager_steps_use_packed_handles_and_the_op_owned_counter(rng):
+    """The eager path on host variables packs its handle lists and lets the op count: after a
+    first step the rule's cached inputs are one vector per list and the counter is the op's,
+    and steps still match TF's own ResourceApplyAdam (bias correction from the counter)."""
+    var0, grad_steps = make_problem(rng, [(6,), (2, 5), (3,)], steps=4)
+    rule = tfclip.rules.Adam(0.05)
+    got = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    want = [tf.Variable(v, dtype=tf.float32) for v in var0]
+    slots = [[tf.Variable(tf.zeros_like(v)) for _ in range(2)] for v in want]
+    for step, grads in enumerate(grad_steps):
+        gs = [tf.constant(g, tf.float32) for g in grads]
+        tfclip.fused_clip_apply(zip(gs, got), rule)
+        ids, _, var_in, slot_in, packed = rule._handle_cache
+        assert packed and len(var_in) == 1 and var_in[0].shape == [3]
+        assert all(len(h) == 1 and h[0].shape == [3] for h in slot_in.values())
+        assert int(rule.iterations.numpy()) == step + 1
+        for v, s, g in zip(want, slots, gs):
+            _tf_raw_step("adam", v, s, g, step + 1, 0.05)
+    for g, w in zip(got, want):
+        assert_close(g.numpy(), w.numpy(), "float32", scale=10)

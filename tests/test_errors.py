@@ -26,6 +26,7 @@ def _sgd_raw(variables, grads, lr=0.1, **kw):
     kw.setdefault("clip", tf.constant(0.0, tf.float64))
     kw.setdefault("use_norm", tf.constant(0.0, tf.float64))
     kw.setdefault("indices", [])
+    kw.setdefault("iterations", [])
     return OPS.tfclip_clip_apply_sgd(var=[v.handle for v in variables], grad=grads,
                                      lr=tf.constant(lr, tf.float64),
                                      weight_decay=tf.constant(0.0, tf.float64), **kw)
@@ -141,6 +142,79 @@ def test_op_list_length_mismatch(rng):
     _unchanged(variables, before)
 
 
+def _momentum_raw(var, accum, grads, iterations=(), step_lr=0.1):
+    return OPS.tfclip_clip_apply_momentum(
+        var=var, accum=accum, grad=grads, lr=tf.constant(step_lr, tf.float64),
+        momentum=tf.constant(0.9, tf.float64), weight_decay=tf.constant(0.0, tf.float64),
+        clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64), indices=[],
+        iterations=list(iterations))
+
+
+def _pack(vs):
+    return tf.raw_ops.Pack(values=[v.handle for v in vs], axis=0)
+
+
+def test_op_packed_handles_bad_counts_shapes_and_repeats_write_nothing(rng):
+    """Packed resource inputs (vectors of handles) are checked as one handle per input is:
+    counts against the gradients, a slot list of another length, handles of rank 2, the same
+    variable twice inside a vector; each named, nothing written."""
+    variables = _vars(rng)
+    accum = [tf.Variable(tf.zeros(v.shape)) for v in variables]
+    before = _snap(variables + accum)
+    grads = [tf.ones(v.shape) for v in variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="got 3 gradients for 2 variables"):
+        _momentum_raw([_pack(variables[:2])], [_pack(accum[:2])], grads)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="got 2 accum slots for 3 variables"):
+        _momentum_raw([_pack(variables)], [_pack(accum[:2])], grads)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"vars must hold scalar or vector resource handles; got shape \[1,3\]"):
+        _momentum_raw([tf.reshape(_pack(variables), [1, 3])], [_pack(accum)], grads)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"vars\[2\] and vars\[0\] are the same"):
+        _momentum_raw([_pack([variables[0], variables[1], variables[0]])], [_pack(accum)],
+                      [grads[0], grads[1], grads[0]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[1\] is float\[4\] but vars\[1\] is float\[2,2\]"):
+        _momentum_raw([_pack([variables[0], variables[2], variables[1]])], [_pack(accum)],
+                      [grads[0], grads[2], grads[1]])
+    _unchanged(variables + accum, before)
+
+
+def test_op_step_counter_bad_or_misused_is_named_and_writes_nothing(rng):
+    """`iterations`, the op-owned step counter: a float variable, two counters, an
+    uninitialized one, or a count that makes Adam's step < 1 are named errors; nothing written,
+    the counter unchanged."""
+    variables = _vars(rng)
+    accum = [tf.Variable(tf.zeros(v.shape)) for v in variables]
+    before = _snap(variables + accum)
+    grads = [tf.ones(v.shape) for v in variables]
+    lists = ([v.handle for v in variables], [a.handle for a in accum])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"iterations must be an int64 scalar variable, got float\[\]"):
+        _momentum_raw(*lists, grads, iterations=[tf.Variable(0.0).handle])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"got int64\[2\]"):
+        _momentum_raw(*lists, grads, iterations=[tf.Variable([0, 0], dtype=tf.int64).handle])
+    counter = tf.Variable(4, dtype=tf.int64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="iterations takes at most one variable, got 2"):
+        _momentum_raw(*lists, grads, iterations=[counter.handle, counter.handle])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="iterations must be one variable, got 2 handles"):
+        _momentum_raw(*lists, grads, iterations=[_pack([counter, counter])])
+    uninit = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], shared_name="tfclip_uninit_counter")
+    with pytest.raises(tf.errors.FailedPreconditionError, match=r"iterations\[0\] is not initialized"):
+        _momentum_raw(*lists, grads, iterations=[uninit])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="learning_rate must be"):
+        _momentum_raw(*lists, grads, iterations=[counter.handle], step_lr=-1.0)
+    counter.assign(-3)  # Adam's t = iterations + step = -2
+    f64 = lambda x: tf.constant(x, tf.float64)  # noqa: E731
+    m = [tf.Variable(tf.zeros(v.shape)) for v in variables]
+    vv = [tf.Variable(tf.zeros(v.shape)) for v in variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"step must be .*\(iterations \+ step = -2\)"):
+        OPS.tfclip_clip_apply_adam(
+            var=lists[0], m=[x.handle for x in m], v=[x.handle for x in vv], vhat=[], grad=grads,
+            lr=f64(0.1), beta_1=f64(0.9), beta_2=f64(0.999), epsilon=f64(1e-7), weight_decay=f64(0.0),
+            step=f64(1.0), clip=f64(0.0), use_norm=f64(0.0), indices=[], iterations=[counter.handle])
+    assert int(counter.numpy()) == -3
+    _unchanged(variables + accum, before)
+
+
 def test_op_shape_mismatch_at_last_index_writes_nothing(rng):
     variables = _vars(rng)
     before = _snap(variables)
@@ -173,7 +247,7 @@ def test_op_same_variable_twice_is_an_error_not_a_hang(rng):
             var=[variables[0].handle], accum=[variables[0].handle], grad=[tf.ones([3])],
             lr=tf.constant(0.1, tf.float64), momentum=tf.constant(0.9, tf.float64),
             weight_decay=tf.constant(0.0, tf.float64), clip=tf.constant(0.0, tf.float64),
-            use_norm=tf.constant(0.0, tf.float64), indices=[])
+            use_norm=tf.constant(0.0, tf.float64), indices=[], iterations=[])
     _unchanged(variables, before)
 
 
@@ -184,7 +258,8 @@ def test_op_slot_of_wrong_shape_or_dtype_writes_nothing(rng):
     acc_before = _snap(accum)
     args = dict(grad=[tf.ones(v.shape) for v in variables], lr=tf.constant(0.1, tf.float64),
                 momentum=tf.constant(0.9, tf.float64), weight_decay=tf.constant(0.0, tf.float64),
-                clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64), indices=[])
+                clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64), indices=[],
+                iterations=[])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[2\] is float\[5\] but vars\[2\] is float\[2,2\]"):
         OPS.tfclip_clip_apply_momentum(var=[v.handle for v in variables],
                                        accum=[a.handle for a in accum], **args)
@@ -203,7 +278,7 @@ def test_op_non_scalar_hyperparameter(rng):
                                   lr=tf.constant([0.1, 0.1], tf.float64),
                                   weight_decay=tf.constant(0.0, tf.float64),
                                   clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64),
-                                  indices=[])
+                                  indices=[], iterations=[])
 
 
 def test_uninitialized_variable_in_a_graph(rng):

@@ -142,8 +142,8 @@ class _FusedMixin:
             n, a = self._call_op(
                 ops, [keras_vars[i] for i in idx], values, lr,
                 _scalar(self.weight_decay if with_decay else 0.0, "weight_decay"),
-                clip=tf.constant(clip, tf.float64), use_norm=use_norm, clip_mode=mode,
-                nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
+                clip=tf.constant(clip, tf.float64), use_norm=use_norm, iterations=[],
+                clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
                 sum_of_squares=mode != "global_norm", **sparse_kw)
             norm = n if norm is None else norm
             applied = a if applied is None else applied

@@ -24,12 +24,10 @@ The rules match TF's own training ops and the Keras 3 optimizers:
 
 `weight_decay` on any rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
 """
-import functools
 import math
 import numbers
 
 import tensorflow as tf
-from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable as _ResourceVariable
 
 from tfclip import _loader
@@ -78,11 +76,9 @@ def _on_host(t):
     return ":CPU:" in t.device
 
 
-@functools.cache
-def _eager_one():
-    """An int64 1 in host memory, made once (the step counter's increment)."""
-    with tf.device("/device:CPU:0"):
-        return tf.constant(1, tf.int64)
+def _pack_handles(handles):
+    """One vector of resource handles, for an op input list that takes handles packed."""
+    return tf.raw_ops.Pack(values=handles, axis=0)
 
 
 class Rule:
@@ -162,25 +158,37 @@ class Rule:
 
         Eagerly and outside `tf.distribute` (where a handle depends on the replica context) they
         are kept for the last list of variables, so a repeated step pays no per-variable Python
-        here. The entry holds the variables themselves, so their ids cannot be reused while it
-        stands.
+        here; the entry holds the variables themselves, so their ids cannot be reused while it
+        stands. For host variables each list is kept packed into one vector of handles (the op
+        takes either form): TF's eager dispatch costs ~0.7 us per resource input, so 600 of them
+        were most of a 200-variable step's fixed cost. Graph code keeps one input per variable,
+        which is what automatic control dependencies order the step by.
         """
         cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
         ids = tuple(map(id, variables))
         cache = self._handle_cache  # read once: another thread may replace it meanwhile
         if cacheable and cache is not None and cache[0] == ids:
-            return cache[2], cache[3]
+            return cache[2], cache[3], cache[4]
         slot_lists = {s: [] for s in self.slot_names}
         for v in variables:
             for s, var in self.slots(v).items():
                 slot_lists[s].append(var.handle)
         var_handles = [v.handle for v in variables]
+        packed = cacheable and all(_on_host(h) for h in var_handles)  # slots live with theirs
+        if packed:
+            with tf.device("/device:CPU:0"):
+                var_handles = [_pack_handles(var_handles)]
+                slot_lists = {s: [_pack_handles(hs)] for s, hs in slot_lists.items()}
         if cacheable:
-            self._handle_cache = (ids, list(variables), var_handles, slot_lists)
-        return var_handles, slot_lists
+            self._handle_cache = (ids, list(variables), var_handles, slot_lists, packed)
+        return var_handles, slot_lists, packed
 
     def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False):
-        var_handles, slot_lists = self._handles(variables)
+        var_handles, slot_lists, packed = self._handles(variables)
+        # The step counter advances only for an applied step. On the eager host path the op
+        # reads it (Adam's step) and advances it under the step's locks: the same count, for
+        # ~100 us of eager reads, constants and increments less; elsewhere, graph ops do.
+        counter = self._host_counter() if packed else None
         given = use_norm is not None
         values, sparse_kw = _op_grads(grads)
         norm, applied = self._call_op(
@@ -191,17 +199,12 @@ class Rule:
             **sparse_kw,
             clip=_scalar(clip, "clip"),
             use_norm=_scalar(use_norm if given else 0.0, "use_norm"),
+            iterations=[] if counter is None else [counter],
             clip_mode=clip_mode,
             nonfinite=nonfinite,
             use_given_norm=given,
         )
-        # The step counter advances only for an applied step.
-        counter = self._eager_counter()
         if counter is not None:
-            # Ops run in program order here: no control dependency or identity is needed, and
-            # the host-side flag is read directly (two eager ops fewer).
-            if applied.numpy():
-                _gen_rv.assign_add_variable_op(counter, _eager_one())
             return ClipApplyResult(norm, applied)
         bump = self.iterations.assign_add(tf.cast(applied, tf.int64), read_value=False)
         if tf.executing_eagerly():
@@ -209,27 +212,20 @@ class Rule:
         with tf.control_dependencies([bump]):
             return ClipApplyResult(tf.identity(norm), tf.identity(applied))
 
-    def _eager_counter(self):
-        """The step counter's handle where raw reads and increments of it are the whole story:
-        eager, outside tf.distribute, a plain resource variable in host memory. Else None.
-
-        The variable's own read and assign_add cost ~70 and ~30 us each as eager calls (tape,
-        name scopes), the raw ops ~12 and ~11: with the op's flag read on the host, an eager
-        step's counter work drops from ~250 us to ~40 (2-core machine)."""
+    def _host_counter(self):
+        """The step counter's handle where the op may own the count: eager, outside
+        tf.distribute, a plain resource variable in host memory. Else None."""
         it = self.iterations
         if (tf.executing_eagerly() and type(it) is _ResourceVariable and _on_host(it)
                 and not tf.distribute.has_strategy()):
             return it.handle
         return None
 
-    def _next_step(self):
-        """`iterations + 1` as a float64 scalar: the step Adam's bias correction uses."""
-        counter = self._eager_counter()
-        if counter is not None:
-            # One raw read instead of read, add and cast as eager ops (~150 us).
-            step = float(_gen_rv.read_variable_op(counter, tf.int64).numpy()) + 1.0
-            with tf.device("/device:CPU:0"):
-                return tf.constant(step, tf.float64)
+    def _step(self, iterations):
+        """Adam's `step` input: `iterations + 1` as a float64 scalar, or, when the op is given
+        the counter (`iterations`), the 1 it adds to the count."""
+        if iterations:
+            return _scalar(1.0, "step")
         return tf.cast(self.iterations + 1, tf.float64)
 
 
@@ -326,7 +322,7 @@ class Adam(Rule):
                 "beta_2": self.beta_2, "epsilon": self.epsilon, "weight_decay": self.weight_decay}
 
     def _call_op(self, var, grad, slots, **kw):
-        step = self._next_step()
+        step = self._step(kw["iterations"])
         return _loader.ops().tfclip_clip_apply_adam(
             var=var, m=slots["m"], v=slots["v"], vhat=slots.get("vhat", []), grad=grad,
             lr=self.current_learning_rate(), beta_1=_scalar(self.beta_1, "beta_1"),

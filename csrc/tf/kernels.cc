@@ -257,8 +257,6 @@ absl::Status ReadHParams(OpKernelContext* ctx, const RuleSpec& spec, HParams* hp
     else if (n == "weight_decay") hp->weight_decay = v;
     else if (n == "step") hp->step = v;
   }
-  const std::string e = ValidateHParams(spec.kind, *hp);
-  if (!e.empty()) return tf::errors::InvalidArgument(e);
   return absl::OkStatus();
 }
 
@@ -301,30 +299,54 @@ class VarLookup {
   explicit VarLookup(OpKernelContext* ctx)
       : ctx_(ctx), device_(ctx->device()->attributes().name()) {}
 
+  // The handles of one resource list input, in order: each tensor of the list is one handle
+  // or a vector of handles (an eager caller packs a repeated step's lists once, so the step
+  // pays TF's per-input dispatch for three tensors, not 600). `n`: the number of gradients.
   absl::Status Add(const char* input, const char* label, int n, std::vector<VarRef>* out) {
     static const uint64_t kVarType = tf::TypeIndex::Make<tf::Var>().hash_code();
     int start, stop;
     TF_RETURN_IF_ERROR(ctx_->op_kernel().InputRange(input, &start, &stop));
-    if (stop - start != n) {
-      return tf::errors::InvalidArgument("got ", stop - start, " ", label, " for ", n,
+    int64_t total = 0;
+    for (int j = start; j < stop; ++j) {
+      const Tensor& t = ctx_->input(j);
+      if (t.dims() > 1) {
+        return tf::errors::InvalidArgument(label, " must hold scalar or vector resource handles; "
+                                           "got shape ", t.shape().DebugString());
+      }
+      total += t.NumElements();
+    }
+    if (total != n) {
+      const std::string what(label);
+      if (what == "vars") {
+        return tf::errors::InvalidArgument("got ", n, " gradients for ", total, " variables");
+      }
+      if (what == "iterations") {
+        return tf::errors::InvalidArgument("iterations must be one variable, got ", total,
+                                           " handles");
+      }
+      return tf::errors::InvalidArgument("got ", total, " ", label, " slots for ", n,
                                          " variables");
     }
-    for (int i = 0; i < n; ++i) {
-      VarRef r{label, i, nullptr};
-      const tf::ResourceHandle& h = tf::HandleFromInput(ctx_, start + i);
-      if (h.IsRefCounting() && h.hash_code() == kVarType && h.device() == device_) {
-        r.var = static_cast<tf::Var*>(h.resource().get());
-      } else {
-        tf::core::RefCountPtr<tf::Var> v;
-        const absl::Status s = tf::LookupResource(ctx_, h, &v);
-        if (!s.ok()) {
-          return tf::errors::FailedPrecondition(r.name(), " is not initialized (or was deleted): ",
-                                                s.message());
+    int i = 0;
+    for (int j = start; j < stop; ++j) {
+      const auto handles = ctx_->input(j).flat<tf::ResourceHandle>();
+      for (int64_t e = 0; e < handles.size(); ++e, ++i) {
+        VarRef r{label, i, nullptr};
+        const tf::ResourceHandle& h = handles(e);
+        if (h.IsRefCounting() && h.hash_code() == kVarType && h.device() == device_) {
+          r.var = static_cast<tf::Var*>(h.resource().get());
+        } else {
+          tf::core::RefCountPtr<tf::Var> v;
+          const absl::Status s = tf::LookupResource(ctx_, h, &v);
+          if (!s.ok()) {
+            return tf::errors::FailedPrecondition(r.name(), " is not initialized (or was deleted): ",
+                                                  s.message());
+          }
+          r.var = v.get();
+          owned_.push_back(std::move(v));
         }
-        r.var = v.get();
-        owned_.push_back(std::move(v));
+        out->push_back(r);
       }
-      out->push_back(r);
     }
     return absl::OkStatus();
   }
@@ -364,7 +386,10 @@ class ClipApplyOp : public OpKernel {
  public:
   ClipApplyOp(OpKernelConstruction* c, RuleSpec spec) : OpKernel(c), spec_(std::move(spec)) {
     std::string mode, policy;
-    OP_REQUIRES_OK(c, c->GetAttr("N", &n_));
+    // One variable per gradient; the resource lists may pack their handles (see VarLookup).
+    std::vector<tf::DataType> grad_types;
+    OP_REQUIRES_OK(c, c->GetAttr("Tgrad", &grad_types));
+    n_ = static_cast<int>(grad_types.size());
     OP_REQUIRES_OK(c, c->GetAttr("clip_mode", &mode));
     OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
     OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
@@ -372,6 +397,17 @@ class ClipApplyOp : public OpKernel {
     OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
                 tf::errors::InvalidArgument("nonfinite ", policy));
     OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
+    int n_iterations = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("Niterations", &n_iterations));
+    OP_REQUIRES(c, n_iterations <= 1,
+                tf::errors::InvalidArgument("iterations takes at most one variable, got ",
+                                            n_iterations));
+    // On GPU the counter would live in device memory, where the host cannot read Adam's step
+    // without a round trip: the caller passes the step (and advances its counter) instead.
+    OP_REQUIRES(c, !(kGpu<D> && n_iterations > 0),
+                tf::errors::InvalidArgument("iterations is taken by the CPU kernels only; on GPU "
+                                            "pass the step and advance the counter outside"));
+    has_iterations_ = n_iterations > 0;
     OP_REQUIRES_OK(c, c->GetAttr("sum_of_squares", &hp_.sum_of_squares));
     std::vector<int32_t> sparse;
     OP_REQUIRES_OK(c, c->GetAttr("sparse", &sparse));
@@ -389,9 +425,10 @@ class ClipApplyOp : public OpKernel {
       OP_REQUIRES_OK(c, c->GetAttr("amsgrad", &hp_.amsgrad));
       int nvhat = 0;
       OP_REQUIRES_OK(c, c->GetAttr("Nvhat", &nvhat));
-      OP_REQUIRES(c, nvhat == (hp_.amsgrad ? n_ : 0),
+      OP_REQUIRES(c, hp_.amsgrad ? nvhat > 0 : nvhat == 0,
                   tf::errors::InvalidArgument("amsgrad=", hp_.amsgrad, " needs ",
-                                              hp_.amsgrad ? n_ : 0, " vhat slots, got ", nvhat));
+                                              hp_.amsgrad ? "vhat slots" : "no vhat slots",
+                                              ", got ", nvhat, " vhat inputs"));
     }
   }
 
@@ -447,8 +484,6 @@ class ClipApplyOp : public OpKernel {
 
     tf::OpInputList grads, indices;
     OP_REQUIRES_OK(ctx, ctx->input_list("grad", &grads));
-    OP_REQUIRES(ctx, grads.size() == n_,
-                tf::errors::InvalidArgument("got ", grads.size(), " gradients for ", n_, " variables"));
     OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
     OP_REQUIRES(ctx, indices.size() == num_sparse_,
                 tf::errors::InvalidArgument("got ", indices.size(), " index vectors for ",
@@ -463,6 +498,8 @@ class ClipApplyOp : public OpKernel {
     for (int k = 0; k < nslots; ++k) {
       OP_REQUIRES_OK(ctx, lookup.Add(spec_.slots[k], spec_.slots[k], n_, &refs));
     }
+    // The step counter, if given, is locked and copied-on-write with the rest: refs' last.
+    if (has_iterations_) OP_REQUIRES_OK(ctx, lookup.Add("iterations", "iterations", 1, &refs));
 
     // Lock in increasing mutex address, as TF's own multi-variable ops do. The same variable
     // twice would be updated twice (and would deadlock a naive lock): sorted, it is adjacent.
@@ -526,6 +563,24 @@ class ClipApplyOp : public OpKernel {
     }
     const std::string derr = ValidateApplyDTypes(ts.data(), n_);
     OP_REQUIRES(ctx, derr.empty(), tf::errors::InvalidArgument(derr));
+    tf::Var* counter = has_iterations_ ? refs.back().var : nullptr;
+    if (counter != nullptr) {
+      OP_REQUIRES(ctx, counter->is_initialized,
+                  tf::errors::FailedPrecondition("iterations is not initialized"));
+      const Tensor& c = *counter->tensor();
+      OP_REQUIRES(ctx, c.dtype() == tf::DT_INT64 && tf::TensorShapeUtils::IsScalar(c.shape()),
+                  tf::errors::InvalidArgument("iterations must be an int64 scalar variable, got ",
+                                              tf::DataTypeString(c.dtype()),
+                                              c.shape().DebugString()));
+      // Read under its lock; only Adam's step uses it.
+      if (spec_.kind == RuleKind::kAdam) hp.step += static_cast<double>(c.scalar<int64_t>()());
+    }
+    const std::string herr = ValidateHParams(spec_.kind, hp);
+    OP_REQUIRES(ctx, herr.empty(),
+                tf::errors::InvalidArgument(
+                    herr, counter != nullptr && spec_.kind == RuleKind::kAdam
+                              ? absl::StrCat(" (iterations + step = ", hp.step, ")")
+                              : std::string()));
 
     void* gpu_stream = nullptr;
 #if TFCLIP_WITH_CUDA
@@ -585,6 +640,8 @@ class ClipApplyOp : public OpKernel {
                                               "was updated"));
       norm_out->scalar<float>()() = RoundNorm<float>(r.global_norm);
       applied_out->scalar<bool>()() = r.applied;
+      // Only an applied step counts (EnsureExclusive gave the counter a private buffer).
+      if (counter != nullptr && r.applied) ++counter->tensor()->scalar<int64_t>()();
     }
   }
 
@@ -594,6 +651,7 @@ class ClipApplyOp : public OpKernel {
   HParams hp_;
   ClipConfig cfg_;
   bool lazy_ = false;
+  bool has_iterations_ = false;  // an `iterations` input: see ops.cc
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
   tf::mutex scratch_mu_;

@@ -69,13 +69,19 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // semantics (slots decay on every row). `sum_of_squares`: duplicate rows feed Adam's v the sum
 // of their squares (stock Keras on raw IndexedSlices), not the square of their sum (the dense
 // result). See csrc/core/sparse.h.
+// Each resource list may hold one handle per tensor or pack them into vectors (see kernels.cc:
+// an eager caller packs a repeated step's lists once); its handles, in order, are the lists'.
+// `iterations`: none, or an int64 scalar variable counting applied steps, read and advanced
+// under the step's locks (Adam's t is then iterations + `step`); the CPU kernels only.
 #define TFCLIP_APPLY_COMMON                                           \
   Input("indices: Tindices")                                          \
       .Input("clip: double")                                          \
       .Input("use_norm: double")                                      \
+      .Input("iterations: Niterations * resource")                    \
       .Output("global_norm: float")                                   \
       .Output("applied: bool")                                        \
       .Attr("N: int >= 1")                                            \
+      .Attr("Niterations: int >= 0 = 0")                              \
       .Attr(TypeAttr("Tgrad", " >= 1"))                               \
       .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'") \
       .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")    \
@@ -113,7 +119,8 @@ REGISTER_OP("TfclipClipApplyKerasMomentum").TFCLIP_MOMENTUM_INPUTS.TFCLIP_APPLY_
 #undef TFCLIP_MOMENTUM_INPUTS
 
 // Adam / AdamW (weight_decay > 0: decoupled) / AMSGrad (vhat has N entries, else none).
-// Bias correction from `step` (1-based), as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t).
+// Bias correction from t = `step` (1-based), or iterations + `step` when `iterations` is given,
+// as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t).
 REGISTER_OP("TfclipClipApplyAdam")
     .Input("var: N * resource")
     .Input("m: N * resource")

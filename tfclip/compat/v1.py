@@ -118,7 +118,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
     def _fused(self, var_list, grads):
         values, sparse_kw = _op_grads(grads)
         kw = dict(clip=tf.constant(self._clip, tf.float64), use_norm=tf.constant(0.0, tf.float64),
-                  clip_mode=self._clip_mode, nonfinite=self._nonfinite, lazy=self._lazy_sparse,
+                  iterations=[], clip_mode=self._clip_mode, nonfinite=self._nonfinite, lazy=self._lazy_sparse,
                   **sparse_kw)
         return self._call(_loader.ops(), [v.handle for v in var_list], values,
                           lambda s: [self.get_slot(v, s).handle for v in var_list], kw)
