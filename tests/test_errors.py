@@ -142,6 +142,21 @@ def test_op_list_length_mismatch(rng):
     _unchanged(variables, before)
 
 
+def test_op_same_variable_twice_is_caught_after_good_steps_of_the_same_kernel(rng):
+    """The kernel keeps the last step's lock order; a later list with a repeat (same length,
+    so the same kernel) must still be caught, and a reordered list still be applied right."""
+    variables = _vars(rng, shapes=((3,), (3,), (3,)))
+    for _ in range(2):
+        _sgd_raw(variables, [tf.ones([3])] * 3)
+    before = _snap(variables)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"vars\[2\] and vars\[0\] are the same variable"):
+        _sgd_raw([variables[0], variables[1], variables[0]], [tf.ones([3])] * 3)
+    _unchanged(variables, before)
+    _sgd_raw(variables[::-1], [tf.fill([3], float(k)) for k in (1, 2, 3)], lr=1.0)
+    for v, b, k in zip(variables, before, (3, 2, 1)):
+        np.testing.assert_array_equal(v.numpy(), b - k)
+
+
 def _momentum_raw(var, accum, grads, iterations=(), step_lr=0.1):
     return OPS.tfclip_clip_apply_momentum(
         var=var, accum=accum, grad=grads, lr=tf.constant(step_lr, tf.float64),

@@ -501,24 +501,18 @@ class ClipApplyOp : public OpKernel {
     // The step counter, if given, is locked and copied-on-write with the rest: refs' last.
     if (has_iterations_) OP_REQUIRES_OK(ctx, lookup.Add("iterations", "iterations", 1, &refs));
 
-    // Lock in increasing mutex address, as TF's own multi-variable ops do. The same variable
-    // twice would be updated twice (and would deadlock a naive lock): sorted, it is adjacent.
-    // (The keys are gathered first: a sort that chases refs[k].var->mu() per comparison cost
-    // ~3x as much for a few hundred variables.)
-    std::vector<std::pair<tf::mutex*, int>> order(refs.size());
-    for (size_t k = 0; k < order.size(); ++k) order[k] = {refs[k].var->mu(), static_cast<int>(k)};
-    std::sort(order.begin(), order.end());
-    for (size_t k = 1; k < order.size(); ++k) {
-      const VarRef& a = refs[order[k - 1].second];
-      const VarRef& b = refs[order[k].second];
-      OP_REQUIRES(ctx, a.var != b.var,
-                  tf::errors::InvalidArgument(b.name(), " and ", a.name(),
-                                              " are the same variable; each may appear once"));
-    }
     LockSet locks;
-    for (const auto& o : order) locks.Lock(o.first);
+    OP_REQUIRES_OK(ctx, LockInOrder(refs, &locks));
 
-    // Validate everything before the first write.
+    void* gpu_stream = nullptr;
+#if TFCLIP_WITH_CUDA
+    if constexpr (kGpu<D>) {
+      gpu_stream = ctx->op_device_context()->stream()->platform_specific_handle().stream;
+    }
+#endif
+    // Validate everything before the first write. Each variable, once checked, gets a private
+    // buffer (EnsureExclusive changes no value, so a later failure has still written nothing)
+    // and its raw pointers for the core: one visit of each Var and tensor per step.
     std::vector<ApplyTensor> ts(n_);
     std::vector<std::vector<int64_t>> sparse_rows(static_cast<size_t>(num_sparse_));
     for (int i = 0; i < n_; ++i) {
@@ -549,6 +543,9 @@ class ClipApplyOp : public OpKernel {
         return;
       }
       ts[i].size = vt.NumElements();
+      OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, var, gpu_stream));
+      ts[i].var = const_cast<char*>(var->tensor()->tensor_data().data());
+      ts[i].grad = grads[i].tensor_data().data();
       for (int k = 0; k < nslots; ++k) {
         const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
         OP_REQUIRES(ctx, s.var->is_initialized,
@@ -559,6 +556,8 @@ class ClipApplyOp : public OpKernel {
                         s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(),
                         " but vars[", i, "] is ", tf::DataTypeString(vt.dtype()),
                         vt.shape().DebugString(), "; a slot must match its variable"));
+        OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, s.var, gpu_stream));
+        ts[i].slots[k] = const_cast<char*>(s.var->tensor()->tensor_data().data());
       }
     }
     const std::string derr = ValidateApplyDTypes(ts.data(), n_);
@@ -572,6 +571,7 @@ class ClipApplyOp : public OpKernel {
                   tf::errors::InvalidArgument("iterations must be an int64 scalar variable, got ",
                                               tf::DataTypeString(c.dtype()),
                                               c.shape().DebugString()));
+      OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, counter, gpu_stream));
       // Read under its lock; only Adam's step uses it.
       if (spec_.kind == RuleKind::kAdam) hp.step += static_cast<double>(c.scalar<int64_t>()());
     }
@@ -582,22 +582,6 @@ class ClipApplyOp : public OpKernel {
                               ? absl::StrCat(" (iterations + step = ", hp.step, ")")
                               : std::string()));
 
-    void* gpu_stream = nullptr;
-#if TFCLIP_WITH_CUDA
-    if constexpr (kGpu<D>) {
-      gpu_stream = ctx->op_device_context()->stream()->platform_specific_handle().stream;
-    }
-#endif
-    // Private buffers (no value changes), then raw pointers for the core.
-    for (const VarRef& r : refs) OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, r.var, gpu_stream));
-    for (int i = 0; i < n_; ++i) {
-      ts[i].var = const_cast<char*>(refs[i].var->tensor()->tensor_data().data());
-      ts[i].grad = grads[i].tensor_data().data();
-      for (int k = 0; k < nslots; ++k) {
-        ts[i].slots[k] = const_cast<char*>(
-            refs[static_cast<size_t>((k + 1) * n_ + i)].var->tensor()->tensor_data().data());
-      }
-    }
 
     Tensor* norm_out;
     Tensor* applied_out;
@@ -646,6 +630,46 @@ class ClipApplyOp : public OpKernel {
   }
 
  private:
+  // Locks the step's variables in increasing mutex address, as TF's own multi-variable ops do.
+  // The same variable twice would be updated twice (and would deadlock a naive lock): sorted,
+  // it is adjacent, and named. The order of the last step's Vars is kept: a repeated step
+  // (the same Vars) skips the sort and the check. Var pointers alone fix the mutex addresses
+  // (a member of the Var), so the key stays right even for a Var freed and another allocated
+  // at its address; the pointers are never followed from here.
+  absl::Status LockInOrder(const std::vector<VarRef>& refs, LockSet* locks) {
+    std::vector<tf::mutex*> order;
+    {
+      tf::mutex_lock l(order_mu_);
+      bool same = order_key_.size() == refs.size();
+      for (size_t k = 0; same && k < refs.size(); ++k) same = order_key_[k] == refs[k].var;
+      if (same) order = order_;
+    }
+    if (order.empty()) {
+      // (The keys are gathered first: a sort that chases refs[k].var->mu() per comparison
+      // cost ~3x as much for a few hundred variables.)
+      std::vector<std::pair<tf::mutex*, int>> sorted(refs.size());
+      for (size_t k = 0; k < refs.size(); ++k) sorted[k] = {refs[k].var->mu(), static_cast<int>(k)};
+      std::sort(sorted.begin(), sorted.end());
+      for (size_t k = 1; k < sorted.size(); ++k) {
+        const VarRef& a = refs[sorted[k - 1].second];
+        const VarRef& b = refs[sorted[k].second];
+        if (a.var == b.var) {
+          return tf::errors::InvalidArgument(b.name(), " and ", a.name(),
+                                             " are the same variable; each may appear once");
+        }
+      }
+      order.reserve(sorted.size());
+      for (const auto& o : sorted) order.push_back(o.first);
+      std::vector<tf::Var*> key(refs.size());
+      for (size_t k = 0; k < refs.size(); ++k) key[k] = refs[k].var;
+      tf::mutex_lock l(order_mu_);
+      order_key_ = std::move(key);
+      order_ = order;
+    }
+    for (tf::mutex* m : order) locks->Lock(m);
+    return absl::OkStatus();
+  }
+
   RuleSpec spec_;
   int n_ = 0;
   HParams hp_;
@@ -654,6 +678,9 @@ class ClipApplyOp : public OpKernel {
   bool has_iterations_ = false;  // an `iterations` input: see ops.cc
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
+  tf::mutex order_mu_;
+  std::vector<tf::Var*> order_key_ TF_GUARDED_BY(order_mu_);   // see LockInOrder
+  std::vector<tf::mutex*> order_ TF_GUARDED_BY(order_mu_);
   tf::mutex scratch_mu_;
   StepScratch scratch_ TF_GUARDED_BY(scratch_mu_);
 };
