@@ -76,6 +76,9 @@ def _on_host(t):
     return ":CPU:" in t.device
 
 
+_NO_SPARSE = {"indices": (), "sparse": ()}  # the op's sparse inputs for all-dense gradients
+
+
 def _pack_handles(handles):
     """One vector of resource handles, for an op input list that takes handles packed."""
     return tf.raw_ops.Pack(values=handles, axis=0)
@@ -164,9 +167,11 @@ class Rule:
         were most of a 200-variable step's fixed cost. Graph code keeps one input per variable,
         which is what automatic control dependencies order the step by.
         """
-        cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
-        ids = tuple(map(id, variables))
         cache = self._handle_cache  # read once: another thread may replace it meanwhile
+        cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
+        if cacheable and cache is not None and cache[1] is variables:  # the repeated step's list
+            return cache[2], cache[3], cache[4]
+        ids = tuple(map(id, variables))
         if cacheable and cache is not None and cache[0] == ids:
             return cache[2], cache[3], cache[4]
         slot_lists = {s: [] for s in self.slot_names}
@@ -180,17 +185,19 @@ class Rule:
                 var_handles = [_pack_handles(var_handles)]
                 slot_lists = {s: [_pack_handles(hs)] for s, hs in slot_lists.items()}
         if cacheable:
-            self._handle_cache = (ids, list(variables), var_handles, slot_lists, packed)
+            self._handle_cache = (ids, variables, var_handles, slot_lists, packed)
         return var_handles, slot_lists, packed
 
-    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False):
+    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
+               all_dense=False):
         var_handles, slot_lists, packed = self._handles(variables)
         # The step counter advances only for an applied step. On the eager host path the op
         # reads it (Adam's step) and advances it under the step's locks: the same count, for
         # ~100 us of eager reads, constants and increments less; elsewhere, graph ops do.
         counter = self._host_counter() if packed else None
         given = use_norm is not None
-        values, sparse_kw = _op_grads(grads)
+        # (all_dense: the caller checked that every gradient is an eager tensor.)
+        values, sparse_kw = (grads, _NO_SPARSE) if all_dense else _op_grads(grads)
         norm, applied = self._call_op(
             var_handles,
             values,
