@@ -585,3 +585,36 @@ def test_eager_steps_use_packed_handles_and_the_op_owned_counter(rng):
             _tf_raw_step("adam", v, s, g, step + 1, 0.05)
     for g, w in zip(got, want):
         assert_close(g.numpy(), w.numpy(), "float32", scale=10)
+
+
+def test_tf_function_step_counts_in_the_op_and_orders_reads_around_it(rng):
+    """In a tf.function over host variables the op owns the step counter too: reads of
+    `iterations` before the step (a learning-rate schedule) see the old count, reads after it
+    the new one (automatic control dependencies order them by the counter input), a skipped
+    step does not count, and the updates match a float64 Adam with that schedule."""
+    var0 = rng.standard_normal(5)
+    var = tf.Variable(var0)
+    rule = tfclip.rules.Adam(lambda step: 0.01 * 0.5 ** tf.cast(step, tf.float64))
+
+    @tf.function
+    def step(g):
+        before = rule.iterations.read_value()
+        r = tfclip.fused_clip_apply([(g, var)], rule, global_clipnorm=1.0)
+        return before, rule.iterations.read_value(), r.applied
+
+    graph = step.get_concrete_function(tf.TensorSpec([5], tf.float64)).graph
+    assert not [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
+    w, m, v = var0.copy(), np.zeros(5), np.zeros(5)
+    for t, g in enumerate([rng.standard_normal(5) * 3, [np.nan] * 5, rng.standard_normal(5)]):
+        count = int(rule.iterations.numpy())
+        before, after, applied = step(tf.constant(g, tf.float64))
+        finite = bool(np.all(np.isfinite(g)))
+        assert (int(before), int(after), bool(applied)) == (count, count + finite, finite)
+        if finite:
+            g = np.asarray(g) * min(1.0, 1.0 / np.linalg.norm(g))
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g * g
+            k = count + 1
+            lr = 0.01 * 0.5 ** count * np.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k)
+            w = w - lr * m / (np.sqrt(v) + 1e-7)
+        np.testing.assert_allclose(var.numpy(), w, rtol=1e-12)

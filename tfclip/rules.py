@@ -28,7 +28,7 @@ import math
 import numbers
 
 import tensorflow as tf
-from tensorflow.python.ops.resource_variable_ops import ResourceVariable as _ResourceVariable
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BaseResourceVariable
 
 from tfclip import _loader
 from tfclip.ops import ClipApplyResult, _op_grads
@@ -165,7 +165,8 @@ class Rule:
         stands. For host variables each list is kept packed into one vector of handles (the op
         takes either form): TF's eager dispatch costs ~0.7 us per resource input, so 600 of them
         were most of a 200-variable step's fixed cost. Graph code keeps one input per variable,
-        which is what automatic control dependencies order the step by.
+        which is what automatic control dependencies order the step by. Also returns whether
+        every variable (and so every slot) is in host memory, where the CPU kernel runs.
         """
         cache = self._handle_cache  # read once: another thread may replace it meanwhile
         cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
@@ -179,22 +180,24 @@ class Rule:
             for s, var in self.slots(v).items():
                 slot_lists[s].append(var.handle)
         var_handles = [v.handle for v in variables]
-        packed = cacheable and all(_on_host(h) for h in var_handles)  # slots live with theirs
-        if packed:
+        host = all(_on_host(v) for v in variables)  # slots live with their variable
+        if cacheable and host:
             with tf.device("/device:CPU:0"):
                 var_handles = [_pack_handles(var_handles)]
                 slot_lists = {s: [_pack_handles(hs)] for s, hs in slot_lists.items()}
         if cacheable:
-            self._handle_cache = (ids, variables, var_handles, slot_lists, packed)
-        return var_handles, slot_lists, packed
+            self._handle_cache = (ids, variables, var_handles, slot_lists, host)
+        return var_handles, slot_lists, host
 
     def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
                all_dense=False):
-        var_handles, slot_lists, packed = self._handles(variables)
-        # The step counter advances only for an applied step. On the eager host path the op
-        # reads it (Adam's step) and advances it under the step's locks: the same count, for
-        # ~100 us of eager reads, constants and increments less; elsewhere, graph ops do.
-        counter = self._host_counter() if packed else None
+        var_handles, slot_lists, host = self._handles(variables)
+        # The step counter advances only for an applied step. With host variables and a host
+        # counter the op reads it (Adam's step) and advances it under the step's locks: the
+        # same count, atomic with the update, for ~100 us of eager reads, constants and
+        # increments less (in a tf.function, five small ops and two identities); else graph
+        # ops do it here.
+        counter = self._host_counter() if host else None
         given = use_norm is not None
         # (all_dense: the caller checked that every gradient is an eager tensor.)
         values, sparse_kw = (grads, _NO_SPARSE) if all_dense else _op_grads(grads)
@@ -220,11 +223,13 @@ class Rule:
             return ClipApplyResult(tf.identity(norm), tf.identity(applied))
 
     def _host_counter(self):
-        """The step counter's handle where the op may own the count: eager, outside
-        tf.distribute, a plain resource variable in host memory. Else None."""
+        """The step counter's handle where the op may own the count: outside tf.distribute
+        (a replica's counter is not the variable's), a resource variable in host memory.
+        Else None. (A TF1 graph's variable has no device yet: None.)"""
         it = self.iterations
-        if (tf.executing_eagerly() and type(it) is _ResourceVariable and _on_host(it)
-                and not tf.distribute.has_strategy()):
+        # (A counter first made while a tf.function traces is an UnliftedInitializerVariable,
+        # a resource variable with a plain handle; distributed variables are not these.)
+        if isinstance(it, _BaseResourceVariable) and _on_host(it) and not tf.distribute.has_strategy():
             return it.handle
         return None
 
