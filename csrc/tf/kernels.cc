@@ -244,6 +244,8 @@ struct RuleSpec {
   std::vector<const char*> hparams; // scalar double inputs
 };
 
+// Reads the scalar hyper-parameter inputs. Compute validates them once Adam's step is known
+// (it may add the step counter, read under the variables' locks).
 absl::Status ReadHParams(OpKernelContext* ctx, const RuleSpec& spec, HParams* hp) {
   for (const char* name : spec.hparams) {
     double v = 0;
@@ -581,7 +583,6 @@ class ClipApplyOp : public OpKernel {
                     herr, counter != nullptr && spec_.kind == RuleKind::kAdam
                               ? absl::StrCat(" (iterations + step = ", hp.step, ")")
                               : std::string()));
-
 
     Tensor* norm_out;
     Tensor* applied_out;
