@@ -329,6 +329,13 @@ def overhead_table(args, rng):
              "tf.function no-op, same captures [TF]": harness}
     rounds = max(args.repeats, 501)
     times = {**interleaved_times(eager, rounds, shuffle=True), **interleaved_times(graph, rounds, shuffle=True)}
+    # The same eager calls under TF's direct dispatch. TF 2.21 runs every eager op as a
+    # one-op function (run_eager_op_as_function is always on) and charges that per input; the
+    # older direct path, switched on here for this one-threaded measurement only (a private
+    # switch tfclip never touches), shows how much of an eager call that wrapping is.
+    direct_rows = ("eager fused_clip_apply (Python + op)", "eager op, packed handle lists",
+                   "eager no-op, 200 gradients [TF]")
+    direct = _direct_dispatch_times({f"{k}, direct dispatch": eager[k] for k in direct_rows}, rounds)
     eager800, eager200 = times["eager no-op, 800 tensors [TF]"], times["eager no-op, 200 gradients [TF]"]
     graph = times["tf.function no-op, same captures [TF]"]
     beyond = lambda t, base: f"{np.median(t - base) * 1e6:.1f}"  # noqa: E731
@@ -345,6 +352,35 @@ def overhead_table(args, rng):
         else:
             cols = ("", "", beyond(t, graph))
         print(f"{label:<40} {np.median(t) * 1e6:9.1f} {cols[0]:>11} {cols[1]:>11} {cols[2]:>13}".rstrip())
+    ours = np.median(times["tf.function fused_clip_apply"] - graph)
+    theirs = np.median(times["tf.function, 200 ResourceApplyAdam [TF]"] - graph)
+    print(f"tf.function: tfclip's cost beyond the captures is {ours / theirs:.2f}x TF's own "
+          "per-variable update's (a ratio that holds while the machine's speed wanders)")
+    if direct:
+        print("\nThe same eager calls with TF's direct dispatch instead of its one-op function "
+              "wrapping (measurement only)")
+        base = direct["eager no-op, 200 gradients [TF], direct dispatch"]
+        for label, t in direct.items():
+            col = "" if "no-op" in label else f"{np.median(t - base) * 1e6:.1f}"
+            print(f"{label:<58} {np.median(t) * 1e6:9.1f} {col:>11}".rstrip())
+
+
+def _direct_dispatch_times(fns, rounds):
+    """interleaved_times with TF's eager op-as-function wrapping switched off, then back on;
+    {} where this TF has no such switch."""
+    try:
+        from tensorflow.python import pywrap_tfe
+        from tensorflow.python.eager import context
+
+        switch = pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction
+        handle = context.context()._handle
+    except (ImportError, AttributeError):
+        return {}
+    switch(handle, False)
+    try:
+        return interleaved_times(fns, rounds, shuffle=True)
+    finally:
+        switch(handle, True)
 
 
 def main(argv=None):
