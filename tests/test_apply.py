@@ -1,4 +1,6 @@
 """fused_clip_apply against NumPy float64, TF's ResourceApply* ops and the Keras 3 optimizers."""
+import sys
+
 import keras
 import ml_dtypes
 import numpy as np
@@ -418,6 +420,46 @@ def test_repeated_eager_step_still_names_a_bad_gradient_and_writes_nothing(rng, 
     for b, v in zip(before, variables + rule.variables):
         np.testing.assert_array_equal(v.numpy(), b)
     assert int(rule.iterations.numpy()) == 2
+
+
+def test_repeated_pair_split_accepts_only_the_same_variables_with_exact_type_gradients():
+    """The repeated eager step's gate (tfclip._core.split_repeated_pairs, one C pass): the
+    gradients, in order, only for a list of 2-tuples whose variables are the remembered objects
+    themselves and whose gradients are exactly the given type; anything else is None, so the
+    step takes the full path."""
+    from tfclip import _core
+
+    class Grad:
+        pass
+
+    class SubGrad(Grad):
+        pass
+
+    class Var:
+        def __eq__(self, other):  # must never be asked: identity decides
+            raise AssertionError("__eq__ called")
+
+    vs = (Var(), Var(), Var())
+    gs = [Grad(), Grad(), Grad()]
+    got = _core.split_repeated_pairs(list(zip(gs, vs)), vs, Grad)
+    assert type(got) is list and len(got) == 3 and all(a is b for a, b in zip(got, gs))
+    assert _core.split_repeated_pairs([], (), Grad) == []
+    refused = {
+        "another variable object": (list(zip(gs, (vs[0], Var(), vs[2]))), vs, Grad),
+        "another order": (list(zip(gs, (vs[1], vs[0], vs[2]))), vs, Grad),
+        "one pair fewer": (list(zip(gs[:2], vs[:2])), vs, Grad),
+        "a subclass gradient": (list(zip([gs[0], SubGrad(), gs[2]], vs)), vs, Grad),
+        "a None gradient": (list(zip([gs[0], None, gs[2]], vs)), vs, Grad),
+        "pairs as lists": ([[g, v] for g, v in zip(gs, vs)], vs, Grad),
+        "a 3-tuple": ([(gs[0], vs[0], 1)] + list(zip(gs[1:], vs[1:])), vs, Grad),
+        "pairs as a tuple": (tuple(zip(gs, vs)), vs, Grad),
+        "variables as a list": (list(zip(gs, vs)), list(vs), Grad),
+        "no type": (list(zip(gs, vs)), vs, Grad()),
+    }
+    counts = [sys.getrefcount(g) for g in gs]
+    for what, args in refused.items():
+        assert _core.split_repeated_pairs(*args) is None, what
+    assert [sys.getrefcount(g) for g in gs] == counts  # a refused half-filled list leaks nothing
 
 
 def test_repeated_eager_steps_match_the_full_path_whatever_the_gradients(rng):
