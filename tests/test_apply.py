@@ -619,8 +619,9 @@ def test_eager_steps_use_packed_handles_and_the_op_owned_counter(rng):
     for step, grads in enumerate(grad_steps):
         gs = [tf.constant(g, tf.float32) for g in grads]
         tfclip.fused_clip_apply(zip(gs, got), rule)
-        ids, _, var_in, slot_in, packed = rule._handle_cache
+        ids, _, var_in, slot_in, packed, counter = rule._handle_cache
         assert packed and len(var_in) == 1 and var_in[0].shape == [3]
+        assert counter is rule.iterations.handle  # kept with the lists: the op counts
         assert all(len(h) == 1 and h[0].shape == [3] for h in slot_in.values())
         assert int(rule.iterations.numpy()) == step + 1
         for v, s, g in zip(want, slots, gs):

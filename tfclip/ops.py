@@ -1,5 +1,6 @@
 """The fused ops: global norm, clip by global norm (with its gradient), and clip-and-apply."""
 import collections
+import math
 import numbers
 
 import numpy as np
@@ -61,7 +62,11 @@ def _result_dtype(values, norm_dtype):
 
 
 def _check_clip_number(x, what):
-    if isinstance(x, numbers.Real) and not (np.isfinite(x) and x > 0):
+    if type(x) is float:  # the common case, without NumPy's scalar machinery
+        ok = math.isfinite(x) and x > 0
+    else:
+        ok = not isinstance(x, numbers.Real) or (np.isfinite(x) and x > 0)
+    if not ok:
         raise ValueError(f"{what} must be finite and > 0, got {x}")
 
 
@@ -231,9 +236,7 @@ def fused_clip_apply(
     tf.summary.scalar("grad_norm", result.global_norm)
     ```
     """
-    from tfclip.rules import Rule  # rules import this module
-
-    if not isinstance(rule, Rule):
+    if not isinstance(rule, _rule_class()):
         raise TypeError(f"rule must be a tfclip.rules object (e.g. tfclip.rules.Adam()), got {type(rule).__name__}")
     given = {k: v for k, v in zip(_CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue)) if v is not None}
     if len(given) > 1:
@@ -255,17 +258,30 @@ def fused_clip_apply(
         split = _split_pairs(pairs)
         _remember_eager_split(pairs, split, rule)
     grads, variables = split
-    with tf.name_scope(name or f"clip_apply_{rule.kind}"):
+    if fast:  # eager: no name scope (eager ops keep no names)
         try:
             return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
-                               bool(lazy_sparse), all_dense=fast)
+                               bool(lazy_sparse), all_dense=True)
         except (tf.errors.InvalidArgumentError, TypeError, ValueError):
-            if not fast:
-                raise
             error = _pairs_error(pairs)  # the full check's error naming the bad pair, if any
             if error is None:
                 raise
-    raise error
+        raise error
+    with tf.name_scope(name or f"clip_apply_{rule.kind}"):
+        return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
+                           bool(lazy_sparse))
+
+
+_RULE = []
+
+
+def _rule_class():
+    """tfclip.rules.Rule, imported on first use (tfclip.rules imports this module)."""
+    if not _RULE:
+        from tfclip.rules import Rule
+
+        _RULE.append(Rule)
+    return _RULE[0]
 
 
 def _split_pairs(pairs):

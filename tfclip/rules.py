@@ -166,38 +166,39 @@ class Rule:
         takes either form): TF's eager dispatch costs ~0.7 us per resource input, so 600 of them
         were most of a 200-variable step's fixed cost. Graph code keeps one input per variable,
         which is what automatic control dependencies order the step by. Also returns whether
-        every variable (and so every slot) is in host memory, where the CPU kernel runs.
+        every variable (and so every slot) is in host memory, where the CPU kernel runs, and
+        the step counter's handle where the op may own the count (see _host_counter).
         """
         cache = self._handle_cache  # read once: another thread may replace it meanwhile
         cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
         if cacheable and cache is not None and cache[1] is variables:  # the repeated step's list
-            return cache[2], cache[3], cache[4]
+            return cache[2], cache[3], cache[4], cache[5]
         ids = tuple(map(id, variables))
         if cacheable and cache is not None and cache[0] == ids:
-            return cache[2], cache[3], cache[4]
+            return cache[2], cache[3], cache[4], cache[5]
         slot_lists = {s: [] for s in self.slot_names}
         for v in variables:
             for s, var in self.slots(v).items():
                 slot_lists[s].append(var.handle)
         var_handles = [v.handle for v in variables]
         host = all(_on_host(v) for v in variables)  # slots live with their variable
+        counter = self._host_counter() if host else None
         if cacheable and host:
             with tf.device("/device:CPU:0"):
                 var_handles = [_pack_handles(var_handles)]
                 slot_lists = {s: [_pack_handles(hs)] for s, hs in slot_lists.items()}
-        if cacheable:
-            self._handle_cache = (ids, variables, var_handles, slot_lists, host)
-        return var_handles, slot_lists, host
+        if cacheable:  # (the counter is made once per rule: it may be kept with the lists)
+            self._handle_cache = (ids, variables, var_handles, slot_lists, host, counter)
+        return var_handles, slot_lists, host, counter
 
     def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
                all_dense=False):
-        var_handles, slot_lists, host = self._handles(variables)
         # The step counter advances only for an applied step. With host variables and a host
         # counter the op reads it (Adam's step) and advances it under the step's locks: the
         # same count, atomic with the update, for ~100 us of eager reads, constants and
         # increments less (in a tf.function, five small ops and two identities); else graph
-        # ops do it here.
-        counter = self._host_counter() if host else None
+        # ops do it here. (`counter`: its handle then, else None.)
+        var_handles, slot_lists, host, counter = self._handles(variables)
         given = use_norm is not None
         # (all_dense: the caller checked that every gradient is an eager tensor.)
         values, sparse_kw = (grads, _NO_SPARSE) if all_dense else _op_grads(grads)
