@@ -1,5 +1,6 @@
 """The fused ops: global norm, clip by global norm (with its gradient), and clip-and-apply."""
 import collections
+import functools
 import math
 import numbers
 
@@ -272,16 +273,12 @@ def fused_clip_apply(
                            bool(lazy_sparse))
 
 
-_RULE = []
-
-
+@functools.lru_cache(maxsize=None)
 def _rule_class():
-    """tfclip.rules.Rule, imported on first use (tfclip.rules imports this module)."""
-    if not _RULE:
-        from tfclip.rules import Rule
+    """tfclip.rules.Rule, imported once, on first use (tfclip.rules imports this module)."""
+    from tfclip.rules import Rule
 
-        _RULE.append(Rule)
-    return _RULE[0]
+    return Rule
 
 
 def _split_pairs(pairs):
