@@ -10,6 +10,12 @@
 
 #include <cuda_runtime.h>
 
+// Under nvcc a launch is kernel<<<...>>>; the CPU emulation (cuda/emulation/cuda_runtime.h, CI's
+// way to run these kernels) defines its own.
+#ifndef TFCLIP_LAUNCH
+#define TFCLIP_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -498,12 +504,12 @@ std::string NormAndFinalize(const CudaPlan& p, const Table& t, const FinalizeArg
   g_last_launches = 0;
   const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
   if (a.have_partials && nblocks > 0) {
-    NormKernel<<<nblocks, kThreads, 0, stream>>>(t);
+    TFCLIP_LAUNCH(NormKernel, nblocks, kThreads, 0, stream)(t);
     ++g_last_launches;
     const std::string e = Launched("the norm kernel");
     if (!e.empty()) return e;
   }
-  FinalizeKernel<<<1, kFinalizeThreads, 0, stream>>>(t, a);
+  TFCLIP_LAUNCH(FinalizeKernel, 1, kFinalizeThreads, 0, stream)(t, a);
   ++g_last_launches;
   return Launched("the finalize kernel");
 }
@@ -582,7 +588,7 @@ std::string CudaClipByGlobalNorm(const TensorView* in, const TensorView* outs, i
   if (!e.empty()) return e;
   const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
   if (nblocks > 0) {
-    ScaleKernel<<<nblocks, kThreads, 0, stream>>>(t);
+    TFCLIP_LAUNCH(ScaleKernel, nblocks, kThreads, 0, stream)(t);
     ++g_last_launches;
     return Launched("the scale kernel");
   }
@@ -624,7 +630,7 @@ std::string CudaClipApply(RuleKind rule, const HParams& hp, const ClipConfig& cf
     const int nslots = NumSlots(rule, hp);
     DispatchRule(rule, [&](auto rule_tag) {
       using Rule = decltype(rule_tag);
-      ApplyKernel<Rule><<<nblocks, kThreads, 0, stream>>>(t, cf, cd, nslots);
+      TFCLIP_LAUNCH(ApplyKernel<Rule>, nblocks, kThreads, 0, stream)(t, cf, cd, nslots);
     });
     ++g_last_launches;
     e = Launched("the apply kernel");
@@ -644,7 +650,7 @@ std::string CudaClipApply(RuleKind rule, const HParams& hp, const ClipConfig& cf
     const int nslots = NumSlots(rule, hp);
     DispatchRule(rule, [&](auto rule_tag) {
       using Rule = decltype(rule_tag);
-      SparseApplyKernel<Rule><<<static_cast<unsigned>(sp.nunits), kThreads, 0, stream>>>(
+      TFCLIP_LAUNCH(SparseApplyKernel<Rule>, static_cast<unsigned>(sp.nunits), kThreads, 0, stream)(
           t, sp, cf, cd, nslots);
     });
     ++g_last_launches;

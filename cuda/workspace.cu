@@ -107,5 +107,66 @@ std::string DeviceInfo(std::string* name, int* major, int* minor) {
   return "";
 }
 
+void Versions(int* driver, int* runtime) {
+  *driver = 0;
+  if (cudaDriverGetVersion(driver) != cudaSuccess) *driver = 0;
+  *runtime = CUDART_VERSION;
+}
+
+std::string PointerDevice(const void* p, int* device) {
+  cudaPointerAttributes a;
+  std::string e = Err(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
+  if (!e.empty()) {
+    cudaGetLastError();  // not sticky: a host pointer is an answer, not a failure
+    return e;
+  }
+  *device = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+  return "";
+}
+
+std::string CurrentDevice(int* device) { return Err(cudaGetDevice(device), "cudaGetDevice"); }
+
+std::string StreamWaitStreams(void* stream, const void* const* others, int n) {
+  for (int i = 0; i < n; ++i) {
+    cudaEvent_t ev;
+    std::string e = Err(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    if (!e.empty()) return e;
+    e = Err(cudaEventRecord(ev, static_cast<cudaStream_t>(const_cast<void*>(others[i]))),
+            "cudaEventRecord (on the arrays' stream)");
+    if (e.empty()) {
+      e = Err(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), ev, 0), "cudaStreamWaitEvent");
+    }
+    cudaEventDestroy(ev);  // released once complete
+    if (!e.empty()) return e;
+  }
+  return "";
+}
+
+std::string CopyHostToDeviceSync(void* device, const void* host, size_t bytes, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::string e = Err(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync");
+  if (e.empty()) e = Err(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  return e;
+}
+
+std::string StreamCreate(void** stream, bool non_blocking) {
+  cudaStream_t s;
+  const std::string e = Err(
+      cudaStreamCreateWithFlags(&s, non_blocking ? cudaStreamNonBlocking : cudaStreamDefault),
+      "cudaStreamCreateWithFlags");
+  *stream = e.empty() ? static_cast<void*>(s) : nullptr;
+  return e;
+}
+
+std::string StreamDestroy(void* stream) {
+  return Err(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "cudaStreamDestroy");
+}
+
+std::string StreamSynchronize(void* stream) {
+  return Err(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+}
+
+std::string DeviceSynchronize() { return Err(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+
 }  // namespace cuda
 }  // namespace tfclip

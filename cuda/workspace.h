@@ -51,5 +51,26 @@ std::string ThenRunOnHost(void* stream, void (*fn)(void*), void* arg);
 // The current device's name and compute capability, or an error.
 std::string DeviceInfo(std::string* name, int* major, int* minor);
 
+// The CUDA driver's version (0: no driver) and the runtime's built into this module, as
+// 1000 * major + 10 * minor.
+void Versions(int* driver, int* runtime);
+
+// Where `p` lives: *device is the device holding it, or -1 when it is not device memory
+// (pageable or pinned host memory).
+std::string PointerDevice(const void* p, int* device);
+// The current device's index.
+std::string CurrentDevice(int* device);
+
+// Makes `stream` wait for the work queued so far on each of `others` (an event each).
+std::string StreamWaitStreams(void* stream, const void* const* others, int n);
+
+// Plain runtime calls for tests and tools that hold no CUDA library of their own (the
+// emulated build has no CuPy or PyTorch to allocate with).
+std::string CopyHostToDeviceSync(void* device, const void* host, size_t bytes, void* stream);
+std::string StreamCreate(void** stream, bool non_blocking);
+std::string StreamDestroy(void* stream);
+std::string StreamSynchronize(void* stream);
+std::string DeviceSynchronize();
+
 }  // namespace cuda
 }  // namespace tfclip

@@ -8,7 +8,9 @@
 #include <cstring>
 #include <cmath>
 
-#if defined(__CUDACC__)
+// TFCLIP_CUDA_EMULATION: cuda/*.cu compiled by the host compiler against
+// cuda/emulation/cuda_runtime.h (CI runs the CUDA kernels that way); it takes the CUDA branches.
+#if defined(__CUDACC__) || defined(TFCLIP_CUDA_EMULATION)
 #define TFCLIP_HD __host__ __device__ __forceinline__
 #elif defined(__GNUC__)
 // Always inlined on the host too: the CPU passes are compiled once per instruction set
@@ -45,7 +47,7 @@ struct bfloat16 {
 static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2, "16-bit storage types");
 
 TFCLIP_HD uint32_t FloatBits(float f) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(TFCLIP_CUDA_EMULATION)
   return __float_as_uint(f);
 #else
   uint32_t u;
@@ -54,7 +56,7 @@ TFCLIP_HD uint32_t FloatBits(float f) {
 #endif
 }
 TFCLIP_HD float BitsFloat(uint32_t u) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(TFCLIP_CUDA_EMULATION)
   return __uint_as_float(u);
 #else
   float f;

@@ -14,6 +14,8 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_set>
+#include <mutex>
 #include <vector>
 
 #include "csrc/core/cpu_driver.h"
@@ -103,6 +105,9 @@ struct Array {
   int64_t size = 0;
   DType dtype = DType::kFloat;
   std::string name;
+  // __cuda_array_interface__ v3 "stream": the stream its producer uses (1: legacy default,
+  // 2: per-thread default, else a cudaStream_t); 0 when it declares none.
+  uintptr_t stream = 0;
 };
 
 Array FromNumpy(const py::handle& h, const std::string& name, bool writable) {
@@ -182,6 +187,34 @@ HParams ParseHParams(RuleKind rule, const py::dict& d) {
 }
 
 #if TFCLIP_WITH_CUDA
+// An array's memory must be on the current device: a host pointer (a NumPy-backed interface)
+// or another device's would make the kernels fault. Pointers found on the device are kept (a
+// step's arrays are the same every step, and the query costs about a microsecond each).
+void CheckOnDevice(const Array& a) {
+  if (a.size == 0) return;
+  static std::mutex mu;
+  static std::unordered_set<uintptr_t> seen;
+  const uintptr_t key = reinterpret_cast<uintptr_t>(a.data);
+  {
+    std::lock_guard<std::mutex> l(mu);
+    if (seen.count(key) != 0) return;
+  }
+  int device = -1, current = 0;
+  std::string e = cuda::PointerDevice(a.data, &device);
+  if (e.empty()) e = cuda::CurrentDevice(&current);
+  if (!e.empty()) Fail(a.name + ": cannot tell where its memory lives: " + e);
+  if (device < 0) {
+    Fail(a.name + " is not in device memory (its __cuda_array_interface__ points to host memory)");
+  }
+  if (device != current) {
+    Fail(a.name + " is on CUDA device " + std::to_string(device) + " but the current device is " +
+         std::to_string(current));
+  }
+  std::lock_guard<std::mutex> l(mu);
+  if (seen.size() > (1u << 16)) seen.clear();
+  seen.insert(key);
+}
+
 // __cuda_array_interface__ (CuPy, PyTorch, Numba): C-contiguous float16/32/64; bfloat16 travels
 // as a 16-bit integer view (uint16 or int16), since CuPy has no bfloat16 dtype and PyTorch does
 // not export one.
@@ -215,6 +248,11 @@ Array FromCuda(const py::handle& h, const std::string& name, bool writable) {
       expect *= r.shape[k];
     }
   }
+  if (cai.contains("stream") && !cai["stream"].is_none()) {
+    r.stream = cai["stream"].cast<uintptr_t>();
+    if (r.stream == 0) Fail(name + " declares stream 0, which __cuda_array_interface__ forbids");
+  }
+  CheckOnDevice(r);
   return r;
 }
 #endif
@@ -235,6 +273,7 @@ struct ApplyCall {
   std::vector<ApplyTensor> ts;
   bool lazy = false;
   std::vector<std::vector<int64_t>> rows;  // the int64 indices of each sparse gradient
+  std::vector<uintptr_t> streams;          // the streams the arrays declare (CUDA)
 };
 
 // indices[i] for an IndexedSlices gradient: a 1-D NumPy integer array (host memory, for the
@@ -352,6 +391,12 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
   }
   const std::string derr = ValidateApplyDTypes(call.ts.data(), n);
   if (!derr.empty()) Fail(derr);
+  for (const auto* l : {&vars, &grads}) {
+    for (const Array& a : *l) call.streams.push_back(a.stream);
+  }
+  for (const auto& l : slots) {
+    for (const Array& a : l) call.streams.push_back(a.stream);
+  }
   return call;
 }
 
@@ -389,12 +434,37 @@ cuda::OwnedWorkspace& Workspace() {
   return *ws;
 }
 
-void* StreamPtr(py::object stream) {
-  if (stream.is_none()) return nullptr;
+void* StreamArg(py::object stream) {
   if (py::hasattr(stream, "ptr")) return reinterpret_cast<void*>(stream.attr("ptr").cast<uintptr_t>());  // CuPy
   if (py::hasattr(stream, "cuda_stream")) return reinterpret_cast<void*>(stream.attr("cuda_stream").cast<uintptr_t>());  // PyTorch
   return reinterpret_cast<void*>(stream.cast<uintptr_t>());
 }
+
+// The stream a step runs on: the one given, else the one the arrays declare (the first that
+// declares one), else the legacy default stream. Every other stream an array declares is made
+// to wait first, as __cuda_array_interface__ asks of a consumer.
+void* StepStream(py::object stream, const std::vector<uintptr_t>& streams) {
+  std::vector<const void*> declared;
+  for (uintptr_t v : streams) {
+    const void* st = reinterpret_cast<const void*>(v);
+    if (v != 0 && std::find(declared.begin(), declared.end(), st) == declared.end()) {
+      declared.push_back(st);
+    }
+  }
+  void* s = nullptr;
+  if (!stream.is_none()) s = StreamArg(stream);
+  else if (!declared.empty()) s = const_cast<void*>(declared.front());
+  declared.erase(std::remove(declared.begin(), declared.end(), s), declared.end());
+  if (s == nullptr) {  // the legacy stream under its two names
+    declared.erase(std::remove(declared.begin(), declared.end(), reinterpret_cast<const void*>(1)),
+                   declared.end());
+  }
+  if (!declared.empty()) {
+    Check(cuda::StreamWaitStreams(s, declared.data(), static_cast<int>(declared.size())));
+  }
+  return s;
+}
+
 
 // Optional device scalar outputs: (pointer, dtype) or null.
 void* ScalarOut(py::object o, const char* what, DType* dtype, bool is_bool) {
@@ -431,8 +501,11 @@ void RunStep(const std::vector<int64_t>& sizes, void* stream, Fn&& fn,
   Check(e2);
 }
 
-std::vector<TensorView> CudaViews(const py::list& l, const char* what, bool writable) {
-  return Views(Arrays(l, what, writable, &FromCuda), what);
+std::vector<TensorView> CudaViews(const py::list& l, const char* what, bool writable,
+                                  std::vector<uintptr_t>* streams) {
+  const auto arrays = Arrays(l, what, writable, &FromCuda);
+  for (const Array& a : arrays) streams->push_back(a.stream);
+  return Views(arrays, what);
 }
 
 std::vector<int64_t> Sizes(const std::vector<TensorView>& v) {
@@ -469,8 +542,9 @@ std::unique_ptr<Scratch8> NormOutOrScratch(py::object given, const char* what, c
 }
 
 py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object stream_o) {
-  const auto in = CudaViews(t_list, "t_list", false);
-  void* stream = StreamPtr(stream_o);
+  std::vector<uintptr_t> streams;
+  const auto in = CudaViews(t_list, "t_list", false, &streams);
+  void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
   const auto tmp = NormOutOrScratch(out, "out", &o, DType::kDouble);
   RunStep(Sizes(in), stream, [&](const cuda::CudaPlan& p, void* h, void* d) {
@@ -482,8 +556,9 @@ py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object s
 
 py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_list, double clip_norm,
                                   py::object use_norm, py::object norm_out, py::object stream_o) {
-  const auto in = CudaViews(t_list, "t_list", false);
-  const auto outs = CudaViews(out_list, "out", true);
+  std::vector<uintptr_t> streams;
+  const auto in = CudaViews(t_list, "t_list", false, &streams);
+  const auto outs = CudaViews(out_list, "out", true, &streams);
   if (in.size() != outs.size()) Fail("out has " + std::to_string(outs.size()) + " arrays for " +
                                      std::to_string(in.size()) + " inputs");
   for (size_t i = 0; i < in.size(); ++i) {
@@ -493,7 +568,7 @@ py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_li
   }
   const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
   if (!err.empty()) Fail(err);
-  void* stream = StreamPtr(stream_o);
+  void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
   const auto tmp = NormOutOrScratch(norm_out, "norm_out", &o, DType::kFloat);  // as the TF op's default Tnorm
   const bool has = !use_norm.is_none();
@@ -517,7 +592,7 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   const std::string serr = PlanSparse(c.ts.data(), static_cast<int>(c.ts.size()), c.rule, c.hp,
                                       c.lazy, cuda::kCudaChunkElems, &sparse);
   if (!serr.empty()) Fail(serr);
-  void* stream = StreamPtr(stream_o);
+  void* stream = StepStream(stream_o, c.streams);
   cuda::CudaOutputs o;
   DType unused;
   o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
@@ -544,6 +619,42 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   bool applied = false;
   std::memcpy(&applied, reinterpret_cast<char*>(res) + 8, sizeof(bool));
   return py::make_tuple(res[0], applied);
+}
+
+// Plain device memory and streams for tests and tools without CuPy or PyTorch (the emulated
+// build has neither): the test suite's "core" array backend.
+uintptr_t CudaMalloc(size_t bytes) {
+  void* p = nullptr;
+  Check(cuda::DeviceAlloc(&p, bytes == 0 ? 1 : bytes));
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+py::buffer_info HostBuffer(const py::array& a, bool writable) {
+  if (!(a.flags() & py::array::c_style)) Fail("host array must be C-contiguous");
+  if (writable && !a.writeable()) Fail("host array must be writable");
+  return a.request(writable);
+}
+
+void CudaToDevice(uintptr_t dst, const py::array& src, py::object stream) {
+  const py::buffer_info b = HostBuffer(src, false);
+  void* st = stream.is_none() ? nullptr : StreamArg(stream);
+  const size_t bytes = static_cast<size_t>(b.size * b.itemsize);
+  py::gil_scoped_release nogil;
+  Check(cuda::CopyHostToDeviceSync(reinterpret_cast<void*>(dst), b.ptr, bytes, st));
+}
+
+void CudaToHost(py::array& dst, uintptr_t src, py::object stream) {
+  const py::buffer_info b = HostBuffer(dst, true);
+  void* st = stream.is_none() ? nullptr : StreamArg(stream);
+  const size_t bytes = static_cast<size_t>(b.size * b.itemsize);
+  py::gil_scoped_release nogil;
+  Check(cuda::CopyToHostSync(b.ptr, reinterpret_cast<const void*>(src), bytes, st));
+}
+
+uintptr_t CudaStreamCreate(bool non_blocking) {
+  void* s = nullptr;
+  Check(cuda::StreamCreate(&s, non_blocking));
+  return reinterpret_cast<uintptr_t>(s);
 }
 
 py::dict CudaDevice() {
@@ -650,7 +761,40 @@ PYBIND11_MODULE(_core, m) {
   m.def("cuda_last_launches", &cuda::LastStepLaunches,
         "Kernel launches of the last CUDA step issued from this thread.");
   m.def("cuda_device", &CudaDevice, "Name and compute capability of the current CUDA device.");
+#if TFCLIP_EMULATED_CUDA
+  m.attr("cuda_emulated") = true;
+#else
+  m.attr("cuda_emulated") = false;
+#endif
+  m.def("cuda_versions", [] {
+          int driver = 0, runtime = 0;
+          cuda::Versions(&driver, &runtime);
+          return py::make_tuple(driver, runtime);
+        },
+        "(driver, runtime): the CUDA driver's version (0: no driver) and the runtime built in, "
+        "each as 1000 * major + 10 * minor.");
+  m.def("cuda_malloc", &CudaMalloc, py::arg("nbytes"),
+        "Device memory (cudaMalloc), as an integer pointer; for tests and tools.");
+  m.def("cuda_free", [](uintptr_t p) { cuda::DeviceFree(reinterpret_cast<void*>(p)); }, py::arg("ptr"));
+  m.def("cuda_to_device", &CudaToDevice, py::arg("dst"), py::arg("src"), py::arg("stream") = py::none(),
+        "Copies the C-contiguous host array `src` to device pointer `dst` and waits.");
+  m.def("cuda_to_host", &CudaToHost, py::arg("dst"), py::arg("src"), py::arg("stream") = py::none(),
+        "Copies dst.nbytes from device pointer `src` into the host array `dst` and waits.");
+  m.def("cuda_stream_create", &CudaStreamCreate, py::arg("non_blocking") = true);
+  m.def("cuda_stream_destroy", [](uintptr_t s) { Check(cuda::StreamDestroy(reinterpret_cast<void*>(s))); },
+        py::arg("stream"));
+  m.def("cuda_stream_synchronize",
+        [](uintptr_t s) {
+          py::gil_scoped_release nogil;
+          Check(cuda::StreamSynchronize(reinterpret_cast<void*>(s)));
+        },
+        py::arg("stream"));
+  m.def("cuda_synchronize", [] {
+    py::gil_scoped_release nogil;
+    Check(cuda::DeviceSynchronize());
+  });
 #else
   m.attr("cuda") = false;
+  m.attr("cuda_emulated") = false;
 #endif
 }
