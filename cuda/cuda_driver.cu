@@ -104,6 +104,7 @@ HostLayout Layout(const CudaPlan& p) {
 }
 
 thread_local int g_last_launches = 0;
+thread_local void* g_last_stream = nullptr;
 
 // ---------------------------------------------------------------- device helpers
 template <typename Fn>
@@ -502,6 +503,7 @@ std::string Launched(const char* what) {
 std::string NormAndFinalize(const CudaPlan& p, const Table& t, const FinalizeArgs& a,
                             cudaStream_t stream) {
   g_last_launches = 0;
+  g_last_stream = stream;
   const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
   if (a.have_partials && nblocks > 0) {
     TFCLIP_LAUNCH(NormKernel, nblocks, kThreads, 0, stream)(t);
@@ -552,6 +554,8 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
 }
 
 int LastStepLaunches() { return g_last_launches; }
+
+void* LastStepStream() { return g_last_stream; }
 
 std::string CudaGlobalNorm(const TensorView* ts, int n, const CudaPlan& p, void* host_ws,
                            void* dev_ws, const CudaOutputs& out, void* stream_v) {

@@ -69,8 +69,10 @@ std::string CudaClipApply(RuleKind rule, const HParams& hp, const ClipConfig& cf
                           const ApplyTensor* ts, int n, const CudaPlan& p, void* host_ws,
                           void* dev_ws, const CudaOutputs& out, void* stream, bool* nonfinite);
 
-// Launches the last step issued (for tests and benchmarks: "launches per step").
+// Launches the last step issued from this thread (for tests and benchmarks: "launches per
+// step"), and the stream it was issued on.
 int LastStepLaunches();
+void* LastStepStream();
 
 }  // namespace cuda
 }  // namespace tfclip

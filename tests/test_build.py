@@ -140,3 +140,66 @@ def test_avx_variants_convert_float16_with_f16c(path):
         code = [line for name, body in funcs.items() if ns in name for line in body]
         assert any("vcvtph2ps" in line for line in code), ns
         assert any("vcvtps2ph" in line for line in code), ns
+
+
+def test_cuda_driver_older_than_the_runtime_built_in_is_named_with_the_fix():
+    gpus = lambda: ["GPU:0"]  # noqa: E731
+    msg = _loader.cuda_driver_problem(12040, 13000, gpus)
+    assert "built with CUDA 13.0" in msg and "supports CUDA 12.4" in msg
+    assert "-DCMAKE_CUDA_COMPILER=/usr/local/cuda-12/bin/nvcc" in msg and "pip install --force-reinstall" in msg
+    # Fine: no driver, a driver of the same major (minor-version compatibility) or newer, no GPU.
+    assert _loader.cuda_driver_problem(0, 13000, gpus) is None
+    assert _loader.cuda_driver_problem(13000, 13020, gpus) is None
+    assert _loader.cuda_driver_problem(13020, 12050, gpus) is None
+    assert _loader.cuda_driver_problem(12040, 13000, lambda: []) is None
+
+
+def test_load_refuses_a_gpu_with_a_too_old_driver_and_loads_without_a_driver(monkeypatch):
+    monkeypatch.setattr(_build_info, "CUDA", True)
+    monkeypatch.setattr(_loader, "_visible_gpus", lambda: ["GPU:0"])
+    monkeypatch.setattr(_loader, "_cuda_versions", lambda: (12020, 13000))
+    with pytest.raises(ImportError, match=r"supports CUDA 12\.2.*cuda-12/bin/nvcc"):
+        _loader.load_op_library()
+    monkeypatch.setattr(_loader, "_cuda_versions", lambda: (0, 13000))  # a machine without a driver
+    assert _loader.load_op_library() is not None
+
+
+@pytest.mark.skipif(not _build_info.CUDA, reason="this build has no CUDA entry points to ask")
+def test_this_machine_reports_its_real_driver_and_runtime():
+    from tfclip import _core
+
+    driver, runtime = _core.cuda_versions()
+    assert runtime // 1000 == int(_build_info.NVCC_VERSION.split(".")[0])
+    assert driver >= 0
+    assert _loader.cuda_driver_problem(driver, runtime, _loader._visible_gpus) is None
+
+
+def test_core_imports_without_tensorflow(tmp_path):
+    """A GPU test host has tfclip._core and no TensorFlow: `from tfclip import _core` (as
+    benchmarks/gpu_bench.py does) must work there, and the TF API must say what is missing."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['tensorflow'] = None\n"
+        "from tfclip import _core\n"
+        "assert _core.global_norm\n"
+        "import tfclip\n"
+        "try:\n"
+        "    tfclip.fused_clip_apply\n"
+        "except ImportError as e:\n"
+        "    assert 'needs TensorFlow' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no ImportError')\n"
+    )
+    root = os.path.dirname(os.path.dirname(tfclip_path()))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr
+
+
+def tfclip_path():
+    import tfclip
+
+    return tfclip.__file__

@@ -5,10 +5,6 @@ hyper-parameters. No TensorFlow here: `scripts/sanitize.sh` runs this file again
 ASan+UBSan build of `_core`, loaded from TFCLIP_CORE_MODULE without importing the tfclip
 package (which would import TensorFlow).
 """
-import importlib.machinery
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
@@ -17,22 +13,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import reference  # noqa: E402
+from core_loader import load_core  # noqa: E402
 
 
-def _load_core():
-    path = os.environ.get("TFCLIP_CORE_MODULE")
-    if not path:
-        from tfclip import _core
-
-        return _core
-    loader = importlib.machinery.ExtensionFileLoader("_core", path)
-    spec = importlib.util.spec_from_file_location("_core", path, loader=loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
-core = _load_core()
+core = load_core()
 
 try:
     import ml_dtypes

@@ -17,6 +17,9 @@ except ModuleNotFoundError as _e:  # a host with only tfclip._core (e.g. a GPU t
     _TF_MISSING = _e
 
     def __getattr__(name):
+        if name.startswith("_"):
+            # Not found, so `from tfclip import _core` goes on to import the submodule.
+            raise AttributeError(name)
         raise ImportError(f"tfclip.{name} needs TensorFlow, which is not installed") from _TF_MISSING
 
 else:

@@ -23,7 +23,46 @@ def load_op_library():
     path = os.path.join(os.path.dirname(__file__), "_tfclip_ops.so")
     if not os.path.exists(path):
         raise ImportError(f"tfclip's op library is missing ({path}). {_REBUILD}")
+    if _build_info.CUDA:
+        driver, runtime = _cuda_versions()
+        problem = cuda_driver_problem(driver, runtime, _visible_gpus)
+        if problem:
+            raise ImportError(problem)
     return tf.load_op_library(path)
+
+
+def _cuda_versions():
+    from tfclip import _core
+
+    return _core.cuda_versions()
+
+
+def _visible_gpus():
+    return tf.config.list_physical_devices("GPU")
+
+
+def _fmt(v):
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def cuda_driver_problem(driver, runtime, visible_gpus):
+    """Why the GPU kernels cannot run here, or None. `driver` and `runtime` are CUDA versions as
+    1000 * major + 10 * minor (driver 0: none installed); `visible_gpus()` lists TF's GPUs and
+    is asked only when the driver is too old. The runtime is linked in statically, so a driver
+    of its major version or newer runs it (CUDA's minor-version compatibility); an older one
+    would fail at the op's first CUDA call with "insufficient driver"."""
+    if driver == 0 or driver // 1000 >= runtime // 1000 or not visible_gpus():
+        return None
+    major = driver // 1000
+    return (
+        f"tfclip's GPU kernels were built with CUDA {_fmt(runtime)} (nvcc {_build_info.NVCC_VERSION or '?'}), "
+        f"which needs an NVIDIA driver for CUDA {runtime // 1000}.0 or newer, but this machine's driver "
+        f"supports CUDA {_fmt(driver)}, and TensorFlow sees a GPU, so tfclip's ops would be placed there "
+        f"and fail. Update the NVIDIA driver, or rebuild tfclip with a CUDA {major} toolkit from the "
+        f"tfclip source folder: CMAKE_ARGS=\"-DCMAKE_CUDA_COMPILER=/usr/local/cuda-{major}/bin/nvcc\" "
+        f"pip install --force-reinstall --no-deps . (or CMAKE_ARGS=\"-DTFCLIP_CUDA=OFF\" for CPU-only ops; "
+        f"README: CUDA toolkits and drivers)."
+    )
 
 
 _OPS = None

@@ -25,6 +25,10 @@
 #include "cuda/workspace.h"
 #endif
 
+#ifndef TFCLIP_EMULATED_CUDA
+#define TFCLIP_EMULATED_CUDA 0
+#endif
+
 namespace py = pybind11;
 
 namespace tfclip {
@@ -190,12 +194,19 @@ HParams ParseHParams(RuleKind rule, const py::dict& d) {
 // An array's memory must be on the current device: a host pointer (a NumPy-backed interface)
 // or another device's would make the kernels fault. Pointers found on the device are kept (a
 // step's arrays are the same every step, and the query costs about a microsecond each).
+// (Not in the emulated build: its device memory comes from the host heap, where a freed
+// address can come back as host memory; a GPU's device addresses never do.)
 void CheckOnDevice(const Array& a) {
   if (a.size == 0) return;
+  if (reinterpret_cast<uintptr_t>(a.data) % DTypeSize(a.dtype) != 0) {
+    Fail(a.name + " is not aligned to its element size (" + std::to_string(DTypeSize(a.dtype)) +
+         " bytes); the kernels would fault on it");
+  }
   static std::mutex mu;
   static std::unordered_set<uintptr_t> seen;
   const uintptr_t key = reinterpret_cast<uintptr_t>(a.data);
-  {
+  constexpr bool kCache = !TFCLIP_EMULATED_CUDA;
+  if (kCache) {
     std::lock_guard<std::mutex> l(mu);
     if (seen.count(key) != 0) return;
   }
@@ -210,9 +221,11 @@ void CheckOnDevice(const Array& a) {
     Fail(a.name + " is on CUDA device " + std::to_string(device) + " but the current device is " +
          std::to_string(current));
   }
-  std::lock_guard<std::mutex> l(mu);
-  if (seen.size() > (1u << 16)) seen.clear();
-  seen.insert(key);
+  if (kCache) {
+    std::lock_guard<std::mutex> l(mu);
+    if (seen.size() > (1u << 16)) seen.clear();
+    seen.insert(key);
+  }
 }
 
 // __cuda_array_interface__ (CuPy, PyTorch, Numba): C-contiguous float16/32/64; bfloat16 travels
@@ -760,6 +773,8 @@ PYBIND11_MODULE(_core, m) {
         "as clip_apply) make grads[i] the slices of an IndexedSlices gradient.");
   m.def("cuda_last_launches", &cuda::LastStepLaunches,
         "Kernel launches of the last CUDA step issued from this thread.");
+  m.def("cuda_last_stream", [] { return reinterpret_cast<uintptr_t>(cuda::LastStepStream()); },
+        "The stream (as an integer; 0: the legacy default) of the last CUDA step issued from this thread.");
   m.def("cuda_device", &CudaDevice, "Name and compute capability of the current CUDA device.");
 #if TFCLIP_EMULATED_CUDA
   m.attr("cuda_emulated") = true;

@@ -415,11 +415,13 @@ struct Stream {
   }
 };
 
+// An event holds the stream it was recorded on: as in CUDA, it still completes after that
+// stream is destroyed (the workspace ring's events outlive the callers' streams).
 struct Event {
   std::mutex mu;
-  Stream* stream = nullptr;  // where it was last recorded (null: never, or complete)
+  std::shared_ptr<Stream> stream;  // where it was last recorded (null: never)
   uint64_t seq = 0;
-  void Snapshot(Stream** s, uint64_t* q) {
+  void Snapshot(std::shared_ptr<Stream>* s, uint64_t* q) {
     std::lock_guard<std::mutex> l(mu);
     *s = stream;
     *q = seq;
@@ -429,8 +431,8 @@ struct Event {
 namespace {
 
 std::mutex g_streams_mu;
-std::map<Stream*, std::unique_ptr<Stream>>& Streams() {
-  static auto* m = new std::map<Stream*, std::unique_ptr<Stream>>();  // outlives static dtors
+std::map<Stream*, std::shared_ptr<Stream>>& Streams() {
+  static auto* m = new std::map<Stream*, std::shared_ptr<Stream>>();  // outlives static dtors
   return *m;
 }
 std::map<Event*, std::unique_ptr<Event>>& Events() {
@@ -438,18 +440,21 @@ std::map<Event*, std::unique_ptr<Event>>& Events() {
   return *m;
 }
 
-Stream* DefaultStream() {
-  static Stream* s = new Stream();  // never destroyed: its worker runs to process exit
-  return s;
+const std::shared_ptr<Stream>& DefaultStreamPtr() {
+  // Never destroyed: its worker runs to process exit.
+  static auto* s = new std::shared_ptr<Stream>(std::make_shared<Stream>());
+  return *s;
 }
+Stream* DefaultStream() { return DefaultStreamPtr().get(); }
 
 // The stream a handle names (0, legacy and per-thread all mean the default stream), or null.
-Stream* Resolve(cudaStream_t s) {
-  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return DefaultStream();
+std::shared_ptr<Stream> ResolveShared(cudaStream_t s) {
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return DefaultStreamPtr();
   std::lock_guard<std::mutex> l(g_streams_mu);
   auto it = Streams().find(s);
-  return it == Streams().end() ? nullptr : it->second.get();
+  return it == Streams().end() ? nullptr : it->second;
 }
+Stream* Resolve(cudaStream_t s) { return ResolveShared(s).get(); }
 
 Event* ResolveEvent(cudaEvent_t e) {
   std::lock_guard<std::mutex> l(g_streams_mu);
@@ -737,7 +742,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
-  auto st = std::make_unique<Stream>();
+  auto st = std::make_shared<Stream>();
   Stream* raw = st.get();
   std::lock_guard<std::mutex> l(g_streams_mu);
   Streams()[raw] = std::move(st);
@@ -746,7 +751,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  std::unique_ptr<Stream> st;
+  std::shared_ptr<Stream> st;
   {
     std::lock_guard<std::mutex> l(g_streams_mu);
     auto it = Streams().find(s);
@@ -786,10 +791,10 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
   Stream* st = Resolve(s);
   Event* ev = ResolveEvent(e);
   if (st == nullptr || ev == nullptr) return SetLast(cudaErrorInvalidResourceHandle);
-  Stream* other;
+  std::shared_ptr<Stream> other;
   uint64_t seq;
   ev->Snapshot(&other, &seq);
-  if (other == nullptr || other == st) return cudaSuccess;
+  if (other == nullptr || other.get() == st) return cudaSuccess;
   st->Enqueue([other, seq] { other->WaitFor(seq); });
   return cudaSuccess;
 }
@@ -818,7 +823,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-  Stream* st = Resolve(s);
+  std::shared_ptr<Stream> st = ResolveShared(s);
   Event* ev = ResolveEvent(e);
   if (st == nullptr || ev == nullptr) return SetLast(cudaErrorInvalidResourceHandle);
   uint64_t seq;
@@ -835,7 +840,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   Event* ev = ResolveEvent(e);
   if (ev == nullptr) return SetLast(cudaErrorInvalidResourceHandle);
-  Stream* st;
+  std::shared_ptr<Stream> st;
   uint64_t seq;
   ev->Snapshot(&st, &seq);
   if (st != nullptr) st->WaitFor(seq);
@@ -845,19 +850,19 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   Event* ev = ResolveEvent(e);
   if (ev == nullptr) return SetLast(cudaErrorInvalidResourceHandle);
-  Stream* st;
+  std::shared_ptr<Stream> st;
   uint64_t seq;
   ev->Snapshot(&st, &seq);
   return st == nullptr || st->Reached(seq) ? cudaSuccess : cudaErrorNotReady;
 }
 
 cudaError_t cudaDeviceSynchronize() {
-  std::vector<Stream*> all{DefaultStream()};
+  std::vector<std::shared_ptr<Stream>> all{DefaultStreamPtr()};
   {
     std::lock_guard<std::mutex> l(g_streams_mu);
-    for (auto& kv : Streams()) all.push_back(kv.first);
+    for (auto& kv : Streams()) all.push_back(kv.second);
   }
-  for (Stream* st : all) {
+  for (const auto& st : all) {
     uint64_t last;
     {
       std::lock_guard<std::mutex> l(st->mu);
