@@ -53,6 +53,8 @@ def cuda_driver_problem(driver, runtime, visible_gpus):
     would fail at the op's first CUDA call with "insufficient driver"."""
     if driver == 0 or driver // 1000 >= runtime // 1000 or not visible_gpus():
         return None
+    from tfclip import _build_info
+
     major = driver // 1000
     return (
         f"tfclip's GPU kernels were built with CUDA {_fmt(runtime)} (nvcc {_build_info.NVCC_VERSION or '?'}), "

@@ -39,6 +39,14 @@ void __tsan_ignore_thread_begin(void);
 void __tsan_ignore_thread_end(void);
 }
 #define TSAN_NO_SYNC 1u
+// The emulation's own bookkeeping (run queues, barrier counts, the warp exchange) is touched by
+// every fiber of a block in turn on one OS thread: hidden from TSan, so that what it checks is
+// the kernels' own memory accesses, ordered only by __syncthreads.
+#define EMU_IGNORE_BEGIN() __tsan_ignore_thread_begin()
+#define EMU_IGNORE_END() __tsan_ignore_thread_end()
+#else
+#define EMU_IGNORE_BEGIN() ((void)0)
+#define EMU_IGNORE_END() ((void)0)
 #endif
 
 #if !defined(__x86_64__)
@@ -229,27 +237,39 @@ struct Worker {
 };
 thread_local Worker t_worker;
 
+// Called from a fiber, outside EMU_IGNORE.
 void SwitchToScheduler() {
+  EMU_IGNORE_BEGIN();
   Worker& w = t_worker;
-  Fiber* f = w.current;
+  void** from = &w.current->sp;
+  void* to = w.sched_sp;
 #if TFCLIP_EMU_TSAN
-  __tsan_switch_to_fiber(w.sched_tsan, TSAN_NO_SYNC);
+  void* sched = w.sched_tsan;
 #endif
-  tfclip_emu_switch(&f->sp, w.sched_sp);
+  EMU_IGNORE_END();
+#if TFCLIP_EMU_TSAN
+  __tsan_switch_to_fiber(sched, TSAN_NO_SYNC);
+#endif
+  tfclip_emu_switch(from, to);
 }
 
 [[noreturn]] void FiberMain() {
+  EMU_IGNORE_BEGIN();
   Worker& w = t_worker;
-  Fiber* f = w.current;
+  BlockRun* run = w.run;
+  const std::function<void()>* body = run->body;
+  EMU_IGNORE_END();
 #if TFCLIP_EMU_TSAN
-  __tsan_acquire(w.run);  // the launch's parameters, written before the block started
+  __tsan_acquire(run);  // the launch's parameters, written before the block started
 #endif
-  (*w.run->body)();
-  f->done = true;
-  w.run->alive--;
+  (*body)();
 #if TFCLIP_EMU_TSAN
-  __tsan_release(w.run);
+  __tsan_release(run);
 #endif
+  EMU_IGNORE_BEGIN();
+  w.current->done = true;
+  run->alive--;
+  EMU_IGNORE_END();
   SwitchToScheduler();
   std::abort();  // a finished fiber is never resumed
 }
@@ -292,6 +312,7 @@ void MakeRunnable(BlockRun* r, int i) {
 // Runs one block to completion; returns "" or what went wrong.
 std::string RunBlock(const std::function<void()>& body, dim3 grid, dim3 block, uint3 bidx,
                      uint64_t seed) {
+  EMU_IGNORE_BEGIN();
   Worker& w = t_worker;
   const int n = static_cast<int>(block.x * block.y * block.z);
   if (static_cast<int>(w.pool.size()) < n) w.pool.resize(n);
@@ -338,17 +359,25 @@ std::string RunBlock(const std::function<void()>& body, dim3 grid, dim3 block, u
     r.runnable.pop_back();
     Fiber* f = r.fibers[i];
     w.current = f;
+    void* to = f->sp;
 #if TFCLIP_EMU_TSAN
-    __tsan_switch_to_fiber(f->tsan, TSAN_NO_SYNC);
+    void* fiber = f->tsan;
 #endif
-    tfclip_emu_switch(&w.sched_sp, f->sp);
+    EMU_IGNORE_END();
+#if TFCLIP_EMU_TSAN
+    __tsan_switch_to_fiber(fiber, TSAN_NO_SYNC);
+#endif
+    tfclip_emu_switch(&w.sched_sp, to);
+    EMU_IGNORE_BEGIN();
   }
+  w.current = nullptr;
+  w.run = nullptr;
+  std::string failure = r.failure;
+  EMU_IGNORE_END();
 #if TFCLIP_EMU_TSAN
   __tsan_acquire(&r);
 #endif
-  w.current = nullptr;
-  w.run = nullptr;
-  return r.failure;
+  return failure;
 }
 
 // ---------------------------------------------------------------- streams and events
@@ -479,15 +508,17 @@ void SyncThreads() {
     std::fprintf(stderr, "tfclip CUDA emulation: __syncthreads() outside a kernel\n");
     std::abort();
   }
-  const int i = static_cast<int>(f - w.pool.data());
 #if TFCLIP_EMU_TSAN
   __tsan_release(&r->at_barrier);
 #endif
+  EMU_IGNORE_BEGIN();
+  const int i = static_cast<int>(f - w.pool.data());
   r->waiting[i] = Wait::kBarrier;
   if (++r->at_barrier == static_cast<int>(r->fibers.size())) {
     r->at_barrier = 0;
     for (int j = 0; j < static_cast<int>(r->fibers.size()); ++j) MakeRunnable(r, j);
   }
+  EMU_IGNORE_END();
   SwitchToScheduler();
 #if TFCLIP_EMU_TSAN
   __tsan_acquire(&r->at_barrier);
@@ -502,9 +533,11 @@ void ShuffleXor(unsigned mask, void* v, size_t bytes, int lane_mask) {
     std::fprintf(stderr, "tfclip CUDA emulation: a warp shuffle outside a kernel\n");
     std::abort();
   }
+  EMU_IGNORE_BEGIN();
   WarpExchange& x = r->warps[f->warp];
   const unsigned bit = 1u << f->lane;
   if ((mask & bit) == 0) {
+    EMU_IGNORE_END();
     KernelFailed("a warp shuffle by a lane outside its own mask");
     return;
   }
@@ -516,9 +549,7 @@ void ShuffleXor(unsigned mask, void* v, size_t bytes, int lane_mask) {
   x.arrived |= bit;
   const int i = static_cast<int>(f - w.pool.data());
   r->waiting[i] = Wait::kShuffle;
-#if TFCLIP_EMU_TSAN
-  __tsan_release(&x);
-#endif
+  // A shuffle orders no memory (as on the GPU): no release/acquire for TSan here.
   if ((x.arrived & mask) == mask) {
     for (int l = 0; l < kWarp; ++l) {
       if ((mask >> l) & 1u) {
@@ -529,11 +560,11 @@ void ShuffleXor(unsigned mask, void* v, size_t bytes, int lane_mask) {
     }
     x.arrived &= ~mask;
   }
+  EMU_IGNORE_END();
   SwitchToScheduler();
-#if TFCLIP_EMU_TSAN
-  __tsan_acquire(&x);
-#endif
+  EMU_IGNORE_BEGIN();
   std::memcpy(v, &x.out[f->lane], bytes);
+  EMU_IGNORE_END();
 }
 
 void EnqueueLaunch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
