@@ -420,6 +420,15 @@ struct Stream {
     std::unique_lock<std::mutex> l(mu);
     cv.wait(l, [&] { return done >= seq; });
   }
+  // Waits for everything queued so far.
+  void Drain() {
+    uint64_t last;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      last = issued;
+    }
+    WaitFor(last);
+  }
   bool Reached(uint64_t seq) {
     std::lock_guard<std::mutex> l(mu);
     return done >= seq;
@@ -790,24 +799,14 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     st = std::move(it->second);
     Streams().erase(it);
   }
-  uint64_t last;
-  {
-    std::lock_guard<std::mutex> l(st->mu);
-    last = st->issued;
-  }
-  st->WaitFor(last);  // CUDA lets queued work finish
+  st->Drain();  // CUDA lets queued work finish
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   Stream* st = Resolve(s);
   if (st == nullptr) return SetLast(cudaErrorInvalidResourceHandle);
-  uint64_t last;
-  {
-    std::lock_guard<std::mutex> l(st->mu);
-    last = st->issued;
-  }
-  st->WaitFor(last);
+  st->Drain();
   return SyncResult();
 }
 
@@ -893,14 +892,7 @@ cudaError_t cudaDeviceSynchronize() {
     std::lock_guard<std::mutex> l(g_streams_mu);
     for (auto& kv : Streams()) all.push_back(kv.second);
   }
-  for (const auto& st : all) {
-    uint64_t last;
-    {
-      std::lock_guard<std::mutex> l(st->mu);
-      last = st->issued;
-    }
-    st->WaitFor(last);
-  }
+  for (const auto& st : all) st->Drain();
   return SyncResult();
 }
 
