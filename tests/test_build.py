@@ -203,3 +203,27 @@ def tfclip_path():
     import tfclip
 
     return tfclip.__file__
+
+
+def test_required_gpu_suite_fails_instead_of_skipping_where_it_cannot_run(tmp_path):
+    """TFCLIP_REQUIRE_GPU=1 turns the CUDA suite's skips into failures: on this build (no
+    device, or no CUDA at all) it must fail and say why, never pass as 'skipped'."""
+    import os
+    import subprocess
+    import sys
+
+    from tfclip import _core
+
+    if _core.cuda and not _core.cuda_emulated:
+        try:
+            _core.cuda_device()
+            pytest.skip("a GPU is present: there the suite runs for real")
+        except RuntimeError:
+            pass
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TFCLIP_REQUIRE_GPU="1")
+    env.pop("TFCLIP_CORE_MODULE", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(tests, "gpu")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "TFCLIP_REQUIRE_GPU=1 but the CUDA suite cannot run" in r.stdout + r.stderr
