@@ -71,11 +71,17 @@ std::string OwnedWorkspace::Release(void* stream) {
   return e;
 }
 
-std::string CopyToHostSync(void* host, const void* device, size_t bytes, void* stream) {
+namespace {
+std::string CopySync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  std::string e = Err(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync");
+  std::string e = Err(cudaMemcpyAsync(dst, src, bytes, kind, s), "cudaMemcpyAsync");
   if (e.empty()) e = Err(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   return e;
+}
+}  // namespace
+
+std::string CopyToHostSync(void* host, const void* device, size_t bytes, void* stream) {
+  return CopySync(host, device, bytes, cudaMemcpyDeviceToHost, stream);
 }
 
 std::string DeviceAlloc(void** p, size_t bytes) { return Err(cudaMalloc(p, bytes), "cudaMalloc"); }
@@ -143,10 +149,7 @@ std::string StreamWaitStreams(void* stream, const void* const* others, int n) {
 }
 
 std::string CopyHostToDeviceSync(void* device, const void* host, size_t bytes, void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  std::string e = Err(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync");
-  if (e.empty()) e = Err(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-  return e;
+  return CopySync(device, host, bytes, cudaMemcpyHostToDevice, stream);
 }
 
 std::string StreamCreate(void** stream, bool non_blocking) {

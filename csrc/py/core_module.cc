@@ -10,12 +10,12 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <unordered_set>
-#include <mutex>
 #include <vector>
 
 #include "csrc/core/cpu_driver.h"
@@ -477,7 +477,6 @@ void* StepStream(py::object stream, const std::vector<uintptr_t>& streams) {
   }
   return s;
 }
-
 
 // Optional device scalar outputs: (pointer, dtype) or null.
 void* ScalarOut(py::object o, const char* what, DType* dtype, bool is_bool) {
