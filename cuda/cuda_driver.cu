@@ -235,13 +235,11 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
 // ---------------------------------------------------------------- kernel 3: apply
 // One element: the clip factor, decoupled weight decay, then the rule. Operation for operation
 // the CPU driver's ApplyLoop (a scale of 1 and infinite bounds are exact no-ops).
-template <typename Rule, typename V, typename G, int kSlots>
-__device__ __forceinline__ void ApplyElem(const StepConsts<typename Elem<V>::Math>& c,
-                                          typename Elem<V>::Math scale,
-                                          typename Elem<V>::Math lo, typename Elem<V>::Math hi,
-                                          G graw, V& var, V* s) {
+// ApplyElemClipped takes the gradient already clipped (and cast) in the math type.
+template <typename Rule, typename V, int kSlots>
+__device__ __forceinline__ void ApplyElemClipped(const StepConsts<typename Elem<V>::Math>& c,
+                                                 typename Elem<V>::Math g, V& var, V* s) {
   using M = typename Elem<V>::Math;
-  const M g = ClipGrad<G, M>(graw, scale, lo, hi);
   M sl[kMaxSlots] = {M(0), M(0), M(0)};
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) sl[k] = Elem<V>::Load(s[k]);
@@ -250,6 +248,33 @@ __device__ __forceinline__ void ApplyElem(const StepConsts<typename Elem<V>::Mat
   var = Elem<V>::Store(v);
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) s[k] = Elem<V>::Store(sl[k]);
+}
+template <typename Rule, typename V, typename G, int kSlots>
+__device__ __forceinline__ void ApplyElem(const StepConsts<typename Elem<V>::Math>& c,
+                                          typename Elem<V>::Math scale,
+                                          typename Elem<V>::Math lo, typename Elem<V>::Math hi,
+                                          G graw, V& var, V* s) {
+  ApplyElemClipped<Rule, V, kSlots>(c, ClipGrad<G, typename Elem<V>::Math>(graw, scale, lo, hi),
+                                    var, s);
+}
+
+// A gradient of another float dtype than its variable (AnyGrad: not a fused pair), element by
+// element through CastClipGradAt.
+template <typename Rule, typename V, int kSlots>
+__device__ void ApplyRangeAnyGrad(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
+                                  const ClipFactor& f, int64_t b, int64_t e) {
+  V* var = static_cast<V*>(t.var);
+  V* sp[kMaxSlots] = {static_cast<V*>(t.slots[0]), static_cast<V*>(t.slots[1]),
+                      static_cast<V*>(t.slots[2])};
+  const DType gt = static_cast<DType>(t.grad_dtype);
+  for (int64_t i = b + threadIdx.x; i < e; i += kThreads) {
+    V s[kMaxSlots];
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) s[k] = sp[k][i];
+    ApplyElemClipped<Rule, V, kSlots>(c, CastClipGradAt<V>(t.grad, gt, i, f), var[i], s);
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) sp[k][i] = s[k];
+  }
 }
 
 template <typename Rule, typename V, typename G, int kSlots>
@@ -260,8 +285,8 @@ __device__ void ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const De
   const G* grad = static_cast<const G*>(t.grad);
   V* sp[kMaxSlots] = {static_cast<V*>(t.slots[0]), static_cast<V*>(t.slots[1]),
                       static_cast<V*>(t.slots[2])};
-  const M scale = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(f.scale)));
-  const M lo = static_cast<M>(f.lo), hi = static_cast<M>(f.hi);
+  const M scale = InGradDType<G, M>(f.scale);
+  const M lo = InGradDType<G, M>(f.lo), hi = InGradDType<G, M>(f.hi);
 
   // Four elements per thread with vector loads when every array is aligned for them.
   constexpr int kV = 4;
@@ -330,11 +355,15 @@ __device__ __forceinline__ void DispatchPairDev(const DevTensor& ten, const Step
   } else if (vd == DType::kFloat && gd == DType::kBFloat16) {
     fn(float{}, bfloat16{}, cf);
   } else if (vd == DType::kDouble) {
-    fn(double{}, double{}, cd);
+    if (gd == vd) fn(double{}, double{}, cd);
+    else fn(double{}, AnyGrad{}, cd);
   } else {
     DispatchDTypeDev(ten.var_dtype, [&](auto tag) {
       using V = decltype(tag);
-      if constexpr (!std::is_same<V, double>::value) fn(V{}, V{}, cf);
+      if constexpr (!std::is_same<V, double>::value) {
+        if (gd == vd) fn(V{}, V{}, cf);
+        else fn(V{}, AnyGrad{}, cf);
+      }
     });
   }
 }
@@ -352,7 +381,13 @@ __global__ void __launch_bounds__(kThreads)
     DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
       constexpr int kS = decltype(slots_tag)::value;
       DispatchPairDev(ten, cf, cd, [&](auto vtag, auto gtag, const auto& consts) {
-        ApplyRange<Rule, decltype(vtag), decltype(gtag), kS>(consts, ten, f, ch.begin, ch.end);
+        using V = decltype(vtag);
+        using G = decltype(gtag);
+        if constexpr (std::is_same<G, AnyGrad>::value) {
+          ApplyRangeAnyGrad<Rule, V, kS>(consts, ten, f, ch.begin, ch.end);
+        } else {
+          ApplyRange<Rule, V, G, kS>(consts, ten, f, ch.begin, ch.end);
+        }
       });
     });
   }
@@ -364,13 +399,10 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Rule, typename V, typename G, int kSlots>
 __device__ void SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
                               const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
-  using M = typename Elem<V>::Math;
   V* var = static_cast<V*>(ten.var);
-  const G* values = static_cast<const G*>(ten.grad);
+  const SparseGrad<V, G> grad(ten.grad, static_cast<DType>(ten.grad_dtype), f);
   V* sl[kMaxSlots] = {static_cast<V*>(ten.slots[0]), static_cast<V*>(ten.slots[1]),
                       static_cast<V*>(ten.slots[2])};
-  const M scale = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(f.scale)));
-  const M lo = static_cast<M>(f.lo), hi = static_cast<M>(f.hi);
   const int64_t w = ten.width;
   const int64_t total = (u.end - u.begin) * w;
   for (int64_t e = threadIdx.x; e < total; e += kThreads) {
@@ -398,7 +430,7 @@ __device__ void SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const
     V s[kMaxSlots];
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) s[k] = sl[k][i];
-    SparseElem<Rule, V, G, kSlots>(c, scale, lo, hi, values, w, col, sp.order, jb, je, var[i], s);
+    SparseElem<Rule, V, kSlots>(c, grad, w, col, sp.order, jb, je, var[i], s);
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) sl[k][i] = s[k];
   }

@@ -121,6 +121,58 @@ def test_mixed_dtypes_and_low_precision_grads_in_one_call(rng):
         assert_close(v.numpy(), w, tol, scale=2)
 
 
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+
+
+def rnd(a, dtype):
+    return np.asarray(a, np.float64).astype(NP_DTYPE[dtype]).astype(np.float64)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "indexed_slices"])
+@pytest.mark.parametrize("mode", MODES, ids=MODES.keys())
+@pytest.mark.parametrize("grad_dtype", FLOATS)
+@pytest.mark.parametrize("var_dtype", FLOATS)
+def test_any_float_gradient_for_any_float_variable(rng, var_dtype, grad_dtype, mode, sparse):
+    """Stock Keras clips a gradient in its own dtype and casts it to its variable's dtype in
+    update_step; tfclip does the same inside the apply pass (no cast op, no extra pass)."""
+    var0, grad_steps = make_problem(rng, [(4, 3), (5,)], steps=3, scale=0.8)
+    kw = MODES[mode]
+    c = next(iter(kw.values()), None)
+    r = tfclip.rules.Adam(0.01)
+    variables = [tf.Variable(v, dtype=var_dtype) for v in var0]
+    want = [rnd(v, var_dtype) for v in var0]
+    slots = [[np.zeros_like(v), np.zeros_like(v)] for v in want]
+    for t, grads in enumerate(grad_steps, start=1):
+        gq = [rnd(g, grad_dtype) for g in grads]
+        if sparse:  # rows 3, 0, 2, each once: the values of the dense gradient with row 1 zero
+            gq[0][1] = 0.0
+            g0 = tf.IndexedSlices(tf.constant(gq[0][[3, 0, 2]], grad_dtype), tf.constant([3, 0, 2]),
+                                  tf.constant([4, 3]))
+        else:
+            g0 = tf.constant(gq[0], grad_dtype)
+        res = tfclip.fused_clip_apply([(g0, variables[0]), (tf.constant(gq[1], grad_dtype), variables[1])],
+                                      r, **kw)
+        assert bool(res.applied)
+        # Reference: clipped in the gradient's dtype (scale and bounds rounded to it, as TF's
+        # `g * cast(scale, g.dtype)` and clip_by_value), then cast to the variable's dtype.
+        if mode == "value":
+            clipped = [np.clip(g, -rnd(c, grad_dtype), rnd(c, grad_dtype)) for g in gq]
+        elif mode == "none":
+            clipped = gq
+        else:
+            norms = [ref.global_norm(gq)] * 2 if mode == "global_norm" else [ref.global_norm([g]) for g in gq]
+            scales = [c / max(n, c) for n in norms]
+            clipped = [rnd(g * rnd(k, grad_dtype), grad_dtype) for g, k in zip(gq, scales)]
+        for i, g in enumerate(clipped):
+            want[i] = rnd(ref.step("adam", want[i], slots[i], rnd(g, var_dtype), {"learning_rate": 0.01}, t),
+                          var_dtype)
+            for sl in slots[i]:
+                sl[...] = rnd(sl, var_dtype)
+    for v, w in zip(variables, want):
+        assert_close(v.numpy(), w, var_dtype, scale=10)
+    assert v.dtype == getattr(tf, var_dtype)
+
+
 @pytest.mark.parametrize("shapes", [
     [()], [(0,), (4,)], [(7,), (1, 13)], [(200_003,), (5,)], [(i % 5 + 1,) for i in range(1100)]],
     ids=["scalar", "empty", "odd", "over_chunk", "many"])
@@ -395,7 +447,6 @@ def _snapshot(variables):
 @pytest.mark.parametrize("bad, error, words", [
     (lambda g: tf.reshape(g, [2, 3]), ValueError, "grads_and_vars[1]: gradient shape differs"),
     (lambda g: g[:5], ValueError, "grads_and_vars[1]: gradient element count differs"),
-    (lambda g: tf.cast(g, tf.float64), TypeError, "grads_and_vars[1]: gradient dtype float64"),
     (lambda g: tf.cast(g, tf.int32), TypeError, "grads_and_vars[1]: gradient dtype int32"),
 ])
 def test_repeated_eager_step_still_names_a_bad_gradient_and_writes_nothing(rng, bad, error, words):
@@ -481,6 +532,9 @@ def test_repeated_eager_steps_match_the_full_path_whatever_the_gradients(rng):
             gs[0][[2, 0]] = given[0].values.numpy()
         if step == 5:
             given[2] = gs[2]  # a NumPy array
+        if step == 6:  # a float32 gradient for a float64 variable: cast as Keras casts it
+            gs[1] = gs[1].astype(np.float32).astype(np.float64)
+            given[1] = tf.constant(gs[1], tf.float32)
         lr = 0.1 if step < 6 else 0.05
         rule.learning_rate = lr
         tfclip.fused_clip_apply(zip(given, variables), rule, global_clipnorm=1.5)
@@ -488,7 +542,9 @@ def test_repeated_eager_steps_match_the_full_path_whatever_the_gradients(rng):
         norm = np.sqrt(sum(np.sum(g * g) for g in present))
         scale = 1.5 / max(norm, 1.5)
         for w, g, t in zip(want, gs, given):
-            if t is not None:
+            if isinstance(t, tf.Tensor) and t.dtype == tf.float32:  # clipped in float32, then cast
+                w -= lr * (g * np.float32(scale)).astype(np.float32).astype(np.float64)
+            elif t is not None:
                 w -= lr * g * scale
         for v, w in zip(variables, want):
             np.testing.assert_allclose(v.numpy(), w, rtol=1e-12, atol=1e-15)
@@ -530,7 +586,7 @@ PACKED_RULES = {  # op, its slot inputs, its hyper-parameters
     "momentum": ("tfclip_clip_apply_momentum", ("accum",), dict(lr=0.1, momentum=0.9, weight_decay=0.0)),
     "amsgrad_adamw": ("tfclip_clip_apply_adam", ("m", "v", "vhat"),
                       dict(lr=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.004,
-                           step=3.0, amsgrad=True)),
+                           step=3.0, beta_powers=[], amsgrad=True)),
 }
 
 

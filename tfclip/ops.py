@@ -14,8 +14,6 @@ _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 # The same, as DataType enums: an int set lookup per check, not DType.__eq__ per entry (the
 # per-variable checks run on every eager step).
 _FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in _FLOAT_DTYPES)
-_F32 = tf.float32.as_datatype_enum
-_F16_OR_BF16 = frozenset((tf.float16.as_datatype_enum, tf.bfloat16.as_datatype_enum))
 
 ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied"])
 ClipApplyResult.__doc__ = """What `fused_clip_apply` returns.
@@ -314,9 +312,11 @@ def _split_pairs(pairs):
                 what = "shape" if gs.num_elements() == vs.num_elements() else "element count"
                 raise ValueError(f"grads_and_vars[{i}]: gradient {what} differs: gradient "
                                  f"{gs} vs variable {v.name} {vs}")
-        if not _grad_dtype_ok(v.dtype, g.dtype):
-            raise TypeError(f"grads_and_vars[{i}]: gradient dtype {g.dtype.name} does not match "
-                            f"variable {v.name} of dtype {v.dtype.name}")
+        if g.dtype.as_datatype_enum not in _FLOAT_ENUMS:
+            # Any float dtype is fine: it is clipped in its own dtype, then cast to the
+            # variable's, as stock Keras casts a gradient in update_step.
+            raise TypeError(f"grads_and_vars[{i}]: gradient dtype {g.dtype.name} for variable "
+                            f"{v.name}; gradients must be float16, bfloat16, float32 or float64")
         grads.append(g)
         variables.append(v)
     if not grads:
@@ -418,8 +418,3 @@ def _as_tf_variable(v):
     if isinstance(inner, tf.Variable) and hasattr(inner, "handle"):
         return inner
     return None
-
-
-def _grad_dtype_ok(var_dtype, grad_dtype):
-    v, g = var_dtype.as_datatype_enum, grad_dtype.as_datatype_enum
-    return v == g or (v == _F32 and g in _F16_OR_BF16)

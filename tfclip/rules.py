@@ -251,8 +251,10 @@ def _check_number(name, v):
         raise ValueError(f"{name} must be >= 0, got {v}")
     if name == "momentum" and not 0 <= v <= 1:
         raise ValueError(f"momentum must be in [0, 1], got {v}")
-    if name in ("beta_1", "beta_2") and not 0 <= v < 1:
-        raise ValueError(f"{name} must be in [0, 1), got {v}")
+    if name == "beta_1" and not 0 <= v < 1:
+        raise ValueError(f"beta_1 must be in [0, 1), got {v}")
+    if name == "beta_2" and not 0 <= v <= 1:  # 1: a zero update, as stock Keras and TF allow
+        raise ValueError(f"beta_2 must be in [0, 1], got {v}")
 
 
 class SGD(Rule):
@@ -340,7 +342,7 @@ class Adam(Rule):
             var=var, m=slots["m"], v=slots["v"], vhat=slots.get("vhat", []), grad=grad,
             lr=self.current_learning_rate(), beta_1=_scalar(self.beta_1, "beta_1"),
             beta_2=_scalar(self.beta_2, "beta_2"), epsilon=_scalar(self.epsilon, "epsilon"),
-            weight_decay=_scalar(self.weight_decay, "weight_decay"), step=step,
+            weight_decay=_scalar(self.weight_decay, "weight_decay"), step=step, beta_powers=[],
             amsgrad=self.amsgrad, **kw)
 
 

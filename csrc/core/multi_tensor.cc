@@ -171,31 +171,19 @@ std::string ValidateHParams(RuleKind rule, const HParams& hp) {
       break;
     case RuleKind::kAdam:
       e = CheckRange("beta_1", hp.beta_1, 0, false, 1, true);
-      if (e.empty()) e = CheckRange("beta_2", hp.beta_2, 0, false, 1, true);
+      // beta_2 = 1 is a zero update (1 - beta_2^t = 0), as stock Keras and TF accept it;
+      // beta_1 = 1 would divide by 1 - beta_1^t = 0.
+      if (e.empty()) e = CheckRange("beta_2", hp.beta_2, 0, false, 1, false);
       if (e.empty()) e = CheckRange("epsilon", hp.epsilon, 0, false, inf, false);
-      if (e.empty()) e = CheckRange("step", hp.step, 1, false, inf, false);
+      if (hp.beta_powers) {
+        if (e.empty()) e = CheckRange("beta_powers[0]", hp.beta_1_power, 0, false, 1, true);
+        if (e.empty()) e = CheckRange("beta_powers[1]", hp.beta_2_power, 0, false, 1, false);
+      } else if (e.empty()) {
+        e = CheckRange("step", hp.step, 1, false, inf, false);
+      }
       break;
   }
   return e;
-}
-
-bool GradDTypeAllowed(DType var, DType grad) {
-  // Same dtype, or low-precision gradients for float32 variables (mixed precision).
-  return var == grad || (var == DType::kFloat && (grad == DType::kHalf || grad == DType::kBFloat16));
-}
-
-std::string ValidateApplyDTypes(const ApplyTensor* ts, int n) {
-  for (int i = 0; i < n; ++i) {
-    if (!GradDTypeAllowed(ts[i].var_dtype, ts[i].grad_dtype)) {
-      std::ostringstream os;
-      os << "grads[" << i << "] has dtype " << DTypeName(ts[i].grad_dtype) << " but vars[" << i
-         << "] has dtype " << DTypeName(ts[i].var_dtype)
-         << " (gradients must match their variable's dtype, or be half/bfloat16 for a float "
-            "variable)";
-      return os.str();
-    }
-  }
-  return "";
 }
 
 }  // namespace tfclip

@@ -89,11 +89,48 @@ template <typename M>
 TFCLIP_HD M ClampGrad(M g, M lo, M hi) {
   return g < lo ? lo : (g > hi ? hi : g);
 }
+// The clip scale and bounds as TF applies them: converted to the gradient's dtype G first
+// (`g * cast(scale, g.dtype)`, clip_by_value's bounds), then held in the math type M.
+template <typename G, typename M>
+TFCLIP_HD M InGradDType(double x) {
+  return static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(x)));
+}
 template <typename G, typename M>
 TFCLIP_HD M ClipGrad(G graw, M scale, M lo, M hi) {
   M g = static_cast<M>(Elem<G>::Load(graw));
   g = static_cast<M>(RoundTo<G>(static_cast<typename Elem<G>::Math>(g * scale)));
   return ClampGrad(g, lo, hi);
+}
+
+// A gradient of another float dtype than its variable, other than the fused mixed-precision
+// pairs (half or bfloat16 for a float variable): clipped in its own dtype G as TF clips it, then
+// cast to the variable's dtype V as stock Keras casts every gradient in update_step (a float
+// gradient for a double variable, a double one for a float variable, ...). In V's math type.
+template <typename G, typename V>
+TFCLIP_HD typename Elem<V>::Math CastClipGrad(G graw, const ClipFactor& f) {
+  using GM = typename Elem<G>::Math;
+  GM g = Elem<G>::Load(graw);
+  g = RoundTo<G>(g * InGradDType<G, GM>(f.scale));
+  g = ClampGrad(g, InGradDType<G, GM>(f.lo), InGradDType<G, GM>(f.hi));
+  return RoundTo<V>(static_cast<typename Elem<V>::Math>(g));
+}
+
+// The dispatch tag of such a gradient (the drivers' DispatchPair gives it for any pair other than
+// the same dtype or half/bfloat16 for float): its dtype is read at run time (one well-predicted branch,
+// the same for a whole tensor), so these rare pairs cost one code path per variable dtype, not
+// one per pair. grad[i] of dtype gt through CastClipGrad.
+struct AnyGrad {};
+template <typename V>
+TFCLIP_HD typename Elem<V>::Math CastClipGradAt(const void* grad, DType gt, int64_t i,
+                                                const ClipFactor& f) {
+  switch (gt) {
+#define TFCLIP_CAST_CASE(E, S, M, N) \
+  case DType::E:                     \
+    return CastClipGrad<S, V>(static_cast<const S*>(grad)[i], f);
+    TFCLIP_FOR_EACH_TYPE(TFCLIP_CAST_CASE)
+#undef TFCLIP_CAST_CASE
+  }
+  return typename Elem<V>::Math(0);
 }
 
 // TF's clip_by_global_norm scale: clip * min(1/norm, 1/clip) + (norm - norm); NaN when the
@@ -147,7 +184,5 @@ ClipOutcome ComputeClipFactors(const ClipConfig& cfg, const double* per_tensor_s
 std::string ValidateClipNorm(double clip_norm, const char* what);
 std::string ValidateClipConfig(const ClipConfig& cfg);
 std::string ValidateHParams(RuleKind rule, const HParams& hp);
-std::string ValidateApplyDTypes(const ApplyTensor* ts, int n);
-bool GradDTypeAllowed(DType var, DType grad);
 
 }  // namespace tfclip

@@ -36,6 +36,10 @@ struct HParams {
   double epsilon = 1e-7;  // Adam
   double weight_decay = 0.0;  // decoupled: var -= var * weight_decay * lr, before the step
   double step = 1.0;          // Adam bias correction: 1-based step
+  // Adam: beta_1^t and beta_2^t given as they are (TF1 AdamOptimizer's running accumulators)
+  // instead of computed from `step`. Both must be given (a missing one stays NaN: an error).
+  bool beta_powers = false;
+  double beta_1_power = NAN, beta_2_power = NAN;
   bool nesterov = false;
   bool amsgrad = false;
   // IndexedSlices rows with duplicate indices: Adam's v takes the sum of the duplicates'
@@ -67,7 +71,8 @@ StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
   c.epsilon = static_cast<M>(hp.epsilon);
   const M t = static_cast<M>(hp.step);
-  const M b1p = std::pow(b1, t), b2p = std::pow(b2, t);
+  const M b1p = hp.beta_powers ? static_cast<M>(hp.beta_1_power) : std::pow(b1, t);
+  const M b2p = hp.beta_powers ? static_cast<M>(hp.beta_2_power) : std::pow(b2, t);
   c.alpha = c.lr * std::sqrt(M(1) - b2p) / (M(1) - b1p);
   c.weight_decay = static_cast<M>(hp.weight_decay);
   c.decay = hp.weight_decay != 0.0;

@@ -53,30 +53,30 @@ std::string PlanSparse(const ApplyTensor* ts, int n, RuleKind rule, const HParam
                        int64_t unit_elems, SparsePlan* plan);
 
 // One element (column `col`) of one row of a sparse update: the row's slices are
-// order[jb .. je) of `values` (none for an untouched row of an all-rows pass). Decoupled weight
-// decay, then the rule: with the duplicates' sum g and either g*g or (sum_of_squares) the sum
-// of their squares, or once per duplicate for scatter rules (SGD). var and s[] hold the
-// element in storage type V, updated in place. Host and device: the CPU driver and the CUDA
-// sparse kernel both call it.
-template <typename Rule, typename V, typename G, int kSlots>
-TFCLIP_HD void SparseElem(const StepConsts<typename Elem<V>::Math>& c,
-                          typename Elem<V>::Math scale, typename Elem<V>::Math lo,
-                          typename Elem<V>::Math hi, const G* values, int64_t width, int64_t col,
-                          const int64_t* order, int64_t jb, int64_t je, V& var, V* s) {
+// order[jb .. je) (none for an untouched row of an all-rows pass); grad(k) gives element k of
+// the values, clipped, in V's math type (ClipGrad or CastClipGradAt). Decoupled weight decay,
+// then the rule: with the duplicates' sum g and either g*g or (sum_of_squares) the sum of their
+// squares, or once per duplicate for scatter rules (SGD). var and s[] hold the element in
+// storage type V, updated in place. Host and device: the CPU driver and the CUDA sparse kernel
+// both call it.
+template <typename Rule, typename V, int kSlots, typename GradAt>
+TFCLIP_HD void SparseElem(const StepConsts<typename Elem<V>::Math>& c, const GradAt& grad,
+                          int64_t width, int64_t col, const int64_t* order, int64_t jb,
+                          int64_t je, V& var, V* s) {
   using M = typename Elem<V>::Math;
   M sl[kMaxSlots] = {M(0), M(0), M(0)};
   for (int k = 0; k < kSlots; ++k) sl[k] = Elem<V>::Load(s[k]);
   M v = DecayVar(c, Elem<V>::Load(var));
   if (Rule::kScatter) {
     for (int64_t j = jb; j < je; ++j) {
-      const M g = ClipGrad<G, M>(values[order[j] * width + col], scale, lo, hi);
+      const M g = grad(order[j] * width + col);
       Rule::Update(c, g, g * g, v, sl);
     }
   } else {
     // Keras densifies with unsorted_segment_sum: 0 + g_1 + g_2 + ..., in slice order.
     M g = M(0), gsq = M(0);
     for (int64_t j = jb; j < je; ++j) {
-      const M gj = ClipGrad<G, M>(values[order[j] * width + col], scale, lo, hi);
+      const M gj = grad(order[j] * width + col);
       g += gj;
       gsq += gj * gj;
     }
@@ -85,5 +85,30 @@ TFCLIP_HD void SparseElem(const StepConsts<typename Elem<V>::Math>& c,
   var = Elem<V>::Store(v);
   for (int k = 0; k < kSlots; ++k) s[k] = Elem<V>::Store(sl[k]);
 }
+
+// The gradient accessor SparseElem takes, for a tensor with gradient dtype G (AnyGrad: any
+// other float dtype than the variable's, read through CastClipGradAt).
+template <typename V, typename G>
+struct SparseGrad {
+  using M = typename Elem<V>::Math;
+  const G* values;
+  M scale, lo, hi;
+  TFCLIP_HD SparseGrad(const void* v, DType, const ClipFactor& f)
+      : values(static_cast<const G*>(v)),
+        scale(InGradDType<G, M>(f.scale)),
+        lo(InGradDType<G, M>(f.lo)),
+        hi(InGradDType<G, M>(f.hi)) {}
+  TFCLIP_HD M operator()(int64_t k) const { return ClipGrad<G, M>(values[k], scale, lo, hi); }
+};
+template <typename V>
+struct SparseGrad<V, AnyGrad> {
+  const void* values;
+  DType dtype;
+  ClipFactor f;
+  TFCLIP_HD SparseGrad(const void* v, DType t, const ClipFactor& cf) : values(v), dtype(t), f(cf) {}
+  TFCLIP_HD typename Elem<V>::Math operator()(int64_t k) const {
+    return CastClipGradAt<V>(values, dtype, k, f);
+  }
+};
 
 }  // namespace tfclip

@@ -183,6 +183,8 @@ HParams ParseHParams(RuleKind rule, const py::dict& d) {
     else if (k == "epsilon") hp.epsilon = v;
     else if (k == "weight_decay") hp.weight_decay = v;
     else if (k == "step") hp.step = v;
+    else if (k == "beta_1_power") hp.beta_1_power = v, hp.beta_powers = true;
+    else if (k == "beta_2_power") hp.beta_2_power = v, hp.beta_powers = true;
     else Fail("unknown hyper-parameter '" + k + "'");
   }
   const std::string e = ValidateHParams(rule, hp);
@@ -402,8 +404,6 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
       t.slots[k] = s.data;
     }
   }
-  const std::string derr = ValidateApplyDTypes(call.ts.data(), n);
-  if (!derr.empty()) Fail(derr);
   for (const auto* l : {&vars, &grads}) {
     for (const Array& a : *l) call.streams.push_back(a.stream);
   }

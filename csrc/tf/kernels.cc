@@ -259,6 +259,25 @@ absl::Status ReadHParams(OpKernelContext* ctx, const RuleSpec& spec, HParams* hp
     else if (n == "weight_decay") hp->weight_decay = v;
     else if (n == "step") hp->step = v;
   }
+  if (spec.kind == RuleKind::kAdam) {  // TF1 Adam's running powers, when given (ops.cc)
+    tf::OpInputList powers;
+    TF_RETURN_IF_ERROR(ctx->input_list("beta_powers", &powers));
+    if (powers.size() != 0) {
+      if (powers.size() != 2) {
+        return tf::errors::InvalidArgument("beta_powers takes [beta_1^t, beta_2^t], got ",
+                                           powers.size(), " tensors");
+      }
+      for (int k = 0; k < 2; ++k) {
+        if (!tf::TensorShapeUtils::IsScalar(powers[k].shape())) {
+          return tf::errors::InvalidArgument("beta_powers[", k, "] must be a scalar, got shape ",
+                                             powers[k].shape().DebugString());
+        }
+      }
+      hp->beta_powers = true;
+      hp->beta_1_power = powers[0].scalar<double>()();
+      hp->beta_2_power = powers[1].scalar<double>()();
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -562,8 +581,6 @@ class ClipApplyOp : public OpKernel {
         ts[i].slots[k] = const_cast<char*>(s.var->tensor()->tensor_data().data());
       }
     }
-    const std::string derr = ValidateApplyDTypes(ts.data(), n_);
-    OP_REQUIRES(ctx, derr.empty(), tf::errors::InvalidArgument(derr));
     tf::Var* counter = has_iterations_ ? refs.back().var : nullptr;
     if (counter != nullptr) {
       OP_REQUIRES(ctx, counter->is_initialized,
@@ -766,7 +783,8 @@ REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam")
                             .HostMemory("beta_1")
                             .HostMemory("beta_2")
                             .HostMemory("epsilon")
-                            .HostMemory("step"),
+                            .HostMemory("step")
+                            .HostMemory("beta_powers"),
                         RuleOp<RuleKind::kAdam, OnGpu>);
 #endif  // TFCLIP_WITH_CUDA
 

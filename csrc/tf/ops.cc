@@ -59,8 +59,8 @@ REGISTER_OP("TfclipClipByGlobalNorm")
     .Attr("use_given_norm: bool = false")
     .SetShapeFn(ClipShapes);
 
-// Clip-and-apply ops: N resource variables updated in place from N gradients (same shapes;
-// the gradient's dtype equals the variable's, or is half/bfloat16 for a float variable), with
+// Clip-and-apply ops: N resource variables updated in place from N gradients (same shapes; any
+// float dtype: a gradient is clipped in its own dtype, then cast to its variable's as Keras does), with
 // the rule's slots as further lists of N resources. Outputs the pre-clip global norm and
 // whether the update was applied (false only when nonfinite='skip' met a non-finite norm).
 // IndexedSlices gradients: `sparse` lists their positions in `grad` (ascending); for each,
@@ -120,7 +120,8 @@ REGISTER_OP("TfclipClipApplyKerasMomentum").TFCLIP_MOMENTUM_INPUTS.TFCLIP_APPLY_
 
 // Adam / AdamW (weight_decay > 0: decoupled) / AMSGrad (vhat has N entries, else none).
 // Bias correction from t = `step` (1-based), or iterations + `step` when `iterations` is given,
-// as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t).
+// as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t). `beta_powers`, when given, is [b1^t, b2^t] itself
+// (TF1 AdamOptimizer's running beta1_power / beta2_power accumulators), and `step` is unused.
 REGISTER_OP("TfclipClipApplyAdam")
     .Input("var: N * resource")
     .Input("m: N * resource")
@@ -133,7 +134,9 @@ REGISTER_OP("TfclipClipApplyAdam")
     .Input("epsilon: double")
     .Input("weight_decay: double")
     .Input("step: double")
+    .Input("beta_powers: Npowers * double")
     .Attr("Nvhat: int >= 0")
+    .Attr("Npowers: int >= 0 = 0")
     .Attr("amsgrad: bool = false")
     .TFCLIP_APPLY_COMMON;
 

@@ -183,7 +183,10 @@ RULES = {
 }
 MODES = {"none": 0.0, "global_norm": 1.0, "norm": 0.3, "value": 0.01}
 PAIRS = [("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32"),
-         ("float64", "float64"), ("float32", "float16"), ("float32", "bfloat16")]
+         ("float64", "float64"), ("float32", "float16"), ("float32", "bfloat16"),
+         # any other float pair: clipped in the gradient's dtype, cast to the variable's (AnyGrad)
+         ("float64", "float32"), ("float32", "float64"), ("float16", "float32"), ("bfloat16", "float16"),
+         ("float64", "bfloat16")]
 
 
 def core_rule(rule):
@@ -433,11 +436,36 @@ def test_tensor_over_2_pow_31_elements():
 SPARSE_RULES = ["sgd", "keras_momentum", "momentum", "adam", "amsgrad"]
 
 
+def test_adam_with_given_beta_powers_matches_cpu(rng):
+    """TF1 AdamOptimizer's running beta1_power / beta2_power, given instead of the step."""
+    shapes = [(5000,), (7, 3)]
+    vars_c = [rand(rng, s, np.float32) for s in shapes]
+    slots_c = [[small_pos(rng, s, np.float32) for s in shapes] for _ in range(2)]
+    vars_g = [to_dev(v) for v in vars_c]
+    slots_g = [[to_dev(x) for x in sl] for sl in slots_c]
+    h = {"learning_rate": 0.01, "beta_1_power": 0.9 ** 7, "beta_2_power": 0.999 ** 7}
+    grads = [rand(rng, s, np.float32) for s in shapes]
+    core.clip_apply("adam", vars_c, grads, slots_c, h, "value", 0.5, None, "skip")
+    core.cuda_clip_apply("adam", vars_g, [to_dev(g) for g in grads], slots_g, h, "value", 0.5, None, "skip")
+    for got, want in zip([*vars_g, *[x for sl in slots_g for x in sl]], [*vars_c, *[x for sl in slots_c for x in sl]]):
+        same_bits(to_host(got, np.float32), want)
+    # The same as the step they stand for (t = 7): alpha from 0.9^7, 0.999^7 either way.
+    again = [rand(rng, s, np.float32) for s in shapes]
+    a, b = [x.copy() for x in again], [x.copy() for x in again]
+    sa = [[np.zeros(s, np.float32) for s in shapes] for _ in range(2)]
+    sb = [[np.zeros(s, np.float32) for s in shapes] for _ in range(2)]
+    core.clip_apply("adam", a, grads, sa, h, "none", 0.0, None, "skip")
+    core.clip_apply("adam", b, grads, sb, {"learning_rate": 0.01, "step": 7}, "none", 0.0, None, "skip")
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=2e-7, atol=1e-7)  # 0.9^7 in double vs float
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["stock", "lazy"])
 @pytest.mark.parametrize("rule", SPARSE_RULES)
 @pytest.mark.parametrize("mode", ["none", "value", "global_norm"])
 @pytest.mark.parametrize("var_dtype,grad_dtype", [("float32", "float32"), ("float32", "bfloat16"),
-                                                  ("float64", "float64"), ("float16", "float16")])
+                                                  ("float64", "float64"), ("float16", "float16"),
+                                                  ("float64", "float32"), ("float16", "float32")])
 def test_sparse_apply_parity(rng, rule, mode, lazy, var_dtype, grad_dtype):
     """A dense tensor plus two tables (one wider than a block, one narrow) with duplicate,
     unsorted and untouched rows: the sparse kernel against the CPU pass, per step."""
