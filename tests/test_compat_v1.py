@@ -84,3 +84,92 @@ def test_no_gradients_is_an_error_naming_the_variables():
     v = tf.Variable(1.0, name="lonely")
     with pytest.raises(ValueError, match="No gradients provided for any variable.*lonely"):
         tfclip.compat.v1.GradientDescentOptimizer(0.1).apply_gradients([(None, v)])
+
+
+# ------------------------------------------------------------------ drop-in state and Saver
+def build(module, name, clip=None):
+    """A TF1 graph: two variables, a loss, the optimizer's train op and a Saver of all globals."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.constant(np.random.default_rng(1).normal(size=(8, 4)).astype("float32"))
+        w = tf.compat.v1.get_variable("w", initializer=np.ones((4, 3), "float32"), use_resource=True)
+        b = tf.compat.v1.get_variable("b", initializer=np.zeros(3, "float32"), use_resource=True)
+        loss = tf.reduce_sum((tf.matmul(x, w) + b) ** 2)
+        gs = tf.compat.v1.train.get_or_create_global_step()
+        opt = MAKERS[name](module, {} if clip is None else {"global_clipnorm": clip})
+        train = opt.minimize(loss, global_step=gs)
+        saver = tf.compat.v1.train.Saver()
+        init = tf.compat.v1.global_variables_initializer()
+    return g, opt, train, saver, init, [w, b]
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_variables_and_saved_keys_equal_the_stock_class(name):
+    lists = []
+    for module in (tf.compat.v1.train, tfclip.compat.v1):
+        g, opt, _, saver, _, _ = build(module, name)
+        with g.as_default():
+            lists.append(([(v.name, v.shape.as_list(), v.dtype) for v in opt.variables()],
+                          sorted(v.name for v in tf.compat.v1.global_variables()),
+                          sorted(saver._var_list) if isinstance(saver._var_list, dict) else None))
+    assert lists[1] == lists[0]
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+@pytest.mark.parametrize("direction", ["stock_to_tfclip", "tfclip_to_stock"])
+def test_saver_checkpoints_restore_across_stock_and_tfclip(tmp_path, name, direction):
+    src, dst = ((tf.compat.v1.train, tfclip.compat.v1) if direction == "stock_to_tfclip"
+                else (tfclip.compat.v1, tf.compat.v1.train))
+    path = str(tmp_path / "model.ckpt")
+    g, _, train, saver, init, vs = build(src, name)
+    with g.as_default(), tf.compat.v1.Session() as s:
+        s.run(init)
+        for _ in range(3):
+            s.run(train)
+        saver.save(s, path)
+        for _ in range(3):
+            s.run(train)
+        want = s.run(vs + [tf.compat.v1.train.get_global_step()])
+    g, opt, train, saver, _, vs = build(dst, name)
+    with g.as_default(), tf.compat.v1.Session() as s:
+        saver.restore(s, path)  # every variable the graph saves is in the checkpoint
+        s.run(tf.compat.v1.local_variables_initializer())
+        for _ in range(3):
+            s.run(train)
+        got = s.run(vs + [tf.compat.v1.train.get_global_step()])
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert got[-1] == 6
+
+
+def test_initializing_only_the_model_variables_is_enough_for_gradient_descent():
+    g, opt, train, _, _, vs = build(tfclip.compat.v1, "gd", clip=1.0)
+    with g.as_default(), tf.compat.v1.Session() as s:
+        s.run(tf.compat.v1.variables_initializer(vs + [tf.compat.v1.train.get_global_step()]))
+        s.run(train)
+        assert s.run(opt.global_norm()) > 1.0  # written by the step, never initialized
+        assert opt.global_norm() not in tf.compat.v1.global_variables()
+
+
+def test_adam_beta2_of_one_and_beta_powers_follow_stock():
+    out = []
+    for module in (tf.compat.v1.train, tfclip.compat.v1):
+        v = tf.Variable([1.0, -2.0])
+        opt = module.AdamOptimizer(0.1, beta2=1.0)
+        for _ in range(2):
+            opt.apply_gradients([(tf.constant([0.5, 0.25]), v)])
+        out.append((v.numpy(), [p.numpy() for p in opt._get_beta_accumulators()]
+                    if module is tf.compat.v1.train else [p.numpy() for p in opt._beta_powers()]))
+    np.testing.assert_array_equal(out[1][0], out[0][0])
+    np.testing.assert_array_equal(out[1][1], out[0][1])
+
+
+def test_skipped_step_leaves_adam_beta_powers_alone():
+    v = tf.Variable([1.0, -2.0])
+    opt = tfclip.compat.v1.AdamOptimizer(0.1)
+    opt.apply_gradients([(tf.constant([0.5, 0.25]), v)])
+    before = [p.numpy() for p in opt._beta_powers()] + [v.numpy()]
+    opt.apply_gradients([(tf.constant([np.nan, 0.25]), v)])
+    after = [p.numpy() for p in opt._beta_powers()] + [v.numpy()]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(b, a)

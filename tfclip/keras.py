@@ -8,7 +8,9 @@ Change one line::
 `SGD`, `Adam` and `AdamW` subclass the stock Keras classes and take the same constructor
 arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
 `weight_decay`, `use_ema`, `loss_scale_factor`, `gradient_accumulation_steps`, ...), create the
-same slot variables, and follow the same trajectories step by step. Differences, on purpose:
+same slot variables, and follow the same trajectories step by step. `optimizer.variables` is the
+stock list (tfclip's `global_norm` and `skipped_steps` are attributes outside it), so checkpoints
+move both ways between stock Keras and tfclip. Differences, on purpose:
 
 - **Clipping under `tf.distribute` uses the summed gradient.** Stock Keras clips each replica's
   gradient before the cross-replica all-reduce, so two replicas with gradient 3 and
@@ -27,7 +29,9 @@ falls back to the stock Keras ops (still clipping after the all-reduce), with th
 There, `nonfinite="skip"` is honoured without a strategy; under a strategy the fallback applies
 the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
+import contextlib
 import math
+import threading
 
 import keras
 import tensorflow as tf
@@ -35,9 +39,9 @@ from tensorflow.python.ops import control_flow_util
 
 from tfclip import _loader
 from tfclip.ops import _check_policy, _op_grads
-from tfclip.rules import _scalar
+from tfclip.rules import _check_number, _scalar
 
-__all__ = ["SGD", "Adam", "AdamW"]
+__all__ = ["SGD", "Adam", "AdamW", "get"]
 
 
 def _in_xla_context():
@@ -48,11 +52,43 @@ def _tf_var(v):
     return v.value if isinstance(v, keras.Variable) else v
 
 
+# The optimizers whose fused step this thread is building: inside it, the stock clip and weight
+# decay hooks step aside (the op does both, after the all-reduce); called directly they are the
+# stock methods. Per thread: MirroredStrategy builds each replica's step in a thread of its own.
+_IN_FUSED_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def _fused_step(opt):
+    ids = _IN_FUSED_STEP.__dict__.setdefault("ids", set())
+    ids.add(id(opt))
+    try:
+        yield
+    finally:
+        ids.discard(id(opt))
+
+
+def _in_fused_step(opt):
+    return id(opt) in getattr(_IN_FUSED_STEP, "ids", ())
+
+
 def _check_clip(name, value):
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0 (or None), got {value!r}")
+
+
+def _check_betas(opt):
+    """Adam's numbers, at construction: the ranges the op accepts (beta_2 = 1 included, a zero
+    update as in stock Keras; beta_1 = 1 would divide by zero). Callables are checked per step."""
+    for name in ("beta_1", "beta_2", "epsilon"):
+        v = getattr(opt, name)
+        if callable(v):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name} must be a number or a callable, got {v!r}")
+        _check_number(name, float(v))
 
 
 class _FusedMixin:
@@ -68,11 +104,16 @@ class _FusedMixin:
             raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite
         self.lazy_sparse = lazy_sparse
+        # tfclip's own state stays outside what Keras lists, saves and loads (optimizer.variables,
+        # .keras / .weights.h5, tf.train.Checkpoint): the list equals the stock class's, so
+        # checkpoints move both ways between stock Keras and tfclip.
+        # object.__setattr__: neither Keras's variable tracker nor TF's checkpoint dependencies
+        # (both hook the optimizer's __setattr__) see them.
         with keras.name_scope(self.name):
-            self._global_norm = keras.Variable(0.0, name="global_norm", dtype="float32",
-                                               trainable=False, aggregation="only_first_replica")
-            self._skipped_steps = keras.Variable(0, name="skipped_steps", dtype="int64",
-                                                 trainable=False, aggregation="only_first_replica")
+            for attr, name, value, dtype in (("_global_norm", "global_norm", 0.0, "float32"),
+                                             ("_skipped_steps", "skipped_steps", 0, "int64")):
+                object.__setattr__(self, attr, keras.Variable(
+                    value, name=name, dtype=dtype, trainable=False, aggregation="only_first_replica"))
 
     @property
     def global_norm(self):
@@ -85,17 +126,31 @@ class _FusedMixin:
         return self._skipped_steps
 
     def get_config(self):
+        # tfclip's own arguments only when they differ from their defaults: a default config is
+        # the stock class's, so a saved model loads with the stock class where tfclip is absent
+        # (custom_objects={"tfclip>Adam": keras.optimizers.Adam}; see the README).
         config = super().get_config()
-        config["nonfinite"] = self.nonfinite
-        config["lazy_sparse"] = self.lazy_sparse
+        if self.nonfinite != "skip":
+            config["nonfinite"] = self.nonfinite
+        if self.lazy_sparse:
+            config["lazy_sparse"] = True
         return config
 
-    # Clipping and weight decay happen inside the fused step, after the all-reduce.
+    # Clipping and weight decay happen inside the fused step, after the all-reduce; called
+    # directly (or by the XLA fallback) these are the stock methods.
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        with _fused_step(self):
+            return super()._backend_apply_gradients(grads, trainable_variables)
+
     def _clip_gradients(self, grads):
-        return grads
+        if _in_fused_step(self):
+            return grads
+        return super()._clip_gradients(grads)
 
     def _apply_weight_decay(self, variables):
-        return
+        if _in_fused_step(self):
+            return
+        return super()._apply_weight_decay(variables)
 
     def _clip_mode(self):
         if self.clipnorm:
@@ -204,10 +259,7 @@ class Adam(_FusedMixin, keras.optimizers.Adam):
                  nonfinite="skip", lazy_sparse=False, **kwargs):
         super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
                          amsgrad=amsgrad, **kwargs)
-        for name in ("beta_1", "beta_2", "epsilon"):
-            v = getattr(self, name)
-            if not callable(v) and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        _check_betas(self)
         self._tfclip_init(nonfinite, lazy_sparse)
 
     def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
@@ -220,7 +272,7 @@ class Adam(_FusedMixin, keras.optimizers.Adam):
             v=self._slot_handles(self._velocities, keras_vars),
             vhat=self._slot_handles(self._velocity_hats, keras_vars) if self.amsgrad else [],
             grad=grads, lr=lr, beta_1=beta[0], beta_2=beta[1], epsilon=beta[2], weight_decay=wd,
-            step=step, amsgrad=self.amsgrad, **kw)
+            step=step, beta_powers=[], amsgrad=self.amsgrad, **kw)
 
 
 class AdamW(_FusedMixin, keras.optimizers.AdamW):
@@ -230,10 +282,24 @@ class AdamW(_FusedMixin, keras.optimizers.AdamW):
                  amsgrad=False, *, nonfinite="skip", lazy_sparse=False, **kwargs):
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1,
                          beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad, **kwargs)
+        _check_betas(self)
         self._tfclip_init(nonfinite, lazy_sparse)
 
     _call_op = Adam._call_op
 
+
+def get(identifier):
+    """keras.optimizers.get, giving tfclip's class where tfclip has one: `get("adam")` is a
+    `tfclip.keras.Adam`, `get("rmsprop")` the stock RMSprop; configs and instances as Keras."""
+    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
+        return _BY_NAME[identifier.lower()]()
+    if isinstance(identifier, dict) and str(identifier.get("class_name", "")).lower() in _BY_NAME \
+            and identifier.get("module") in (None, "keras.optimizers"):
+        return _BY_NAME[identifier["class_name"].lower()].from_config(identifier.get("config", {}))
+    return keras.optimizers.get(identifier)
+
+
+_BY_NAME = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 
 # Registered so model.save / keras.models.load_model find them without custom_objects.
 for _cls in (SGD, Adam, AdamW):

@@ -9,16 +9,20 @@ Change one line of TF1 code::
 `compute_gradients` → `apply_gradients(grads_and_vars, global_step=...)` and
 `minimize(loss, var_list=..., global_step=...)` work as with the stock classes, in graph mode
 with a `Session` and eagerly. Pairs whose gradient is `None` (`tf.stop_gradient`, variables
-outside the loss) are left alone; variables outside `var_list` are never touched. Slots have
-the stock names (`momentum`, `m`, `v`), so `get_slot` works. The pre-clip global norm of the
-last step is the variable `opt.global_norm()`.
+outside the loss) are left alone; variables outside `var_list` are never touched.
+
+The optimizer state is the stock class's, variable for variable: the slots (`momentum`, `m`,
+`v`, so `get_slot` works) and Adam's `beta1_power` / `beta2_power` accumulators, with the stock
+names, so `opt.variables()` is the stock list and a `tf.compat.v1.train.Saver` (or
+`tf.train.Checkpoint`) checkpoint moves both ways between the stock classes and these.
+tfclip's one extra, the pre-clip global norm of the last step (`opt.global_norm()`), is a local
+variable: outside `tf.compat.v1.global_variables()`, never saved, and only written by the step
+(so code that initializes just the model's variables works, as with the stock classes).
 
 Differences from the stock classes, on purpose: `nonfinite="skip"` by default (a step whose
-global norm is inf/NaN writes nothing; `global_step` still advances, and the step counter of
-Adam's bias correction does not), and resource variables are required (TF2's default; in a
-TF1 graph, `tf.compat.v1.enable_resource_variables()`). Adam's bias correction uses
-`beta**t` from a step counter rather than TF1's running `beta_power` products: the same value
-to float rounding.
+global norm is inf/NaN writes nothing, Adam's beta powers included; `global_step` still
+advances), and resource variables are required (TF2's default; in a TF1 graph,
+`tf.compat.v1.enable_resource_variables()`).
 
 `IndexedSlices` gradients (embeddings) are applied without densifying them, as the stock
 classes apply them: SGD as a scatter, Momentum on the touched rows only (duplicates summed),
@@ -57,24 +61,37 @@ class _Fused(tf.compat.v1.train.Optimizer):
             self._clip_mode, self._clip = mode, float(v)
         _check_policy(nonfinite)
         self._nonfinite = nonfinite
+        self._tfclip_norms = {}  # graph (None: eager) -> its global-norm variable; not tracked
 
     def _create_slots(self, var_list):
         for v in var_list:
             for s in self._slot_names:
                 self._zeros_slot(v, s, self._name)
-        first = min(var_list, key=lambda x: x.name)
-        self._create_non_slot_variable(initial_value=0.0, name="global_norm", colocate_with=first)
-        self._create_non_slot_variable(initial_value=tf.constant(0, tf.int64), name="tfclip_step",
-                                       colocate_with=first)
+
+    @staticmethod
+    def _graph_key():
+        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
     def global_norm(self):
-        """The pre-clip global norm of the last step (a non-slot variable), or None before one."""
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        return self._get_non_slot_variable("global_norm", graph=graph)
+        """The pre-clip global norm of the last step (a variable), or None before a step was built.
+        A local variable, outside `variables()` and checkpoints; the step writes it."""
+        with tf.init_scope():
+            return self._tfclip_norms.get(self._graph_key())
 
-    def _step_var(self):
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        return self._get_non_slot_variable("tfclip_step", graph=graph)
+    def _norm_var(self, var_list):
+        # Created in the variables' graph (the caller is in init_scope), colocated with the first.
+        key = self._graph_key()
+        if key not in self._tfclip_norms:
+            first = min(var_list, key=lambda x: x.name)
+            with tf.device(first.device), tf.name_scope(self._name + "_tfclip"):
+                self._tfclip_norms[key] = tf.compat.v1.Variable(
+                    0.0, name="global_norm", trainable=False, use_resource=True,
+                    collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        return self._tfclip_norms[key]
+
+    def _finish_step(self, applied):
+        """State updates after the op (Adam: the beta powers); ops to group with the step."""
+        return []
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         pairs = list(grads_and_vars)
@@ -99,14 +116,11 @@ class _Fused(tf.compat.v1.train.Optimizer):
             raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in pairs]}")
         with tf.init_scope():
             self._create_slots(var_list)
+            norm_var = self._norm_var(var_list)
         with tf.name_scope(name or self._name):
             self._prepare()
             norm, applied = self._fused(var_list, grads)
-            step = self._step_var()
-            updates = [
-                self.global_norm().assign(norm, read_value=False),
-                step.assign_add(tf.cast(applied, tf.int64), read_value=False),
-            ]
+            updates = [norm_var.assign(norm, read_value=False), *self._finish_step(applied)]
             with tf.control_dependencies(updates):
                 if global_step is None:
                     return tf.group(*updates, name="apply")
@@ -171,9 +185,33 @@ class AdamOptimizer(_Fused):
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
         self._lr, self._beta1, self._beta2, self._epsilon = learning_rate, beta1, beta2, epsilon
 
+    def _create_slots(self, var_list):
+        # The stock accumulators beta1^t, beta2^t (the bias correction's), as the stock class
+        # creates and names them.
+        first = min(var_list, key=lambda x: x.name)
+        self._create_non_slot_variable(initial_value=self._beta1, name="beta1_power", colocate_with=first)
+        self._create_non_slot_variable(initial_value=self._beta2, name="beta2_power", colocate_with=first)
+        super()._create_slots(var_list)
+
+    def _beta_powers(self):
+        with tf.init_scope():
+            graph = self._graph_key()
+            return (self._get_non_slot_variable("beta1_power", graph=graph),
+                    self._get_non_slot_variable("beta2_power", graph=graph))
+
     def _call(self, ops, var, grads, slots, kw):
+        b1p, b2p = self._beta_powers()
         return ops.tfclip_clip_apply_adam(
             var=var, m=slots("m"), v=slots("v"), vhat=[], grad=grads, lr=_f64(self._lr, "lr"),
             beta_1=_f64(self._beta1, "beta1"), beta_2=_f64(self._beta2, "beta2"),
             epsilon=_f64(self._epsilon, "epsilon"), weight_decay=tf.constant(0.0, tf.float64),
-            step=tf.cast(self._step_var() + 1, tf.float64), amsgrad=False, **kw)
+            step=tf.constant(1.0, tf.float64), beta_powers=[tf.cast(b1p, tf.float64), tf.cast(b2p, tf.float64)],
+            amsgrad=False, **kw)
+
+    def _finish_step(self, applied):
+        # As the stock _finish (power *= beta, in the accumulator's dtype), only for an applied step.
+        out = []
+        for p, beta in zip(self._beta_powers(), (self._beta1, self._beta2)):
+            b = tf.cast(beta() if callable(beta) else beta, p.dtype)
+            out.append(p.assign(tf.where(applied, p * b, p), read_value=False))
+        return out
