@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the CUDA code without a GPU: builds tfclip._core from the production cuda/*.cu against the
+# Runs the CUDA code without a GPU: builds tfclip._core from the production csrc/core/*.cu against the
 # CPU emulation of CUDA (cuda/emulation/, -DTFCLIP_CUDA_EMULATION=ON) and runs the CUDA-vs-CPU
 # parity suite (tests/gpu) on it with TFCLIP_REQUIRE_GPU=1, so any skip is a failure (but the
 # GPU-only >2^31-element case).

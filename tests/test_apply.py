@@ -474,11 +474,11 @@ def test_repeated_eager_step_still_names_a_bad_gradient_and_writes_nothing(rng, 
 
 
 def test_repeated_pair_split_accepts_only_the_same_variables_with_exact_type_gradients():
-    """The repeated eager step's gate (tfclip._core.split_repeated_pairs, one C pass): the
+    """The repeated eager step's gate (tfclip._eager.split_repeated_pairs, one C pass): the
     gradients, in order, only for a list of 2-tuples whose variables are the remembered objects
     themselves and whose gradients are exactly the given type; anything else is None, so the
     step takes the full path."""
-    from tfclip import _core
+    from tfclip import _eager as _core
 
     class Grad:
         pass
@@ -586,7 +586,7 @@ PACKED_RULES = {  # op, its slot inputs, its hyper-parameters
     "momentum": ("tfclip_clip_apply_momentum", ("accum",), dict(lr=0.1, momentum=0.9, weight_decay=0.0)),
     "amsgrad_adamw": ("tfclip_clip_apply_adam", ("m", "v", "vhat"),
                       dict(lr=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.004,
-                           step=3.0, beta_powers=[], amsgrad=True)),
+                           step=3.0, beta_1_power=float("nan"), beta_2_power=float("nan"), amsgrad=True)),
 }
 
 
@@ -717,3 +717,36 @@ def test_tf_function_step_counts_in_the_op_and_orders_reads_around_it(rng):
             lr = 0.01 * 0.5 ** count * np.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k)
             w = w - lr * m / (np.sqrt(v) + 1e-7)
         np.testing.assert_allclose(var.numpy(), w, rtol=1e-12)
+
+
+def test_clip_zero_is_no_clip_everywhere(rng):
+    """One rule for a clip of 0 in every entry point, as Keras: no clip. fused_clip_apply, the
+    Keras and TF1 optimizers, the op itself and _core all give the unclipped update."""
+    from tfclip import _core
+
+    g0 = rng.normal(size=(5,)).astype(np.float32) * 10
+    v0 = rng.normal(size=(5,)).astype(np.float32)
+    want = v0 - 0.1 * g0  # plain SGD, no clip (the gradient's norm is far above any clip here)
+
+    def fresh():
+        return tf.Variable(v0)
+
+    v = fresh()
+    tfclip.fused_clip_apply([(tf.constant(g0), v)], tfclip.rules.SGD(0.1), global_clipnorm=0.0)
+    np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)
+    for kw in ({"clipnorm": 0.0}, {"clipvalue": 0}, {"global_clipnorm": tf.constant(0.0)}):
+        v = fresh()
+        tfclip.fused_clip_apply([(tf.constant(g0), v)], tfclip.rules.SGD(0.1), **kw)
+        np.testing.assert_allclose(v.numpy(), want, rtol=1e-6, err_msg=str(kw))
+    v = fresh()
+    tfclip.keras.SGD(0.1, global_clipnorm=0.0).apply_gradients([(tf.constant(g0), v)])
+    np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)
+    v = fresh()
+    tfclip.compat.v1.GradientDescentOptimizer(0.1, clipnorm=0.0).apply_gradients([(tf.constant(g0), v)])
+    np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)
+    c = [v0.copy()]
+    _core.clip_apply("sgd", c, [g0], [], {"lr": 0.1}, clip_mode="global_norm", clip=0.0)
+    np.testing.assert_allclose(c[0], want, rtol=1e-6)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="global_clipnorm must be finite and >= 0"):
+            _core.clip_apply("sgd", [v0.copy()], [g0], [], {"lr": 0.1}, clip_mode="global_norm", clip=bad)

@@ -71,7 +71,7 @@ def test_slots_have_stock_names():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"global_clipnorm": 0.0}, "global_clipnorm must be a finite number > 0"),
+    ({"global_clipnorm": -1.0}, "global_clipnorm must be a finite number >= 0"),
     ({"clipnorm": 1.0, "clipvalue": 1.0}, "at most one"),
     ({"nonfinite": "nope"}, "nonfinite must be one of"),
 ])

@@ -49,14 +49,14 @@ PY_CASES = {
     "not_a_pair": (lambda v: [tf.ones([3])], {}, TypeError, r"grads_and_vars\[0\] is not"),
     "duplicate": (lambda v: [(tf.ones([3]), v[0]), (tf.ones([4]), v[1]), (tf.ones([3]), v[0])],
                   {}, ValueError, r"grads_and_vars\[2\] and grads_and_vars\[0\]"),
-    "clip_zero": (lambda v: [(tf.ones([3]), v[0])], {"global_clipnorm": 0.0}, ValueError,
-                  "global_clipnorm must be finite and > 0"),
+    "clip_bool": (lambda v: [(tf.ones([3]), v[0])], {"global_clipnorm": True}, ValueError,
+                  "global_clipnorm must be a finite number >= 0"),
     "clip_negative": (lambda v: [(tf.ones([3]), v[0])], {"clipnorm": -1.0}, ValueError,
-                      "clipnorm must be finite and > 0"),
+                      r"clipnorm must be a finite number >= 0 \(None or 0: no clip\)"),
     "clip_nan": (lambda v: [(tf.ones([3]), v[0])], {"clipvalue": float("nan")}, ValueError,
-                 "clipvalue must be finite"),
+                 "clipvalue must be a finite number"),
     "clip_inf": (lambda v: [(tf.ones([3]), v[0])], {"global_clipnorm": float("inf")}, ValueError,
-                 "global_clipnorm must be finite"),
+                 "global_clipnorm must be a finite number"),
     "two_clips": (lambda v: [(tf.ones([3]), v[0])], {"clipnorm": 1.0, "clipvalue": 1.0}, ValueError,
                   "at most one"),
     "policy": (lambda v: [(tf.ones([3]), v[0])], {"nonfinite": "ignore"}, ValueError, "nonfinite"),
@@ -106,7 +106,7 @@ def test_bad_tensor_hyperparameters_write_nothing(rng, lr, exc, pattern):
 def test_clip_tensor_checked_by_the_op(rng):
     variables = _vars(rng)
     before = _snap(variables)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="global_clipnorm must be finite and > 0"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"global_clipnorm must be finite and >= 0 \(0: no clip\), got -2"):
         tfclip.fused_clip_apply([(tf.ones(v.shape), v) for v in variables], tfclip.rules.SGD(0.1),
                                 global_clipnorm=tf.constant(-2.0))
     _unchanged(variables, before)
@@ -225,7 +225,7 @@ def test_op_step_counter_bad_or_misused_is_named_and_writes_nothing(rng):
         OPS.tfclip_clip_apply_adam(
             var=lists[0], m=[x.handle for x in m], v=[x.handle for x in vv], vhat=[], grad=grads,
             lr=f64(0.1), beta_1=f64(0.9), beta_2=f64(0.999), epsilon=f64(1e-7), weight_decay=f64(0.0),
-            step=f64(1.0), beta_powers=[], clip=f64(0.0), use_norm=f64(0.0), indices=[],
+            step=f64(1.0), beta_1_power=f64(float("nan")), beta_2_power=f64(float("nan")), clip=f64(0.0), use_norm=f64(0.0), indices=[],
             iterations=[counter.handle])
     assert int(counter.numpy()) == -3
     _unchanged(variables + accum, before)
@@ -321,7 +321,7 @@ def test_core_errors_write_nothing(rng):
         (dict(vars=[v[0], v[0]], grads=[g[0], g[0]]), r"vars\[1\] and vars\[0\] are the same array"),
         (dict(vars=[], grads=[]), "vars is empty"),
         (dict(hparams={"learning_rate": float("nan")}), "learning_rate must be finite"),
-        (dict(clip_mode="global_norm", clip=0.0), "global_clipnorm must be finite and > 0"),
+        (dict(clip_mode="global_norm", clip=-1.0), r"global_clipnorm must be finite and >= 0 \(0: no clip\)"),
     ]
     for over, pattern in cases:
         kw = dict(rule="sgd", vars=v, grads=g, slots=[], hparams={"learning_rate": 0.1})

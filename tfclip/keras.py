@@ -37,9 +37,8 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from tfclip import _loader
-from tfclip.ops import _check_policy, _op_grads
-from tfclip.rules import _check_number, _scalar
+from tfclip import _loader, _opcall
+from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "get"]
 
@@ -72,13 +71,6 @@ def _in_fused_step(opt):
     return id(opt) in getattr(_IN_FUSED_STEP, "ids", ())
 
 
-def _check_clip(name, value):
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0 (or None), got {value!r}")
-
-
 def _check_betas(opt):
     """Adam's numbers, at construction: the ranges the op accepts (beta_2 = 1 included, a zero
     update as in stock Keras; beta_1 = 1 would divide by zero). Callables are checked per step."""
@@ -97,9 +89,9 @@ class _FusedMixin:
     _tfclip_kind = None  # set per class
 
     def _tfclip_init(self, nonfinite, lazy_sparse):
-        _check_policy(nonfinite)
-        for name in ("clipnorm", "clipvalue", "global_clipnorm"):
-            _check_clip(name, getattr(self, name))
+        _opcall.check_policy(nonfinite)
+        # Keras allows one of the three (it raises first otherwise); each None or 0 is no clip.
+        self._tfclip_clip = _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         if not isinstance(lazy_sparse, bool):
             raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite
@@ -153,13 +145,8 @@ class _FusedMixin:
         return super()._apply_weight_decay(variables)
 
     def _clip_mode(self):
-        if self.clipnorm:
-            return "norm", float(self.clipnorm)
-        if self.global_clipnorm:
-            return "global_norm", float(self.global_clipnorm)
-        if self.clipvalue:
-            return "value", float(self.clipvalue)
-        return "none", 0.0
+        # Re-read: Keras lets a user set optimizer.clipnorm etc. after construction.
+        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         tvars = [_tf_var(v) for v in trainable_variables]
@@ -185,18 +172,20 @@ class _FusedMixin:
         groups = {}
         for i, v in enumerate(keras_vars):
             groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
-        lr = _scalar(learning_rate, "learning_rate")
+        lr = _opcall.scalar(learning_rate, "learning_rate")
         use_norm, given = tf.constant(0.0, tf.float64), False
         if len(groups) > 1:
-            values, _ = _op_grads(grads)
+            values, _ = _opcall.op_grads(grads)
             use_norm = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
         norm = applied = None
         for with_decay, idx in sorted(groups.items()):
-            values, sparse_kw = _op_grads([grads[i] for i in idx])
-            n, a = self._call_op(
-                ops, [keras_vars[i] for i in idx], values, lr,
-                _scalar(self.weight_decay if with_decay else 0.0, "weight_decay"),
+            values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
+            group = [keras_vars[i] for i in idx]
+            kind, slots, hparams, flags = self._op_inputs(group)
+            hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
+            n, a = _opcall.apply(
+                kind, [_tf_var(v).handle for v in group], slots, values, hparams, flags,
                 clip=tf.constant(clip, tf.float64), use_norm=use_norm, iterations=[],
                 clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
                 sum_of_squares=mode != "global_norm", **sparse_kw)
@@ -243,13 +232,12 @@ class SGD(_FusedMixin, keras.optimizers.SGD):
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs)
         self._tfclip_init(nonfinite, lazy_sparse)
 
-    def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
-        var = [_tf_var(v).handle for v in keras_vars]
+    def _op_inputs(self, keras_vars):
+        """(rule, slot handle lists, hyper-parameters but lr and weight_decay, flags)."""
         if self.momentum == 0:
-            return ops.tfclip_clip_apply_sgd(var=var, grad=grads, lr=lr, weight_decay=wd, **kw)
-        return ops.tfclip_clip_apply_keras_momentum(
-            var=var, accum=self._slot_handles(self.momentums, keras_vars), grad=grads, lr=lr,
-            momentum=_scalar(self.momentum, "momentum"), weight_decay=wd, use_nesterov=self.nesterov, **kw)
+            return "sgd", [], {}, {}
+        return ("keras_momentum", [self._slot_handles(self.momentums, keras_vars)],
+                {"momentum": self.momentum}, {"use_nesterov": self.nesterov})
 
 
 class Adam(_FusedMixin, keras.optimizers.Adam):
@@ -262,17 +250,15 @@ class Adam(_FusedMixin, keras.optimizers.Adam):
         _check_betas(self)
         self._tfclip_init(nonfinite, lazy_sparse)
 
-    def _call_op(self, ops, keras_vars, grads, lr, wd, **kw):
-        step = tf.cast(self.iterations + 1, tf.float64)
-        beta = [_scalar(b() if callable(b) else b, n)
-                for b, n in ((self.beta_1, "beta_1"), (self.beta_2, "beta_2"), (self.epsilon, "epsilon"))]
-        return ops.tfclip_clip_apply_adam(
-            var=[_tf_var(v).handle for v in keras_vars],
-            m=self._slot_handles(self._momentums, keras_vars),
-            v=self._slot_handles(self._velocities, keras_vars),
-            vhat=self._slot_handles(self._velocity_hats, keras_vars) if self.amsgrad else [],
-            grad=grads, lr=lr, beta_1=beta[0], beta_2=beta[1], epsilon=beta[2], weight_decay=wd,
-            step=step, beta_powers=[], amsgrad=self.amsgrad, **kw)
+    def _op_inputs(self, keras_vars):
+        slots = [self._slot_handles(self._momentums, keras_vars),
+                 self._slot_handles(self._velocities, keras_vars)]
+        if self.amsgrad:
+            slots.append(self._slot_handles(self._velocity_hats, keras_vars))
+        hparams = {n: b() if callable(b) else b for n, b in
+                   (("beta_1", self.beta_1), ("beta_2", self.beta_2), ("epsilon", self.epsilon))}
+        hparams["step"] = tf.cast(self.iterations + 1, tf.float64)
+        return "adam", slots, hparams, {"amsgrad": self.amsgrad}
 
 
 class AdamW(_FusedMixin, keras.optimizers.AdamW):
@@ -285,7 +271,7 @@ class AdamW(_FusedMixin, keras.optimizers.AdamW):
         _check_betas(self)
         self._tfclip_init(nonfinite, lazy_sparse)
 
-    _call_op = Adam._call_op
+    _op_inputs = Adam._op_inputs
 
 
 def get(identifier):

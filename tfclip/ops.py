@@ -8,21 +8,14 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor
 
-from tfclip import _core, _loader
+from tfclip import _eager, _loader, _opcall
+from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
+from tfclip.rules import Rule
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 # The same, as DataType enums: an int set lookup per check, not DType.__eq__ per entry (the
 # per-variable checks run on every eager step).
 _FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in _FLOAT_DTYPES)
-
-ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied"])
-ClipApplyResult.__doc__ = """What `fused_clip_apply` returns.
-
-global_norm: float32 scalar, the global norm of the gradients before clipping (or `use_norm`).
-applied: bool scalar; False only when `nonfinite="skip"` met a non-finite norm and nothing was
-    written.
-"""
-
 
 def _check_sequence(t_list, what):
     if not isinstance(t_list, collections.abc.Sequence) or isinstance(t_list, str):
@@ -60,15 +53,6 @@ def _result_dtype(values, norm_dtype):
     return dtypes.pop() if len(dtypes) == 1 else norm_dtype
 
 
-def _check_clip_number(x, what):
-    if type(x) is float:  # the common case, without NumPy's scalar machinery
-        ok = math.isfinite(x) and x > 0
-    else:
-        ok = not isinstance(x, numbers.Real) or (np.isfinite(x) and x > 0)
-    if not ok:
-        raise ValueError(f"{what} must be finite and > 0, got {x}")
-
-
 @tf.autograph.experimental.do_not_convert
 def global_norm(t_list, name=None):
     """The global L2 norm of a list of tensors: `tf.linalg.global_norm`, in one fused pass.
@@ -104,7 +88,7 @@ def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
     ```
     """
     t_list = _check_sequence(t_list, "t_list")
-    _check_clip_number(clip_norm, "clip_norm")
+    _opcall.check_clip_norm(clip_norm, "clip_norm")
     with tf.name_scope(name or "clip_by_global_norm"):
         idx, values = _float_values(t_list, "t_list")
         nd = _norm_dtype(values)
@@ -166,17 +150,6 @@ def _clip_by_global_norm_grad(op, *out_grads):
     return out + [d_c, None]
 
 
-_CLIP_ARGS = ("global_clipnorm", "clipnorm", "clipvalue")
-_CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue": "value"}
-_POLICIES = ("skip", "propagate", "raise")
-
-
-def _check_policy(nonfinite):
-    """The non-finite policy check every entry point (fused_clip_apply, optimizers) shares."""
-    if nonfinite not in _POLICIES:
-        raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
-
-
 @tf.autograph.experimental.do_not_convert
 def fused_clip_apply(
     grads_and_vars,
@@ -235,16 +208,10 @@ def fused_clip_apply(
     tf.summary.scalar("grad_norm", result.global_norm)
     ```
     """
-    if not isinstance(rule, _rule_class()):
+    if not isinstance(rule, Rule):
         raise TypeError(f"rule must be a tfclip.rules object (e.g. tfclip.rules.Adam()), got {type(rule).__name__}")
-    given = {k: v for k, v in zip(_CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue)) if v is not None}
-    if len(given) > 1:
-        raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got {sorted(given)}")
-    _check_policy(nonfinite)
-    clip_mode, clip = "none", 0.0
-    for k, v in given.items():
-        _check_clip_number(v, k)
-        clip_mode, clip = _CLIP_MODES[k], v
+    clip_mode, clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
+    _opcall.check_policy(nonfinite)
     if isinstance(use_norm, numbers.Real) and use_norm < 0:  # NaN is the nonfinite policy's
         raise ValueError(f"use_norm must be >= 0, got {use_norm}")
 
@@ -269,14 +236,6 @@ def fused_clip_apply(
     with tf.name_scope(name or f"clip_apply_{rule.kind}"):
         return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
                            bool(lazy_sparse))
-
-
-@functools.lru_cache(maxsize=None)
-def _rule_class():
-    """tfclip.rules.Rule, imported once, on first use (tfclip.rules imports this module)."""
-    from tfclip.rules import Rule
-
-    return Rule
 
 
 def _split_pairs(pairs):
@@ -349,7 +308,7 @@ def _repeated_eager_split(pairs, rule):
     cache = rule._pairs_cache  # read once: another thread may replace it meanwhile
     if cache is None or not tf.executing_eagerly():
         return None
-    gs = _core.split_repeated_pairs(pairs, cache[0], EagerTensor)
+    gs = _eager.split_repeated_pairs(pairs, cache[0], EagerTensor)
     if gs is None or tf.distribute.has_strategy():
         return None
     return gs, cache[1]
@@ -392,22 +351,6 @@ def _check_indexed_slices(g, v, i):
                              f"do not fit variable {v.name} of shape {v.shape} (rows must be "
                              f"{v.shape[1:]})")
     return tf.IndexedSlices(values, indices, g.dense_shape)
-
-
-def _op_grads(grads):
-    """The `grad`, `indices` and `sparse` inputs of the apply ops for a gradient list:
-    IndexedSlices travel as their values, with their indices and positions."""
-    values, indices, sparse = [], [], []
-    for i, g in enumerate(grads):
-        # (An eager tensor is told apart first: the IndexedSlices check is an ABC instance
-        # check, ~1 us a gradient on an eager step.)
-        if type(g) is not EagerTensor and isinstance(g, tf.IndexedSlices):
-            values.append(g.values)
-            indices.append(g.indices)
-            sparse.append(i)
-        else:
-            values.append(g)
-    return values, {"indices": indices, "sparse": sparse}
 
 
 def _as_tf_variable(v):

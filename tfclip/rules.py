@@ -30,53 +30,12 @@ import numbers
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BaseResourceVariable
 
-from tfclip import _loader
-from tfclip.ops import ClipApplyResult, _op_grads
-
-
-def _scalar(x, name):
-    """A float64 scalar tensor for an op input (Python numbers converted exactly)."""
-    if type(x) in (float, int) and tf.executing_eagerly():
-        cached = _eager_number(x)
-        if cached is not None:
-            return cached
-    t = tf.convert_to_tensor(x, dtype_hint=tf.float64, name=name)
-    if not t.dtype.is_floating and not t.dtype.is_integer:
-        raise TypeError(f"{name} must be a number, got dtype {t.dtype.name}")
-    if t.shape.rank is not None and t.shape.rank != 0:
-        raise ValueError(f"{name} must be a scalar, got shape {t.shape}")
-    return tf.cast(t, tf.float64)
-
-
-# Eager float64 constants of the Python numbers a step passes (hyper-parameters, clip): making
-# and checking one anew cost ~20 us, a seventh of an eager step's fixed cost with 200
-# variables. They are kept in host memory, where every tfclip op reads its scalars (HostMemory
-# on GPU). Keyed by value and sign, so -0.0 stays -0.0; bounded, for a number that changes
-# every step.
-_EAGER_NUMBERS = {}
-
-
-def _eager_number(x):
-    try:
-        f = float(x)
-    except OverflowError:
-        return None  # the general path names the problem
-    key = (f, math.copysign(1.0, f))
-    t = _EAGER_NUMBERS.get(key)
-    if t is None:
-        if len(_EAGER_NUMBERS) >= 256:
-            _EAGER_NUMBERS.clear()
-        with tf.device("/device:CPU:0"):
-            t = tf.constant(f, tf.float64)
-        _EAGER_NUMBERS[key] = t
-    return t
+from tfclip import _opcall
+from tfclip._opcall import ClipApplyResult
 
 
 def _on_host(t):
     return ":CPU:" in t.device
-
-
-_NO_SPARSE = {"indices": (), "sparse": ()}  # the op's sparse inputs for all-dense gradients
 
 
 def _pack_handles(handles):
@@ -85,7 +44,9 @@ def _pack_handles(handles):
 
 
 class Rule:
-    """Base class: see the module docstring. Subclasses set `kind`, `slot_names`, `_hparams`."""
+    """Base class: see the module docstring. A rule is declared by its `kind` (a row of the core's
+    rule table, `tfclip._core.rule_table()`), its `slot_names` (in the table's slot order) and
+    `_op_hparams` / `_op_flags` (its hyper-parameters and flags by the table's names)."""
 
     kind = None
     slot_names = ()
@@ -150,7 +111,7 @@ class Rule:
                 import inspect
 
                 lr = lr(self.iterations) if len(inspect.signature(lr).parameters) else lr()
-        return _scalar(lr, "learning_rate")
+        return _opcall.scalar(lr, "learning_rate")
 
     def _config_numbers(self):
         return {"weight_decay": self.weight_decay}
@@ -201,15 +162,18 @@ class Rule:
         var_handles, slot_lists, host, counter = self._handles(variables)
         given = use_norm is not None
         # (all_dense: the caller checked that every gradient is an eager tensor.)
-        values, sparse_kw = (grads, _NO_SPARSE) if all_dense else _op_grads(grads)
-        norm, applied = self._call_op(
+        values, sparse_kw = (grads, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(grads)
+        norm, applied = _opcall.apply(
+            self.kind,
             var_handles,
+            [slot_lists[s] for s in self.slot_names],
             values,
-            slot_lists,
+            self._op_hparams(counter is not None),
+            self._op_flags(),
             lazy=lazy_sparse,
             **sparse_kw,
-            clip=_scalar(clip, "clip"),
-            use_norm=_scalar(use_norm if given else 0.0, "use_norm"),
+            clip=_opcall.scalar(clip, "clip"),
+            use_norm=_opcall.scalar(use_norm if given else 0.0, "use_norm"),
             iterations=[] if counter is None else [counter],
             clip_mode=clip_mode,
             nonfinite=nonfinite,
@@ -234,11 +198,18 @@ class Rule:
             return it.handle
         return None
 
-    def _step(self, iterations):
-        """Adam's `step` input: `iterations + 1` as a float64 scalar, or, when the op is given
-        the counter (`iterations`), the 1 it adds to the count."""
-        if iterations:
-            return _scalar(1.0, "step")
+    def _op_hparams(self, has_counter):
+        """The op's hyper-parameters by the rule table's names (the base: lr, weight_decay)."""
+        return {"lr": self.current_learning_rate(), "weight_decay": self.weight_decay}
+
+    def _op_flags(self):
+        return {}
+
+    def _step(self, has_counter):
+        """The `step` input: `iterations + 1` as a float64 scalar, or, when the op is given the
+        counter (`iterations`), the 1 it adds to the count."""
+        if has_counter:
+            return 1.0
         return tf.cast(self.iterations + 1, tf.float64)
 
 
@@ -281,15 +252,14 @@ class SGD(Rule):
         return {"learning_rate": self.learning_rate, "momentum": self.momentum,
                 "weight_decay": self.weight_decay}
 
-    def _call_op(self, var, grad, slots, **kw):
-        ops = _loader.ops()
-        lr, wd = self.current_learning_rate(), _scalar(self.weight_decay, "weight_decay")
-        if not self._has_momentum():
-            return ops.tfclip_clip_apply_sgd(var=var, grad=grad, lr=lr, weight_decay=wd, **kw)
-        return ops.tfclip_clip_apply_keras_momentum(
-            var=var, accum=slots["momentum"], grad=grad, lr=lr,
-            momentum=_scalar(self.momentum, "momentum"), weight_decay=wd,
-            use_nesterov=self.nesterov, **kw)
+    def _op_hparams(self, has_counter):
+        hp = super()._op_hparams(has_counter)
+        if self._has_momentum():
+            hp["momentum"] = self.momentum
+        return hp
+
+    def _op_flags(self):
+        return {"use_nesterov": self.nesterov} if self._has_momentum() else {}
 
 
 class Momentum(Rule):
@@ -308,12 +278,11 @@ class Momentum(Rule):
         return {"learning_rate": self.learning_rate, "momentum": self.momentum,
                 "weight_decay": self.weight_decay}
 
-    def _call_op(self, var, grad, slots, **kw):
-        return _loader.ops().tfclip_clip_apply_momentum(
-            var=var, accum=slots["momentum"], grad=grad, lr=self.current_learning_rate(),
-            momentum=_scalar(self.momentum, "momentum"),
-            weight_decay=_scalar(self.weight_decay, "weight_decay"),
-            use_nesterov=self.use_nesterov, **kw)
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "momentum": self.momentum}
+
+    def _op_flags(self):
+        return {"use_nesterov": self.use_nesterov}
 
 
 class Adam(Rule):
@@ -336,14 +305,12 @@ class Adam(Rule):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1,
                 "beta_2": self.beta_2, "epsilon": self.epsilon, "weight_decay": self.weight_decay}
 
-    def _call_op(self, var, grad, slots, **kw):
-        step = self._step(kw["iterations"])
-        return _loader.ops().tfclip_clip_apply_adam(
-            var=var, m=slots["m"], v=slots["v"], vhat=slots.get("vhat", []), grad=grad,
-            lr=self.current_learning_rate(), beta_1=_scalar(self.beta_1, "beta_1"),
-            beta_2=_scalar(self.beta_2, "beta_2"), epsilon=_scalar(self.epsilon, "epsilon"),
-            weight_decay=_scalar(self.weight_decay, "weight_decay"), step=step, beta_powers=[],
-            amsgrad=self.amsgrad, **kw)
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "epsilon": self.epsilon, "step": self._step(has_counter)}
+
+    def _op_flags(self):
+        return {"amsgrad": self.amsgrad}
 
 
 class AdamW(Adam):

@@ -5,9 +5,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <sstream>
 
 #include "csrc/core/cpu_kernels.h"
 #include "csrc/core/denormals.h"
+#include "csrc/core/validate.h"
 
 namespace tfclip {
 
@@ -131,12 +133,35 @@ T RoundNorm(double norm) {
 template float RoundNorm<float>(double);
 template double RoundNorm<double>(double);
 
-StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
-                        const ApplyTensor* ts, int n, bool lazy, StepScratch* s,
-                        const CpuExecutor& exec) {
+std::string NonFiniteError(double norm) {
+  std::ostringstream os;
+  os << "the global norm of the gradients is " << norm
+     << " (non-finite) and nonfinite='raise'; no variable was updated";
+  return os.str();
+}
+
+std::string StepHParams(const StepArgs& a, HParams* hp) {
+  *hp = a.hp;
+  if (a.iterations != nullptr) hp->step += static_cast<double>(*a.iterations);
+  std::string e = ValidateHParams(a.rule, *hp);
+  if (!e.empty() && a.iterations != nullptr) {
+    std::ostringstream os;
+    os << " (iterations + step = " << hp->step << ")";
+    e += os.str();
+  }
+  if (e.empty()) e = ValidateClipConfig(a.cfg);
+  return e;
+}
+
+StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& exec) {
   StepResult r;
+  HParams hp;
+  r.error = StepHParams(a, &hp);
+  if (!r.error.empty()) return r;
+  const int n = a.n;
+  const ApplyTensor* ts = a.ts;
   // Indices are checked (and grouped) before anything runs: a bad one writes nothing.
-  r.error = PlanSparse(ts, n, rule, hp, lazy, kChunkElems, &s->sparse);
+  r.error = PlanSparse(ts, n, a.rule, hp, a.lazy, kChunkElems, &s->sparse);
   if (!r.error.empty()) return r;
   s->grads.resize(n);
   for (int i = 0; i < n; ++i) {
@@ -146,18 +171,22 @@ StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
   s->per_tensor.assign(n, 0.0);
   s->factors.resize(n);
   double total = 0.0;
-  if (NeedsNormPass(cfg)) {
+  if (NeedsNormPass(a.cfg)) {
     s->partials.resize(s->plan.chunks.size());
     SumSquaresCpu(s->grads.data(), n, s->plan, s->partials.data(), s->per_tensor.data(), &total,
                   exec);
   }
-  const ClipOutcome oc = ComputeClipFactors(cfg, s->per_tensor.data(), total, n, s->factors.data());
+  const ClipOutcome oc = ComputeClipFactors(a.cfg, s->per_tensor.data(), total, n, s->factors.data());
   r.global_norm = oc.global_norm;
   r.nonfinite = !oc.finite;
-  if (!oc.finite && cfg.policy != NonFinitePolicy::kPropagate) return r;  // nothing written
-  ApplyCpu(rule, hp, ts, s->plan, s->factors.data(), exec);
-  SparseApplyCpu(rule, hp, ts, s->sparse, s->factors.data(), exec);
+  if (!oc.finite && a.cfg.policy != NonFinitePolicy::kPropagate) {  // nothing written
+    if (a.cfg.policy == NonFinitePolicy::kRaise) r.error = NonFiniteError(r.global_norm);
+    return r;
+  }
+  ApplyCpu(a.rule, hp, ts, s->plan, s->factors.data(), exec);
+  SparseApplyCpu(a.rule, hp, ts, s->sparse, s->factors.data(), exec);
   r.applied = true;
+  if (a.iterations != nullptr) ++*a.iterations;
   return r;
 }
 

@@ -8,7 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/multi_tensor.h"
+#include "csrc/core/chunk_plan.h"
+#include "csrc/core/clip.h"
+#include "csrc/core/rule_table.h"
+#include "csrc/core/tensors.h"
 #include "csrc/core/sparse.h"
 
 namespace tfclip {
@@ -45,13 +48,27 @@ void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
 void SparseApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const SparsePlan& sp,
                     const ClipFactor* factors, const CpuExecutor& exec);
 
-// Both passes of a clip-and-apply step, with the non-finite policy. Callers validate first,
-// except the sparse indices, which are checked here before anything is written.
+// A clip-and-apply step as every adapter hands it to the core.
+struct StepArgs {
+  RuleKind rule = RuleKind::kSgd;
+  HParams hp;
+  ClipConfig cfg;
+  const ApplyTensor* ts = nullptr;
+  int n = 0;
+  bool lazy = false;  // sparse gradients update only the rows they touch (see sparse.h)
+  // A step counter (CPU: host memory) or null: the rule's step is then *iterations + hp.step,
+  // and the counter advances by one when the step is applied, under the caller's locks.
+  int64_t* iterations = nullptr;
+};
+
+// Both passes of a clip-and-apply step, with the non-finite policy. Everything is checked before
+// anything is written: hyper-parameters, clip numbers, sparse indices (the adapters check
+// shapes and dtypes, which the core does not see).
 struct StepResult {
   double global_norm = 0.0;
   bool applied = false;
   bool nonfinite = false;  // with kRaise: the caller reports the error; nothing was written
-  std::string error;       // an out-of-range index: nothing was written
+  std::string error;       // a bad input: nothing was written
 };
 // scratch is reused across calls when the caller keeps it.
 struct StepScratch {
@@ -61,10 +78,13 @@ struct StepScratch {
   std::vector<TensorView> grads;
   SparsePlan sparse;
 };
-// lazy: sparse gradients update only the rows they touch (see sparse.h).
-StepResult ClipApplyCpu(RuleKind rule, const HParams& hp, const ClipConfig& cfg,
-                        const ApplyTensor* ts, int n, bool lazy, StepScratch* scratch,
-                        const CpuExecutor& exec);
+StepResult ClipApplyCpu(const StepArgs& args, StepScratch* scratch, const CpuExecutor& exec);
+
+// The message of a non-finite norm with nonfinite='raise' (every adapter's).
+std::string NonFiniteError(double norm);
+
+// The hyper-parameters of a step with its counter applied, checked: "" or the error.
+std::string StepHParams(const StepArgs& args, HParams* hp);
 
 // A norm rounded to float (or kept double) with subnormal results kept: TF runs kernels with
 // flush-to-zero set, which would turn a right, subnormal float norm into 0.

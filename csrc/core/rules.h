@@ -1,6 +1,7 @@
 // tfclip core: the optimizer update rules, each written once as a per-element TFCLIP_HD body.
-// The CPU driver (csrc/core/cpu_driver.cc) and the CUDA kernels (cuda/) both call these; no rule
-// is written twice. Math is in float for half/bfloat16/float storage and double for double.
+// Every pass (dense, sparse rows, CPU and CUDA) calls them through one per-element apply
+// (csrc/core/apply_elem.h); each rule's op, inputs and Python name are one row of
+// csrc/core/rule_table.h. No rule is written twice. Math is in float for half/bfloat16/float storage and double for double.
 //
 // Each rule mirrors TensorFlow's own training op / Keras 3 optimizer, operation for operation,
 // so results agree to the last bit or two with the stock path. Update(c, g, gsq, var, slots)
@@ -16,51 +17,24 @@
 
 #include <cmath>
 
+#include "csrc/core/hparams.h"
 #include "csrc/core/types.h"
 
 namespace tfclip {
 
-enum class RuleKind : int { kSgd = 0, kMomentum = 1, kKerasMomentum = 2, kAdam = 3 };
-
 constexpr int kMaxSlots = 3;  // Adam with amsgrad: m, v, vhat
-
-const char* RuleName(RuleKind r);
-
-// Hyper-parameters as the user gave them (one POD for every rule, so a launcher can upload
-// it with the tensor table). Rules read the fields they need.
-struct HParams {
-  double lr = 0.0;
-  double momentum = 0.0;  // Momentum rules
-  double beta_1 = 0.9;    // Adam
-  double beta_2 = 0.999;  // Adam
-  double epsilon = 1e-7;  // Adam
-  double weight_decay = 0.0;  // decoupled: var -= var * weight_decay * lr, before the step
-  double step = 1.0;          // Adam bias correction: 1-based step
-  // Adam: beta_1^t and beta_2^t given as they are (TF1 AdamOptimizer's running accumulators)
-  // instead of computed from `step`. Both must be given (a missing one stays NaN: an error).
-  bool beta_powers = false;
-  double beta_1_power = NAN, beta_2_power = NAN;
-  bool nesterov = false;
-  bool amsgrad = false;
-  // IndexedSlices rows with duplicate indices: Adam's v takes the sum of the duplicates'
-  // squares (stock Keras when nothing densifies the gradient first) instead of the square of
-  // their sum (a dense gradient's result; TF1 Adam; Keras after global_clipnorm densified it).
-  bool sum_of_squares = false;
-};
-
-int NumSlots(RuleKind rule, const HParams& hp);
 
 // Per-step constants in the math type M, computed as Keras computes them (in the variable's
 // dtype): alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t).
 template <typename M>
 struct StepConsts {
-  M lr, momentum, one_minus_beta_1, one_minus_beta_2, epsilon, alpha, wd_lr_factor;
+  M lr, momentum, one_minus_beta_1, one_minus_beta_2, epsilon, alpha;
   M weight_decay;
   bool nesterov, amsgrad, decay, sum_of_squares;
 };
 
 template <typename M>
-StepConsts<M> MakeStepConsts(const HParams& hp) {
+TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
   StepConsts<M> c;
   c.lr = static_cast<M>(hp.lr);
   c.momentum = static_cast<M>(hp.momentum);
@@ -71,12 +45,12 @@ StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
   c.epsilon = static_cast<M>(hp.epsilon);
   const M t = static_cast<M>(hp.step);
-  const M b1p = hp.beta_powers ? static_cast<M>(hp.beta_1_power) : std::pow(b1, t);
-  const M b2p = hp.beta_powers ? static_cast<M>(hp.beta_2_power) : std::pow(b2, t);
+  // A beta power given as it is (TF1's accumulators), else beta^t.
+  const M b1p = hp.beta_1_power == hp.beta_1_power ? static_cast<M>(hp.beta_1_power) : std::pow(b1, t);
+  const M b2p = hp.beta_2_power == hp.beta_2_power ? static_cast<M>(hp.beta_2_power) : std::pow(b2, t);
   c.alpha = c.lr * std::sqrt(M(1) - b2p) / (M(1) - b1p);
   c.weight_decay = static_cast<M>(hp.weight_decay);
   c.decay = hp.weight_decay != 0.0;
-  c.wd_lr_factor = c.weight_decay * c.lr;
   c.nesterov = hp.nesterov;
   c.amsgrad = hp.amsgrad;
   c.sum_of_squares = hp.sum_of_squares;
@@ -89,8 +63,12 @@ TFCLIP_HD M DecayVar(const StepConsts<M>& c, M var) {
   return c.decay ? var - var * c.weight_decay * c.lr : var;
 }
 
+// Each rule: kScatter (IndexedSlices duplicates applied one by one, as TF's scatter ops, rather
+// than summed), kMinSlots..kMaxSlots and NumSlots(hp) (the slot count a step uses), Update.
 struct SgdRule {
   static constexpr bool kScatter = true;  // keras SGD on IndexedSlices: scatter_sub(g * lr)
+  static constexpr int kMinSlots = 0, kMaxSlots = 0;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 0; }
   template <typename M>
   static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* /*slots*/) {
     var = var - g * c.lr;
@@ -100,6 +78,8 @@ struct SgdRule {
 struct MomentumRule {
   // accum = accum * momentum + grad; var -= lr * accum  (nesterov: var -= grad*lr + accum*momentum*lr)
   static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 1, kMaxSlots = 1;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
   static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* s) {
     M accum = s[0] * c.momentum + g;
@@ -115,6 +95,8 @@ struct MomentumRule {
 struct KerasMomentumRule {
   // m = -grad*lr + m*momentum; var += m  (nesterov: var += -grad*lr + m*momentum)
   static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 1, kMaxSlots = 1;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
   static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* s) {
     const M neg_g_lr = -g * c.lr;
@@ -127,6 +109,8 @@ struct KerasMomentumRule {
 struct AdamRule {
   // m += (g - m)(1 - b1); v += (gsq - v)(1 - b2); [vhat = max(vhat, v)]; var -= m*alpha/(sqrt(v)+eps)
   static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 2, kMaxSlots = 3;
+  static TFCLIP_HD int NumSlots(const HParams& hp) { return hp.amsgrad ? 3 : 2; }
   template <typename M>
   static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
     const M m = s[0] + (g - s[0]) * c.one_minus_beta_1;
@@ -141,16 +125,5 @@ struct AdamRule {
     var = var - (m * c.alpha) / (std::sqrt(v) + c.epsilon);
   }
 };
-
-// Calls fn(RuleType{}) for a runtime rule kind.
-template <typename Fn>
-void DispatchRule(RuleKind r, Fn&& fn) {
-  switch (r) {
-    case RuleKind::kSgd: fn(SgdRule{}); break;
-    case RuleKind::kMomentum: fn(MomentumRule{}); break;
-    case RuleKind::kKerasMomentum: fn(KerasMomentumRule{}); break;
-    case RuleKind::kAdam: fn(AdamRule{}); break;
-  }
-}
 
 }  // namespace tfclip

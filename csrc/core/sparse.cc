@@ -7,18 +7,18 @@
 
 namespace tfclip {
 
-bool SparseAllRows(RuleKind rule, const HParams& hp, bool lazy) {
+bool SparseAllRows(RuleKind rule, const HParams& hp, bool lazy, bool hparams_on_device) {
   if (lazy) return false;
-  return NumSlots(rule, hp) > 0 || hp.weight_decay != 0.0;
+  return NumSlots(rule, hp) > 0 || hp.weight_decay != 0.0 || hparams_on_device;
 }
 
 std::string PlanSparse(const ApplyTensor* ts, int n, RuleKind rule, const HParams& hp, bool lazy,
-                       int64_t unit_elems, SparsePlan* plan) {
+                       int64_t unit_elems, SparsePlan* plan, bool hparams_on_device) {
   plan->order.clear();
   plan->urows.clear();
   plan->ustart.clear();
   plan->units.clear();
-  const bool all_rows = SparseAllRows(rule, hp, lazy);
+  const bool all_rows = SparseAllRows(rule, hp, lazy, hparams_on_device);
   std::vector<int64_t>& local = plan->sort_buf;
   for (int i = 0; i < n; ++i) {
     const ApplyTensor& t = ts[i];

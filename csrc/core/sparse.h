@@ -22,8 +22,11 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/multi_tensor.h"
-#include "csrc/core/rules.h"
+#include "csrc/core/apply_elem.h"
+#include "csrc/core/chunk_plan.h"
+#include "csrc/core/clip.h"
+#include "csrc/core/rule_table.h"
+#include "csrc/core/tensors.h"
 
 namespace tfclip {
 
@@ -44,70 +47,43 @@ struct SparsePlan {
 };
 
 // Whether a sparse tensor's pass walks every row (stock Keras semantics for rules with slots or
-// weight decay) or only the touched ones (lazy, or plain SGD).
-bool SparseAllRows(RuleKind rule, const HParams& hp, bool lazy);
+// weight decay) or only the touched ones (lazy, or plain SGD). `hparams_on_device`: the weight
+// decay is read on the device (CUDA), so the plan cannot know it is 0 and walks every row (an
+// untouched row then gets an exact no-op when it is).
+bool SparseAllRows(RuleKind rule, const HParams& hp, bool lazy, bool hparams_on_device = false);
 
 // Validates the indices of every sparse tensor of `ts` and plans the sparse apply pass.
 // Returns "" or an error naming the culprit (grads[i], the index position and value).
 std::string PlanSparse(const ApplyTensor* ts, int n, RuleKind rule, const HParams& hp, bool lazy,
-                       int64_t unit_elems, SparsePlan* plan);
+                       int64_t unit_elems, SparsePlan* plan, bool hparams_on_device = false);
 
-// One element (column `col`) of one row of a sparse update: the row's slices are
-// order[jb .. je) (none for an untouched row of an all-rows pass); grad(k) gives element k of
-// the values, clipped, in V's math type (ClipGrad or CastClipGradAt). Decoupled weight decay,
-// then the rule: with the duplicates' sum g and either g*g or (sum_of_squares) the sum of their
-// squares, or once per duplicate for scatter rules (SGD). var and s[] hold the element in
-// storage type V, updated in place. Host and device: the CPU driver and the CUDA sparse kernel
-// both call it.
-template <typename Rule, typename V, int kSlots, typename GradAt>
-TFCLIP_HD void SparseElem(const StepConsts<typename Elem<V>::Math>& c, const GradAt& grad,
-                          int64_t width, int64_t col, const int64_t* order, int64_t jb,
-                          int64_t je, V& var, V* s) {
-  using M = typename Elem<V>::Math;
-  M sl[kMaxSlots] = {M(0), M(0), M(0)};
-  for (int k = 0; k < kSlots; ++k) sl[k] = Elem<V>::Load(s[k]);
-  M v = DecayVar(c, Elem<V>::Load(var));
-  if (Rule::kScatter) {
-    for (int64_t j = jb; j < je; ++j) {
-      const M g = grad(order[j] * width + col);
-      Rule::Update(c, g, g * g, v, sl);
+// The slices of one row, for column `col`, as ApplyElem's gradient source: order[jb .. je) (none
+// for an untouched row of an all-rows pass); grad(k) gives element k of the values, clipped, in
+// V's math type M (GradReader). A scatter rule (SGD) is fed once per duplicate, in order; the
+// others once, with the duplicates' sum g and either g*g or (sum_of_squares) the sum of their
+// squares. Keras densifies with unsorted_segment_sum: 0 + g_1 + g_2 + ..., in slice order.
+template <typename M, typename GradAt>
+struct RowGrads {
+  const GradAt& grad;
+  int64_t width, col;
+  const int64_t* order;
+  int64_t jb, je;
+  template <typename Rule, typename F>
+  TFCLIP_HD void Feed(const StepConsts<M>& c, const F& update) const {
+    if (Rule::kScatter) {
+      for (int64_t j = jb; j < je; ++j) {
+        const M g = grad(order[j] * width + col);
+        update(g, g * g);
+      }
+    } else {
+      M g = M(0), gsq = M(0);
+      for (int64_t j = jb; j < je; ++j) {
+        const M gj = grad(order[j] * width + col);
+        g += gj;
+        gsq += gj * gj;
+      }
+      update(g, c.sum_of_squares ? gsq : g * g);
     }
-  } else {
-    // Keras densifies with unsorted_segment_sum: 0 + g_1 + g_2 + ..., in slice order.
-    M g = M(0), gsq = M(0);
-    for (int64_t j = jb; j < je; ++j) {
-      const M gj = grad(order[j] * width + col);
-      g += gj;
-      gsq += gj * gj;
-    }
-    Rule::Update(c, g, c.sum_of_squares ? gsq : g * g, v, sl);
-  }
-  var = Elem<V>::Store(v);
-  for (int k = 0; k < kSlots; ++k) s[k] = Elem<V>::Store(sl[k]);
-}
-
-// The gradient accessor SparseElem takes, for a tensor with gradient dtype G (AnyGrad: any
-// other float dtype than the variable's, read through CastClipGradAt).
-template <typename V, typename G>
-struct SparseGrad {
-  using M = typename Elem<V>::Math;
-  const G* values;
-  M scale, lo, hi;
-  TFCLIP_HD SparseGrad(const void* v, DType, const ClipFactor& f)
-      : values(static_cast<const G*>(v)),
-        scale(InGradDType<G, M>(f.scale)),
-        lo(InGradDType<G, M>(f.lo)),
-        hi(InGradDType<G, M>(f.hi)) {}
-  TFCLIP_HD M operator()(int64_t k) const { return ClipGrad<G, M>(values[k], scale, lo, hi); }
-};
-template <typename V>
-struct SparseGrad<V, AnyGrad> {
-  const void* values;
-  DType dtype;
-  ClipFactor f;
-  TFCLIP_HD SparseGrad(const void* v, DType t, const ClipFactor& cf) : values(v), dtype(t), f(cf) {}
-  TFCLIP_HD typename Elem<V>::Math operator()(int64_t k) const {
-    return CastClipGradAt<V>(values, dtype, k, f);
   }
 };
 

@@ -141,6 +141,19 @@ struct Elem<bfloat16> {
   static TFCLIP_HD bfloat16 Store(float x) { return bfloat16{FloatToBFloat16(x)}; }
 };
 
+// Calls fn(StorageType{}) for a runtime dtype. Host and device.
+template <typename Fn>
+TFCLIP_HD void DispatchDType(DType t, Fn&& fn) {
+  switch (t) {
+#define TFCLIP_DISPATCH_CASE(E, S, M, N) \
+  case DType::E:                         \
+    fn(S{});                             \
+    break;
+    TFCLIP_FOR_EACH_TYPE(TFCLIP_DISPATCH_CASE)
+#undef TFCLIP_DISPATCH_CASE
+  }
+}
+
 // Rounds a math-type value to storage precision and back: TF computes the clip scale in the
 // tensor's own dtype (`v * cast(scale, v.dtype)`), so we round the scale the same way.
 template <typename T>

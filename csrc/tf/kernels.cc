@@ -1,30 +1,31 @@
-// tfclip TF glue: the OpKernels, CPU and GPU. Each Compute() validates, looks up and locks the
-// variables, allocates, and calls the core: csrc/core/cpu_driver.h on CPU, cuda/cuda_driver.h on
-// GPU (stream from the op context, temp memory from TF's allocators). Nothing else happens here.
+// tfclip TF glue: the OpKernels, CPU and GPU. Each Compute() validates what only TF sees (shapes,
+// dtypes, resources), looks up and locks the variables (resources.h), allocates, and calls one
+// core step: csrc/core/cpu_driver.h on CPU, csrc/core/cuda_driver.h on GPU (stream from the op
+// context, memory from TF's allocators). The apply ops are registered from the rule table.
 #include <algorithm>
-#include <map>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "csrc/core/cpu_driver.h"
+#include "csrc/core/rule_table.h"
+#include "csrc/core/validate.h"
+#include "csrc/tf/resources.h"
 #include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/threadpool.h"
 
 #if TFCLIP_WITH_CUDA
-#include "cuda/cuda_driver.h"
-#include "cuda/workspace.h"
+#include "csrc/core/cuda_driver.h"
+#include "csrc/core/cuda_workspace.h"
 #include "xla/stream_executor/stream.h"
 #endif
 
 namespace tfclip {
 namespace {
 
-namespace tf = ::tensorflow;
 using tf::OpKernel;
 using tf::OpKernelConstruction;
 using tf::OpKernelContext;
@@ -53,14 +54,26 @@ CpuExecutor TfExecutor(OpKernelContext* ctx) {
   }};
 }
 
+// TF's dtype for each core dtype, from the one dtype list (its TF names).
 bool ToCoreDType(tf::DataType t, DType* out) {
-  switch (t) {
-    case tf::DT_HALF: *out = DType::kHalf; return true;
-    case tf::DT_BFLOAT16: *out = DType::kBFloat16; return true;
-    case tf::DT_FLOAT: *out = DType::kFloat; return true;
-    case tf::DT_DOUBLE: *out = DType::kDouble; return true;
-    default: return false;
+  static const std::vector<std::pair<tf::DataType, DType>> kMap = [] {
+    std::vector<std::pair<tf::DataType, DType>> m;
+#define TFCLIP_TF_DTYPE(E, S, M, N)               \
+  {                                               \
+    tf::DataType dt;                              \
+    if (tf::DataTypeFromString(N, &dt)) m.push_back({dt, DType::E}); \
   }
+    TFCLIP_FOR_EACH_TYPE(TFCLIP_TF_DTYPE)
+#undef TFCLIP_TF_DTYPE
+    return m;
+  }();
+  for (const auto& [tf_type, core] : kMap) {
+    if (tf_type == t) {
+      *out = core;
+      return true;
+    }
+  }
+  return false;
 }
 
 // Reads a scalar input as double, or names it in the error.
@@ -98,54 +111,49 @@ absl::Status CudaStatus(const std::string& e) {
   return e.empty() ? absl::OkStatus() : tf::errors::Internal(e);
 }
 
-// One GPU step's workspace: the tensor table in pinned host memory and the device buffer,
-// both from TF's allocators. The device buffer may be freed when Compute returns (TF's GPU
-// allocator is ordered on the compute stream); the host table is held until the stream has
-// passed its upload, as TF's own GpuDeviceArrayOnHost does.
-class GpuStep {
- public:
-  explicit GpuStep(OpKernelContext* ctx)
-      : ctx_(ctx), stream_(ctx->op_device_context()->stream()->platform_specific_handle().stream) {}
+void* GpuStream(OpKernelContext* ctx) {
+  return ctx->op_device_context()->stream()->platform_specific_handle().stream;
+}
 
-  absl::Status Plan(const std::vector<int64_t>& sizes, const SparsePlan* sparse = nullptr) {
-    cuda::PlanCudaStep(sizes.data(), static_cast<int>(sizes.size()), &plan_, sparse);
+// A step's memory from TF's allocators: the tensor table in pinned host memory and the device
+// workspace. The device buffer may be freed when Compute returns (TF's GPU allocator is ordered
+// on the compute stream); the host table is held until the stream has passed its upload, as
+// TF's own GpuDeviceArrayOnHost does. The core calls Release on every path (cuda_driver.h).
+class GpuMemory : public cuda::CudaStepMemory {
+ public:
+  explicit GpuMemory(OpKernelContext* ctx) : ctx_(ctx) {}
+  std::string Acquire(size_t host_bytes, size_t device_bytes, void** host, void** device) override {
     tf::AllocatorAttributes host_attr;
     host_attr.set_on_host(true);
     host_attr.set_gpu_compatible(true);
-    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-        tf::DT_INT8, tf::TensorShape({static_cast<int64_t>(plan_.host_bytes)}), &host_, host_attr));
-    return ctx_->allocate_temp(tf::DT_INT8,
-                               tf::TensorShape({static_cast<int64_t>(plan_.device_bytes)}), &dev_);
+    absl::Status s = ctx_->allocate_temp(
+        tf::DT_INT8, tf::TensorShape({static_cast<int64_t>(host_bytes)}), &host_, host_attr);
+    if (s.ok()) {
+      s = ctx_->allocate_temp(tf::DT_INT8, tf::TensorShape({static_cast<int64_t>(device_bytes)}),
+                              &dev_);
+    }
+    if (!s.ok()) return std::string(s.message());
+    *host = const_cast<char*>(host_.tensor_data().data());
+    *device = const_cast<char*>(dev_.tensor_data().data());
+    return "";
   }
-  // After the launches: releases the host table once the stream is past its copy.
-  absl::Status Done() {
+  std::string Release() override {
     auto* keep = new Tensor(host_);
-    return CudaStatus(cuda::ThenRunOnHost(
-        stream_, [](void* t) { delete static_cast<Tensor*>(t); }, keep));
+    return cuda::ThenRunOnHost(
+        GpuStream(ctx_), [](void* t) { delete static_cast<Tensor*>(t); }, keep);
   }
-  // The op's scalar norm output, in device memory.
-  static cuda::CudaOutputs NormOutput(Tensor* norm, DType dtype) {
-    cuda::CudaOutputs o;
-    o.norm = const_cast<char*>(norm->tensor_data().data());
-    o.norm_dtype = dtype;
-    return o;
-  }
-  const cuda::CudaPlan& plan() const { return plan_; }
-  void* host() { return const_cast<char*>(host_.tensor_data().data()); }
-  void* dev() { return const_cast<char*>(dev_.tensor_data().data()); }
-  void* stream() const { return stream_; }
 
  private:
   OpKernelContext* ctx_;
-  void* stream_;
-  cuda::CudaPlan plan_;
   Tensor host_, dev_;
 };
 
-std::vector<int64_t> ViewSizes(const std::vector<TensorView>& v) {
-  std::vector<int64_t> s;
-  for (const auto& t : v) s.push_back(t.size);
-  return s;
+// The op's scalar norm output, in device memory.
+cuda::CudaOutputs NormOutput(Tensor* norm, DType dtype) {
+  cuda::CudaOutputs o;
+  o.norm = const_cast<char*>(norm->tensor_data().data());
+  o.norm_dtype = dtype;
+  return o;
 }
 
 template <typename Tnorm>
@@ -169,12 +177,9 @@ class GlobalNormOp : public OpKernel {
     const int n = static_cast<int>(views.size());
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
-      GpuStep step(ctx);
-      OP_REQUIRES_OK(ctx, step.Plan(ViewSizes(views)));
-      const cuda::CudaOutputs o = GpuStep::NormOutput(out, NormDType<Tnorm>());
-      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaGlobalNorm(views.data(), n, step.plan(), step.host(),
-                                                          step.dev(), o, step.stream())));
-      OP_REQUIRES_OK(ctx, step.Done());
+      GpuMemory mem(ctx);
+      const cuda::CudaOutputs o = NormOutput(out, NormDType<Tnorm>());
+      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaGlobalNorm(views.data(), n, &mem, o, GpuStream(ctx))));
 #endif
     } else {
       out->scalar<Tnorm>()() = RoundNorm<Tnorm>(GlobalNormCpu(views.data(), n, TfExecutor(ctx)));
@@ -213,13 +218,11 @@ class ClipByGlobalNormOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(n, tf::TensorShape({}), &norm_out));
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
-      GpuStep step(ctx);
-      OP_REQUIRES_OK(ctx, step.Plan(ViewSizes(in)));
-      const cuda::CudaOutputs o = GpuStep::NormOutput(norm_out, NormDType<Tnorm>());
-      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipByGlobalNorm(
-                              in.data(), out.data(), n, clip_norm, use_given_norm_, use_norm,
-                              step.plan(), step.host(), step.dev(), o, step.stream())));
-      OP_REQUIRES_OK(ctx, step.Done());
+      GpuMemory mem(ctx);
+      const cuda::CudaOutputs o = NormOutput(norm_out, NormDType<Tnorm>());
+      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipByGlobalNorm(in.data(), out.data(), n, clip_norm,
+                                                                use_given_norm_, use_norm, &mem, o,
+                                                                GpuStream(ctx))));
 #endif
     } else {
       const CpuExecutor exec = TfExecutor(ctx);
@@ -237,175 +240,61 @@ class ClipByGlobalNormOp : public OpKernel {
 };
 
 // ---------------------------------------------------------------- clip-and-apply ops
-// Which slot inputs and hyper-parameters each op has.
-struct RuleSpec {
-  RuleKind kind;
-  std::vector<const char*> slots;   // resource list inputs after "var"
-  std::vector<const char*> hparams; // scalar double inputs
-};
-
-// Reads the scalar hyper-parameter inputs. Compute validates them once Adam's step is known
-// (it may add the step counter, read under the variables' locks).
-absl::Status ReadHParams(OpKernelContext* ctx, const RuleSpec& spec, HParams* hp) {
-  for (const char* name : spec.hparams) {
-    double v = 0;
-    TF_RETURN_IF_ERROR(ScalarInput(ctx, name, &v));
-    const std::string n(name);
-    if (n == "lr") hp->lr = v;
-    else if (n == "momentum") hp->momentum = v;
-    else if (n == "beta_1") hp->beta_1 = v;
-    else if (n == "beta_2") hp->beta_2 = v;
-    else if (n == "epsilon") hp->epsilon = v;
-    else if (n == "weight_decay") hp->weight_decay = v;
-    else if (n == "step") hp->step = v;
+// An IndexedSlices gradient of vars[i]: values [k] + var.shape[1:], indices [k] (int32 or
+// int64, read as int64 here; their range is checked by PlanSparse before anything is written).
+absl::Status CheckSparse(int i, const Tensor& var, const Tensor& values,
+                         const Tensor& idx, std::vector<int64_t>* rows_out, ApplyTensor* t) {
+  const std::string g = absl::StrCat("grads[", i, "] (IndexedSlices)");
+  if (var.dims() < 1) {
+    return tf::errors::InvalidArgument(g, ": vars[", i, "] is a scalar; IndexedSlices need a "
+                                       "variable of rank >= 1");
   }
-  if (spec.kind == RuleKind::kAdam) {  // TF1 Adam's running powers, when given (ops.cc)
-    tf::OpInputList powers;
-    TF_RETURN_IF_ERROR(ctx->input_list("beta_powers", &powers));
-    if (powers.size() != 0) {
-      if (powers.size() != 2) {
-        return tf::errors::InvalidArgument("beta_powers takes [beta_1^t, beta_2^t], got ",
-                                           powers.size(), " tensors");
-      }
-      for (int k = 0; k < 2; ++k) {
-        if (!tf::TensorShapeUtils::IsScalar(powers[k].shape())) {
-          return tf::errors::InvalidArgument("beta_powers[", k, "] must be a scalar, got shape ",
-                                             powers[k].shape().DebugString());
-        }
-      }
-      hp->beta_powers = true;
-      hp->beta_1_power = powers[0].scalar<double>()();
-      hp->beta_2_power = powers[1].scalar<double>()();
-    }
+  if (!tf::TensorShapeUtils::IsVector(idx.shape())) {
+    return tf::errors::InvalidArgument(g, ": indices must be a vector, got shape ",
+                                       idx.shape().DebugString());
   }
-  return absl::OkStatus();
-}
-
-// One resource variable input: where it came from (for errors) and its Var. The Var stays
-// alive for all of Compute: see VarLookup.
-struct VarRef {
-  const char* label;  // the input list: "vars", "m", ...
-  int index;
-  tf::Var* var;
-  std::string name() const { return absl::StrCat(label, "[", index, "]"); }  // errors only
-};
-
-// Holds the locks of a step's variables, released in reverse order.
-class LockSet {
- public:
-  LockSet() = default;
-  LockSet(const LockSet&) = delete;
-  LockSet& operator=(const LockSet&) = delete;
-  void Lock(tf::mutex* m) TF_NO_THREAD_SAFETY_ANALYSIS {
-    m->lock();
-    held_.push_back(m);
+  tf::TensorShape row_shape = var.shape();
+  row_shape.RemoveDim(0);
+  tf::TensorShape want({idx.NumElements()});
+  want.AppendShape(row_shape);
+  if (values.shape() != want) {
+    return tf::errors::InvalidArgument(g, ": values have shape ", values.shape().DebugString(),
+                                       "; with ", idx.NumElements(), " indices and vars[", i,
+                                       "] of shape ", var.shape().DebugString(), " they must be ",
+                                       want.DebugString());
   }
-  ~LockSet() TF_NO_THREAD_SAFETY_ANALYSIS {
-    for (auto it = held_.rbegin(); it != held_.rend(); ++it) (*it)->unlock();
-  }
-
- private:
-  std::vector<tf::mutex*> held_;
-};
-
-// Finds the Vars of a step's resource inputs. A TF2 variable's handle is ref-counting: it owns
-// its Var, and the op's input owns the handle until Compute returns, so such a Var is used
-// through the handle's pointer, with no reference taken and dropped (two atomic operations per
-// resource, ~10% of a small step's fixed cost). The handle must name this device and a Var,
-// as TF's LookupResource checks; anything else (shared-name TF1 variables, a wrong device or
-// type, a deleted variable) goes through LookupResource itself, which keeps a reference in
-// `owned_` and gives TF's own error.
-class VarLookup {
- public:
-  explicit VarLookup(OpKernelContext* ctx)
-      : ctx_(ctx), device_(ctx->device()->attributes().name()) {}
-
-  // The handles of one resource list input, in order: each tensor of the list is one handle
-  // or a vector of handles (an eager caller packs a repeated step's lists once, so the step
-  // pays TF's per-input dispatch for three tensors, not 600). `n`: the number of gradients.
-  absl::Status Add(const char* input, const char* label, int n, std::vector<VarRef>* out) {
-    static const uint64_t kVarType = tf::TypeIndex::Make<tf::Var>().hash_code();
-    int start, stop;
-    TF_RETURN_IF_ERROR(ctx_->op_kernel().InputRange(input, &start, &stop));
-    int64_t total = 0;
-    for (int j = start; j < stop; ++j) {
-      const Tensor& t = ctx_->input(j);
-      if (t.dims() > 1) {
-        return tf::errors::InvalidArgument(label, " must hold scalar or vector resource handles; "
-                                           "got shape ", t.shape().DebugString());
-      }
-      total += t.NumElements();
-    }
-    if (total != n) {
-      const std::string what(label);
-      if (what == "vars") {
-        return tf::errors::InvalidArgument("got ", n, " gradients for ", total, " variables");
-      }
-      if (what == "iterations") {
-        return tf::errors::InvalidArgument("iterations must be one variable, got ", total,
-                                           " handles");
-      }
-      return tf::errors::InvalidArgument("got ", total, " ", label, " slots for ", n,
-                                         " variables");
-    }
-    int i = 0;
-    for (int j = start; j < stop; ++j) {
-      const auto handles = ctx_->input(j).flat<tf::ResourceHandle>();
-      for (int64_t e = 0; e < handles.size(); ++e, ++i) {
-        VarRef r{label, i, nullptr};
-        const tf::ResourceHandle& h = handles(e);
-        if (h.IsRefCounting() && h.hash_code() == kVarType && h.device() == device_) {
-          r.var = static_cast<tf::Var*>(h.resource().get());
-        } else {
-          tf::core::RefCountPtr<tf::Var> v;
-          const absl::Status s = tf::LookupResource(ctx_, h, &v);
-          if (!s.ok()) {
-            return tf::errors::FailedPrecondition(r.name(), " is not initialized (or was deleted): ",
-                                                  s.message());
-          }
-          r.var = v.get();
-          owned_.push_back(std::move(v));
-        }
-        out->push_back(r);
-      }
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  OpKernelContext* ctx_;
-  const std::string& device_;
-  std::vector<tf::core::RefCountPtr<tf::Var>> owned_;
-};
-
-// Replaces a variable's buffer by a private copy when a reader still aliases it, so the
-// in-place update cannot change a value someone already read (TF's copy-on-write rule).
-// On GPU the copy is queued on the op's stream, ahead of the step's kernels.
-absl::Status EnsureExclusive(OpKernelContext* ctx, tf::Var* var, void* gpu_stream) {
-  Tensor* t = var->tensor();
-  if (!var->copy_on_read_mode.load() && t->RefCountIsOne()) return absl::OkStatus();
-  Tensor copy;
-  tf::AllocatorAttributes attr;
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy, attr));
-  char* dst = const_cast<char*>(copy.tensor_data().data());
-  if (gpu_stream != nullptr) {
-#if TFCLIP_WITH_CUDA
-    if (t->TotalBytes() > 0) {
-      TF_RETURN_IF_ERROR(CudaStatus(
-          cuda::CopyDeviceAsync(dst, t->tensor_data().data(), t->TotalBytes(), gpu_stream)));
-    }
-#endif
+  std::vector<int64_t>& rows = *rows_out;
+  rows.resize(static_cast<size_t>(idx.NumElements()));
+  if (idx.dtype() == tf::DT_INT32) {
+    const auto f = idx.flat<int32_t>();
+    for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
   } else {
-    std::memcpy(dst, t->tensor_data().data(), t->TotalBytes());
+    const auto f = idx.flat<int64_t>();
+    for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
   }
-  *t = copy;
+  t->sparse = true;
+  t->indices = rows.data();
+  t->nnz = idx.NumElements();
+  t->rows = var.dim_size(0);
+  t->width = row_shape.num_elements();
   return absl::OkStatus();
 }
 
+
+// TfclipClipApply<Op>: one kernel class for every rule, which it finds by the op's name in the
+// rule table.
 template <typename D>
 class ClipApplyOp : public OpKernel {
  public:
-  ClipApplyOp(OpKernelConstruction* c, RuleSpec spec) : OpKernel(c), spec_(std::move(spec)) {
+  explicit ClipApplyOp(OpKernelConstruction* c) : OpKernel(c) {
+    const std::string& op = c->def().op();
+    const RuleInfo* info = nullptr;
+    for (const RuleInfo& r : AllRules()) {
+      if (op == std::string("TfclipClipApply") + r.op) info = &r;
+    }
+    OP_REQUIRES(c, info != nullptr, tf::errors::Internal("no rule for op ", op));
+    rule_ = *info;
+    slots_ = rule_.slots();
     std::string mode, policy;
     // One variable per gradient; the resource lists may pack their handles (see VarLookup).
     std::vector<tf::DataType> grad_types;
@@ -423,11 +312,6 @@ class ClipApplyOp : public OpKernel {
     OP_REQUIRES(c, n_iterations <= 1,
                 tf::errors::InvalidArgument("iterations takes at most one variable, got ",
                                             n_iterations));
-    // On GPU the counter would live in device memory, where the host cannot read Adam's step
-    // without a round trip: the caller passes the step (and advances its counter) instead.
-    OP_REQUIRES(c, !(kGpu<D> && n_iterations > 0),
-                tf::errors::InvalidArgument("iterations is taken by the CPU kernels only; on GPU "
-                                            "pass the step and advance the counter outside"));
     has_iterations_ = n_iterations > 0;
     OP_REQUIRES_OK(c, c->GetAttr("sum_of_squares", &hp_.sum_of_squares));
     std::vector<int32_t> sparse;
@@ -441,67 +325,49 @@ class ClipApplyOp : public OpKernel {
       sparse_of_[i] = static_cast<int>(k);
     }
     num_sparse_ = static_cast<int>(sparse.size());
-    if (c->HasAttr("use_nesterov")) OP_REQUIRES_OK(c, c->GetAttr("use_nesterov", &hp_.nesterov));
-    if (c->HasAttr("amsgrad")) {
-      OP_REQUIRES_OK(c, c->GetAttr("amsgrad", &hp_.amsgrad));
-      int nvhat = 0;
-      OP_REQUIRES_OK(c, c->GetAttr("Nvhat", &nvhat));
-      OP_REQUIRES(c, hp_.amsgrad ? nvhat > 0 : nvhat == 0,
-                  tf::errors::InvalidArgument("amsgrad=", hp_.amsgrad, " needs ",
-                                              hp_.amsgrad ? "vhat slots" : "no vhat slots",
-                                              ", got ", nvhat, " vhat inputs"));
+    for (int k = 0; k < kNumFlags; ++k) {
+      if ((rule_.flags >> k) & 1u) {
+        bool v = false;
+        OP_REQUIRES_OK(c, c->GetAttr(FlagAttr(static_cast<Flag>(k)), &v));
+        hp_.SetFlag(static_cast<Flag>(k), v);
+      }
     }
-  }
-
-  // An IndexedSlices gradient of vars[i]: values [k] + var.shape[1:], indices [k] (int32 or
-  // int64, read as int64 here; their range is checked by PlanSparse before anything is written).
-  static absl::Status CheckSparse(int i, const Tensor& var, const Tensor& values,
-                                  const Tensor& idx, std::vector<int64_t>* rows_out,
-                                  ApplyTensor* t) {
-    const std::string g = absl::StrCat("grads[", i, "] (IndexedSlices)");
-    if (var.dims() < 1) {
-      return tf::errors::InvalidArgument(g, ": vars[", i, "] is a scalar; IndexedSlices need a "
-                                         "variable of rank >= 1");
-    }
-    if (!tf::TensorShapeUtils::IsVector(idx.shape())) {
-      return tf::errors::InvalidArgument(g, ": indices must be a vector, got shape ",
-                                         idx.shape().DebugString());
-    }
-    tf::TensorShape row_shape = var.shape();
-    row_shape.RemoveDim(0);
-    tf::TensorShape want({idx.NumElements()});
-    want.AppendShape(row_shape);
-    if (values.shape() != want) {
-      return tf::errors::InvalidArgument(g, ": values have shape ", values.shape().DebugString(),
-                                         "; with ", idx.NumElements(), " indices and vars[", i,
-                                         "] of shape ", var.shape().DebugString(), " they must be ",
-                                         want.DebugString());
-    }
-    std::vector<int64_t>& rows = *rows_out;
-    rows.resize(static_cast<size_t>(idx.NumElements()));
-    if (idx.dtype() == tf::DT_INT32) {
-      const auto f = idx.flat<int32_t>();
-      for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
-    } else {
-      const auto f = idx.flat<int64_t>();
-      for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
-    }
-    t->sparse = true;
-    t->indices = rows.data();
-    t->nnz = idx.NumElements();
-    t->rows = var.dim_size(0);
-    t->width = row_shape.num_elements();
-    return absl::OkStatus();
+    nslots_ = NumSlots(rule_.kind, hp_);
   }
 
   void Compute(OpKernelContext* ctx) override {
-    HParams hp = hp_;
-    OP_REQUIRES_OK(ctx, ReadHParams(ctx, spec_, &hp));
-    ClipConfig cfg = cfg_;
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "clip", &cfg.clip));
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "use_norm", &cfg.use_norm));
-    const std::string cerr = ValidateClipConfig(cfg);
-    OP_REQUIRES(ctx, cerr.empty(), tf::errors::InvalidArgument(cerr));
+    StepArgs args;
+    args.rule = rule_.kind;
+    args.hp = hp_;
+    args.cfg = cfg_;
+    args.lazy = lazy_;
+    // The scalars: read here on CPU; on GPU they stay in device memory, read by the core.
+#if TFCLIP_WITH_CUDA
+    cuda::DeviceScalars ds;
+#endif
+    for (int k = 0; k < kNumHParams; ++k) {
+      if (!((rule_.hparams >> k) & 1u)) continue;
+      const char* name = GetHParamInfo(static_cast<HP>(k)).input;
+      if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+        OP_REQUIRES_OK(ctx, DeviceScalar(ctx, name, &ds.hparams[k]));
+#endif
+      } else {
+        double v = 0;
+        OP_REQUIRES_OK(ctx, ScalarInput(ctx, name, &v));
+        args.hp.Set(static_cast<HP>(k), v);
+      }
+    }
+    if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+      OP_REQUIRES_OK(ctx, DeviceScalar(ctx, "clip", &ds.clip));
+      OP_REQUIRES_OK(ctx, DeviceScalar(ctx, "use_norm", &ds.use_norm));
+      if (!cfg_.has_use_norm) ds.use_norm = nullptr;
+#endif
+    } else {
+      OP_REQUIRES_OK(ctx, ScalarInput(ctx, "clip", &args.cfg.clip));
+      OP_REQUIRES_OK(ctx, ScalarInput(ctx, "use_norm", &args.cfg.use_norm));
+    }
 
     tf::OpInputList grads, indices;
     OP_REQUIRES_OK(ctx, ctx->input_list("grad", &grads));
@@ -510,26 +376,34 @@ class ClipApplyOp : public OpKernel {
                 tf::errors::InvalidArgument("got ", indices.size(), " index vectors for ",
                                             num_sparse_, " sparse gradients"));
 
-    // Look up every resource: vars, then each slot list (slot k of var i is slots[k][i]).
-    const int nslots = NumSlots(spec_.kind, hp);
+    // Look up every resource: vars, then each slot list the step uses (slot k of var i is
+    // refs[(k + 1) * n + i]); an unused slot list (Adam's vhat without amsgrad) must be empty.
     VarLookup lookup(ctx);  // before refs: it may own references refs point through
     std::vector<VarRef> refs;
-    refs.reserve(static_cast<size_t>((nslots + 1) * n_));
+    refs.reserve(static_cast<size_t>((nslots_ + 1) * n_));
     OP_REQUIRES_OK(ctx, lookup.Add("var", "vars", n_, &refs));
-    for (int k = 0; k < nslots; ++k) {
-      OP_REQUIRES_OK(ctx, lookup.Add(spec_.slots[k], spec_.slots[k], n_, &refs));
+    for (int k = 0; k < static_cast<int>(slots_.size()); ++k) {
+      const char* slot = slots_[k].c_str();
+      if (k < nslots_) {
+        OP_REQUIRES_OK(ctx, lookup.Add(slot, slot, n_, &refs));
+      } else {
+        int64_t extra = 0;
+        OP_REQUIRES_OK(ctx, lookup.Count(slot, &extra));
+        OP_REQUIRES(ctx, extra == 0,
+                    tf::errors::InvalidArgument("got ", extra, " ", slot, " slots, but with these ",
+                                                "flags rule '", rule_.name, "' takes ", nslots_,
+                                                " slot lists and no ", slot));
+      }
     }
     // The step counter, if given, is locked and copied-on-write with the rest: refs' last.
     if (has_iterations_) OP_REQUIRES_OK(ctx, lookup.Add("iterations", "iterations", 1, &refs));
 
     LockSet locks;
-    OP_REQUIRES_OK(ctx, LockInOrder(refs, &locks));
+    OP_REQUIRES_OK(ctx, lock_order_.Lock(refs, &locks));
 
     void* gpu_stream = nullptr;
 #if TFCLIP_WITH_CUDA
-    if constexpr (kGpu<D>) {
-      gpu_stream = ctx->op_device_context()->stream()->platform_specific_handle().stream;
-    }
+    if constexpr (kGpu<D>) gpu_stream = GpuStream(ctx);
 #endif
     // Validate everything before the first write. Each variable, once checked, gets a private
     // buffer (EnsureExclusive changes no value, so a later failure has still written nothing)
@@ -567,7 +441,7 @@ class ClipApplyOp : public OpKernel {
       OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, var, gpu_stream));
       ts[i].var = const_cast<char*>(var->tensor()->tensor_data().data());
       ts[i].grad = grads[i].tensor_data().data();
-      for (int k = 0; k < nslots; ++k) {
+      for (int k = 0; k < nslots_; ++k) {
         const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
         OP_REQUIRES(ctx, s.var->is_initialized,
                     tf::errors::FailedPrecondition(s.name(), " is not initialized"));
@@ -581,114 +455,68 @@ class ClipApplyOp : public OpKernel {
         ts[i].slots[k] = const_cast<char*>(s.var->tensor()->tensor_data().data());
       }
     }
-    tf::Var* counter = has_iterations_ ? refs.back().var : nullptr;
-    if (counter != nullptr) {
-      OP_REQUIRES(ctx, counter->is_initialized,
+    int64_t* counter = nullptr;
+    if (has_iterations_) {
+      tf::Var* cv = refs.back().var;
+      OP_REQUIRES(ctx, cv->is_initialized,
                   tf::errors::FailedPrecondition("iterations is not initialized"));
-      const Tensor& c = *counter->tensor();
+      const Tensor& c = *cv->tensor();
       OP_REQUIRES(ctx, c.dtype() == tf::DT_INT64 && tf::TensorShapeUtils::IsScalar(c.shape()),
                   tf::errors::InvalidArgument("iterations must be an int64 scalar variable, got ",
                                               tf::DataTypeString(c.dtype()),
                                               c.shape().DebugString()));
-      OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, counter, gpu_stream));
-      // Read under its lock; only Adam's step uses it.
-      if (spec_.kind == RuleKind::kAdam) hp.step += static_cast<double>(c.scalar<int64_t>()());
+      OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, cv, gpu_stream));
+      // Read and advanced by the core, under the step's locks: every rule's t is
+      // iterations + step (on GPU in device memory, by the finalize kernel).
+      counter = const_cast<int64_t*>(reinterpret_cast<const int64_t*>(cv->tensor()->tensor_data().data()));
     }
-    const std::string herr = ValidateHParams(spec_.kind, hp);
-    OP_REQUIRES(ctx, herr.empty(),
-                tf::errors::InvalidArgument(
-                    herr, counter != nullptr && spec_.kind == RuleKind::kAdam
-                              ? absl::StrCat(" (iterations + step = ", hp.step, ")")
-                              : std::string()));
+    args.ts = ts.data();
+    args.n = n_;
 
     Tensor* norm_out;
     Tensor* applied_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &norm_out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
+    StepResult r;
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
-      // Indices are in host memory (HostMemory("indices")): checked and grouped here, before
-      // any launch, so a bad one writes nothing and costs no device round trip.
-      SparsePlan sparse;
-      const std::string serr = PlanSparse(ts.data(), n_, spec_.kind, hp, lazy_, cuda::kCudaChunkElems,
-                                          &sparse);
-      OP_REQUIRES(ctx, serr.empty(), tf::errors::InvalidArgument(serr));
-      GpuStep step(ctx);
-      std::vector<int64_t> sizes;
-      for (const ApplyTensor& t : ts) sizes.push_back(t.grad_size());
-      OP_REQUIRES_OK(ctx, step.Plan(sizes, &sparse));
-      cuda::CudaOutputs o = GpuStep::NormOutput(norm_out, DType::kFloat);
+      ds.iterations = counter;
+      GpuMemory mem(ctx);
+      cuda::CudaOutputs o = NormOutput(norm_out, DType::kFloat);
       o.applied = reinterpret_cast<bool*>(const_cast<char*>(applied_out->tensor_data().data()));
-      bool nonfinite = false;
-      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipApply(spec_.kind, hp, cfg, ts.data(), n_,
-                                                         step.plan(), step.host(), step.dev(), o,
-                                                         step.stream(), &nonfinite)));
-      OP_REQUIRES_OK(ctx, step.Done());
-      OP_REQUIRES(ctx, !nonfinite,
-                  tf::errors::InvalidArgument("the global norm of the gradients is non-finite "
-                                              "and nonfinite='raise'; no variable was updated"));
+      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipApply(args, ds, &mem, o, gpu_stream, &r)));
+      OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
 #endif
     } else {
+      args.iterations = counter;
       // The plan and partials' buffers are kept across steps (nothing allocated per step once
       // they have grown); a concurrent call of the same kernel waits for them.
       tf::mutex_lock scratch_lock(scratch_mu_);
-      const StepResult r =
-          ClipApplyCpu(spec_.kind, hp, cfg, ts.data(), n_, lazy_, &scratch_, TfExecutor(ctx));
+      r = ClipApplyCpu(args, &scratch_, TfExecutor(ctx));
       OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
-      OP_REQUIRES(ctx, !(r.nonfinite && cfg.policy == NonFinitePolicy::kRaise),
-                  tf::errors::InvalidArgument("the global norm of the gradients is ",
-                                              r.global_norm,
-                                              " (non-finite) and nonfinite='raise'; no variable "
-                                              "was updated"));
       norm_out->scalar<float>()() = RoundNorm<float>(r.global_norm);
       applied_out->scalar<bool>()() = r.applied;
-      // Only an applied step counts (EnsureExclusive gave the counter a private buffer).
-      if (counter != nullptr && r.applied) ++counter->tensor()->scalar<int64_t>()();
     }
   }
 
  private:
-  // Locks the step's variables in increasing mutex address, as TF's own multi-variable ops do.
-  // The same variable twice would be updated twice (and would deadlock a naive lock): sorted,
-  // it is adjacent, and named. The order of the last step's Vars is kept: a repeated step
-  // (the same Vars) skips the sort and the check. Var pointers alone fix the mutex addresses
-  // (a member of the Var), so the key stays right even for a Var freed and another allocated
-  // at its address; the pointers are never followed from here.
-  absl::Status LockInOrder(const std::vector<VarRef>& refs, LockSet* locks) {
-    std::vector<tf::mutex*> order;
-    {
-      tf::mutex_lock l(order_mu_);
-      bool same = order_key_.size() == refs.size();
-      for (size_t k = 0; same && k < refs.size(); ++k) same = order_key_[k] == refs[k].var;
-      if (same) order = order_;
+#if TFCLIP_WITH_CUDA
+  // A scalar double input left in device memory.
+  static absl::Status DeviceScalar(OpKernelContext* ctx, const char* name, const double** out) {
+    const Tensor* t;
+    TF_RETURN_IF_ERROR(ctx->input(name, &t));
+    if (!tf::TensorShapeUtils::IsScalar(t->shape())) {
+      return tf::errors::InvalidArgument(name, " must be a scalar, got shape ",
+                                         t->shape().DebugString());
     }
-    if (order.empty()) {
-      // (The keys are gathered first: a sort that chases refs[k].var->mu() per comparison
-      // cost ~3x as much for a few hundred variables.)
-      std::vector<std::pair<tf::mutex*, int>> sorted(refs.size());
-      for (size_t k = 0; k < refs.size(); ++k) sorted[k] = {refs[k].var->mu(), static_cast<int>(k)};
-      std::sort(sorted.begin(), sorted.end());
-      for (size_t k = 1; k < sorted.size(); ++k) {
-        const VarRef& a = refs[sorted[k - 1].second];
-        const VarRef& b = refs[sorted[k].second];
-        if (a.var == b.var) {
-          return tf::errors::InvalidArgument(b.name(), " and ", a.name(),
-                                             " are the same variable; each may appear once");
-        }
-      }
-      order.reserve(sorted.size());
-      for (const auto& o : sorted) order.push_back(o.first);
-      std::vector<tf::Var*> key(refs.size());
-      for (size_t k = 0; k < refs.size(); ++k) key[k] = refs[k].var;
-      tf::mutex_lock l(order_mu_);
-      order_key_ = std::move(key);
-      order_ = order;
-    }
-    for (tf::mutex* m : order) locks->Lock(m);
+    *out = reinterpret_cast<const double*>(t->tensor_data().data());
     return absl::OkStatus();
   }
+#endif
 
-  RuleSpec spec_;
+  RuleInfo rule_{};
+  std::vector<std::string> slots_;
+  int nslots_ = 0;
   int n_ = 0;
   HParams hp_;
   ClipConfig cfg_;
@@ -696,28 +524,35 @@ class ClipApplyOp : public OpKernel {
   bool has_iterations_ = false;  // an `iterations` input: see ops.cc
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
-  tf::mutex order_mu_;
-  std::vector<tf::Var*> order_key_ TF_GUARDED_BY(order_mu_);   // see LockInOrder
-  std::vector<tf::mutex*> order_ TF_GUARDED_BY(order_mu_);
+  LockOrder lock_order_;
   tf::mutex scratch_mu_;
   StepScratch scratch_ TF_GUARDED_BY(scratch_mu_);
 };
 
-template <RuleKind K, typename D>
-class RuleOp : public ClipApplyOp<D> {
- public:
-  explicit RuleOp(OpKernelConstruction* c) : ClipApplyOp<D>(c, Spec()) {}
-  static RuleSpec Spec() {
-    switch (K) {
-      case RuleKind::kSgd: return {K, {}, {"lr", "weight_decay"}};
-      case RuleKind::kMomentum:
-      case RuleKind::kKerasMomentum: return {K, {"accum"}, {"lr", "momentum", "weight_decay"}};
-      case RuleKind::kAdam:
-        return {K, {"m", "v", "vhat"}, {"lr", "beta_1", "beta_2", "epsilon", "weight_decay", "step"}};
-    }
-    return {K, {}, {}};
+template <typename D>
+OpKernel* CreateClipApply(OpKernelConstruction* c) {
+  return new ClipApplyOp<D>(c);
+}
+
+// One kernel per rule and device, from the rule table. On GPU only the resource handles and the
+// IndexedSlices indices (planned on the host) are in host memory; every scalar stays on the
+// device, where the step reads it without a host round trip.
+bool RegisterApplyKernels() {
+  for (const RuleInfo& r : AllRules()) {
+    const std::string op = std::string("TfclipClipApply") + r.op;
+    tf::kernel_factory::OpKernelRegistrar cpu(
+        tf::KernelDefBuilder(op.c_str()).Device(tf::DEVICE_CPU).Build(), "ClipApplyOp",
+        &CreateClipApply<OnCpu>);
+#if TFCLIP_WITH_CUDA
+    tf::KernelDefBuilder gpu(op.c_str());
+    gpu.Device(tf::DEVICE_GPU).HostMemory("var").HostMemory("indices").HostMemory("iterations");
+    for (const std::string& s : r.slots()) gpu.HostMemory(s.c_str());
+    tf::kernel_factory::OpKernelRegistrar reg(gpu.Build(), "ClipApplyOp", &CreateClipApply<OnGpu>);
+#endif
   }
-};
+  return true;
+}
+[[maybe_unused]] const bool kApplyKernelsRegistered = RegisterApplyKernels();
 
 }  // namespace
 
@@ -732,12 +567,6 @@ using ::tensorflow::DEVICE_GPU;
       Name("TfclipGlobalNorm").Device(DEV).TypeConstraint<double>("Tnorm") __VA_ARGS__,      \
       GlobalNormOp<double, D>);
 
-// Scalars the host must see before launching (clip values, hyper-parameters) and resource
-// handles live in host memory on GPU, as for TF's own ResourceApply* GPU kernels.
-#define TFCLIP_HOST_CLIP \
-  .HostMemory("clip").HostMemory("use_norm").HostMemory("var").HostMemory("indices")
-#define TFCLIP_HOST_LR_WD .HostMemory("lr").HostMemory("weight_decay")
-
 TFCLIP_REGISTER_NORM_OPS(DEVICE_CPU, OnCpu)
 REGISTER_KERNEL_BUILDER(
     Name("TfclipClipByGlobalNorm").Device(DEVICE_CPU).TypeConstraint<float>("Tnorm"),
@@ -745,12 +574,6 @@ REGISTER_KERNEL_BUILDER(
 REGISTER_KERNEL_BUILDER(
     Name("TfclipClipByGlobalNorm").Device(DEVICE_CPU).TypeConstraint<double>("Tnorm"),
     ClipByGlobalNormOp<double, OnCpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplySgd").Device(DEVICE_CPU), RuleOp<RuleKind::kSgd, OnCpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyMomentum").Device(DEVICE_CPU),
-                        RuleOp<RuleKind::kMomentum, OnCpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyKerasMomentum").Device(DEVICE_CPU),
-                        RuleOp<RuleKind::kKerasMomentum, OnCpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam").Device(DEVICE_CPU), RuleOp<RuleKind::kAdam, OnCpu>);
 
 #if TFCLIP_WITH_CUDA
 TFCLIP_REGISTER_NORM_OPS(DEVICE_GPU, OnGpu)
@@ -763,29 +586,6 @@ TFCLIP_REGISTER_NORM_OPS(DEVICE_GPU, OnGpu)
                           ClipByGlobalNormOp<T, OnGpu>);
 TFCLIP_REGISTER_CLIP_GPU(float)
 TFCLIP_REGISTER_CLIP_GPU(double)
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplySgd").Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD,
-                        RuleOp<RuleKind::kSgd, OnGpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyMomentum")
-                            .Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD
-                            .HostMemory("accum")
-                            .HostMemory("momentum"),
-                        RuleOp<RuleKind::kMomentum, OnGpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyKerasMomentum")
-                            .Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD
-                            .HostMemory("accum")
-                            .HostMemory("momentum"),
-                        RuleOp<RuleKind::kKerasMomentum, OnGpu>);
-REGISTER_KERNEL_BUILDER(Name("TfclipClipApplyAdam")
-                            .Device(DEVICE_GPU) TFCLIP_HOST_CLIP TFCLIP_HOST_LR_WD
-                            .HostMemory("m")
-                            .HostMemory("v")
-                            .HostMemory("vhat")
-                            .HostMemory("beta_1")
-                            .HostMemory("beta_2")
-                            .HostMemory("epsilon")
-                            .HostMemory("step")
-                            .HostMemory("beta_powers"),
-                        RuleOp<RuleKind::kAdam, OnGpu>);
 #endif  // TFCLIP_WITH_CUDA
 
 }  // namespace tfclip

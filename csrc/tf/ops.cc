@@ -3,6 +3,7 @@
 // Every op takes its tensors as lists: one norm pass and one apply pass cover the whole list,
 // whatever its length. Hyper-parameters are scalar tensors (double), so schedules and
 // tf.Variables work; the Python layer (tfclip/ops.py) casts them.
+#include "csrc/core/rule_table.h"
 #include "csrc/core/types.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -59,10 +60,14 @@ REGISTER_OP("TfclipClipByGlobalNorm")
     .Attr("use_given_norm: bool = false")
     .SetShapeFn(ClipShapes);
 
-// Clip-and-apply ops: N resource variables updated in place from N gradients (same shapes; any
-// float dtype: a gradient is clipped in its own dtype, then cast to its variable's as Keras does), with
-// the rule's slots as further lists of N resources. Outputs the pre-clip global norm and
-// whether the update was applied (false only when nonfinite='skip' met a non-finite norm).
+// Clip-and-apply ops, one per row of the rule table (csrc/core/rule_table.h): TfclipClipApply<Op>.
+// N resource variables updated in place from N gradients (same shapes; any float dtype: a
+// gradient is clipped in its own dtype, then cast to its variable's as Keras does), with each of
+// the rule's slots as a further list of resources (N of them, or none for a slot the step's flags
+// leave unused, e.g. Adam's vhat without amsgrad), then the rule's hyper-parameters as scalar
+// double inputs (csrc/core/hparams.h; on GPU read in device memory) and its flags as bool attrs.
+// Outputs the pre-clip global norm and whether the update was applied (false when
+// nonfinite='skip' met a non-finite norm, or a hyper-parameter read on the GPU is out of range).
 // IndexedSlices gradients: `sparse` lists their positions in `grad` (ascending); for each,
 // grad holds the slices (`.values`, shape [k] + var.shape[1:]) and `indices` one int32/int64
 // vector of k rows. `lazy`: only touched rows (and their slots) update; else stock Keras
@@ -72,74 +77,49 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // Each resource list may hold one handle per tensor or pack them into vectors (see kernels.cc:
 // an eager caller packs a repeated step's lists once); its handles, in order, are the lists'.
 // `iterations`: none, or an int64 scalar variable counting applied steps, read and advanced
-// under the step's locks (Adam's t is then iterations + `step`); the CPU kernels only.
-#define TFCLIP_APPLY_COMMON                                           \
-  Input("indices: Tindices")                                          \
-      .Input("clip: double")                                          \
-      .Input("use_norm: double")                                      \
-      .Input("iterations: Niterations * resource")                    \
-      .Output("global_norm: float")                                   \
-      .Output("applied: bool")                                        \
-      .Attr("N: int >= 1")                                            \
-      .Attr("Niterations: int >= 0 = 0")                              \
-      .Attr(TypeAttr("Tgrad", " >= 1"))                               \
-      .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'") \
-      .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")    \
-      .Attr("use_given_norm: bool = false")                           \
-      .Attr("Tindices: list({int32, int64}) >= 0")                    \
-      .Attr("sparse: list(int) = []")                                 \
-      .Attr("lazy: bool = false")                                     \
-      .Attr("sum_of_squares: bool = false")                           \
-      .SetShapeFn(ScalarOutputs)
-
-// var -= lr * g  (ResourceApplyGradientDescent, keras SGD without momentum)
-REGISTER_OP("TfclipClipApplySgd")
-    .Input("var: N * resource")
-    .Input("grad: Tgrad")
-    .Input("lr: double")
-    .Input("weight_decay: double")
-    .TFCLIP_APPLY_COMMON;
-
-// Both momentum forms take the same inputs; only the rule differs.
-#define TFCLIP_MOMENTUM_INPUTS          \
-  Input("var: N * resource")            \
-      .Input("accum: N * resource")     \
-      .Input("grad: Tgrad")             \
-      .Input("lr: double")              \
-      .Input("momentum: double")        \
-      .Input("weight_decay: double")    \
-      .Attr("use_nesterov: bool = false")
-
-// tf.compat.v1 MomentumOptimizer form (ResourceApplyMomentum).
-REGISTER_OP("TfclipClipApplyMomentum").TFCLIP_MOMENTUM_INPUTS.TFCLIP_APPLY_COMMON;
-
-// Keras SGD(momentum, nesterov) form (ResourceApplyKerasMomentum).
-REGISTER_OP("TfclipClipApplyKerasMomentum").TFCLIP_MOMENTUM_INPUTS.TFCLIP_APPLY_COMMON;
-
-#undef TFCLIP_MOMENTUM_INPUTS
-
-// Adam / AdamW (weight_decay > 0: decoupled) / AMSGrad (vhat has N entries, else none).
-// Bias correction from t = `step` (1-based), or iterations + `step` when `iterations` is given,
-// as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t). `beta_powers`, when given, is [b1^t, b2^t] itself
-// (TF1 AdamOptimizer's running beta1_power / beta2_power accumulators), and `step` is unused.
-REGISTER_OP("TfclipClipApplyAdam")
-    .Input("var: N * resource")
-    .Input("m: N * resource")
-    .Input("v: N * resource")
-    .Input("vhat: Nvhat * resource")
-    .Input("grad: Tgrad")
-    .Input("lr: double")
-    .Input("beta_1: double")
-    .Input("beta_2: double")
-    .Input("epsilon: double")
-    .Input("weight_decay: double")
-    .Input("step: double")
-    .Input("beta_powers: Npowers * double")
-    .Attr("Nvhat: int >= 0")
-    .Attr("Npowers: int >= 0 = 0")
-    .Attr("amsgrad: bool = false")
-    .TFCLIP_APPLY_COMMON;
-
-#undef TFCLIP_APPLY_COMMON
+// under the step's locks (the rule's t is then iterations + `step`). `clip`: 0 is no clip.
+// Adam: bias correction from t, as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t); `beta_1_power` and
+// `beta_2_power`, when not NaN, are b1^t and b2^t themselves (TF1 AdamOptimizer's accumulators).
+namespace {
+bool RegisterApplyOps() {
+  namespace reg = ::tensorflow::register_op;
+  for (const RuleInfo& r : AllRules()) {
+    const std::string name = std::string("TfclipClipApply") + r.op;
+    reg::OpDefBuilderWrapper w(name.c_str());
+    w.Input("var: N * resource");
+    for (const std::string& slot : r.slots()) {
+      w.Input(slot + ": N_" + slot + " * resource");
+      w.Attr("N_" + slot + ": int >= 0");
+    }
+    w.Input("grad: Tgrad");
+    for (int k = 0; k < kNumHParams; ++k) {
+      if ((r.hparams >> k) & 1u) w.Input(std::string(GetHParamInfo(static_cast<HP>(k)).input) + ": double");
+    }
+    for (int k = 0; k < kNumFlags; ++k) {
+      if ((r.flags >> k) & 1u) w.Attr(std::string(FlagAttr(static_cast<Flag>(k))) + ": bool = false");
+    }
+    w.Input("indices: Tindices")
+        .Input("clip: double")
+        .Input("use_norm: double")
+        .Input("iterations: Niterations * resource")
+        .Output("global_norm: float")
+        .Output("applied: bool")
+        .Attr("N: int >= 1")
+        .Attr("Niterations: int >= 0 = 0")
+        .Attr(TypeAttr("Tgrad", " >= 1"))
+        .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'")
+        .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")
+        .Attr("use_given_norm: bool = false")
+        .Attr("Tindices: list({int32, int64}) >= 0")
+        .Attr("sparse: list(int) = []")
+        .Attr("lazy: bool = false")
+        .Attr("sum_of_squares: bool = false")
+        .SetShapeFn(ScalarOutputs);
+    w();
+  }
+  return true;
+}
+[[maybe_unused]] const bool kApplyOpsRegistered = RegisterApplyOps();
+}  // namespace
 
 }  // namespace tfclip

@@ -32,16 +32,14 @@ import math
 
 import tensorflow as tf
 
-from tfclip import _loader
-from tfclip.ops import _CLIP_ARGS, _CLIP_MODES, _check_policy, _op_grads
-from tfclip.rules import _scalar
+from tfclip import _opcall
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer"]
 
 
 def _f64(x, name):
     """A hyper-parameter (number, tensor, or a callable giving one, as TF1 allows) as float64."""
-    return _scalar(x() if callable(x) else x, name)
+    return _opcall.scalar(x() if callable(x) else x, name)
 
 
 class _Fused(tf.compat.v1.train.Optimizer):
@@ -49,17 +47,8 @@ class _Fused(tf.compat.v1.train.Optimizer):
 
     def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite):
         super().__init__(use_locking, name)
-        given = [(k, _CLIP_MODES[k], v) for k, v in zip(_CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue))
-                 if v is not None]
-        if len(given) > 1:
-            raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got "
-                             f"{sorted(k for k, _, _ in given)}")
-        self._clip_mode, self._clip = "none", 0.0
-        for k, mode, v in given:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{k} must be a finite number > 0, got {v!r}")
-            self._clip_mode, self._clip = mode, float(v)
-        _check_policy(nonfinite)
+        self._clip_mode, self._clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
+        _opcall.check_policy(nonfinite)
         self._nonfinite = nonfinite
         self._tfclip_norms = {}  # graph (None: eager) -> its global-norm variable; not tracked
 
@@ -130,12 +119,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
     _lazy_sparse = False
 
     def _fused(self, var_list, grads):
-        values, sparse_kw = _op_grads(grads)
-        kw = dict(clip=tf.constant(self._clip, tf.float64), use_norm=tf.constant(0.0, tf.float64),
-                  iterations=[], clip_mode=self._clip_mode, nonfinite=self._nonfinite, lazy=self._lazy_sparse,
-                  **sparse_kw)
-        return self._call(_loader.ops(), [v.handle for v in var_list], values,
-                          lambda s: [self.get_slot(v, s).handle for v in var_list], kw)
+        values, sparse_kw = _opcall.op_grads(grads)
+        kind, hparams, flags = self._op_inputs()
+        hparams = {k: _f64(v, k) for k, v in hparams.items()}
+        return _opcall.apply(
+            kind, [v.handle for v in var_list],
+            [[self.get_slot(v, s).handle for v in var_list] for s in self._slot_names], values,
+            hparams, flags, clip=tf.constant(self._clip, tf.float64),
+            use_norm=tf.constant(0.0, tf.float64), iterations=[], clip_mode=self._clip_mode,
+            nonfinite=self._nonfinite, lazy=self._lazy_sparse, **sparse_kw)
 
     # The stock per-variable hooks are not used: everything goes through apply_gradients.
     def _apply_dense(self, grad, var):
@@ -152,9 +144,8 @@ class GradientDescentOptimizer(_Fused):
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
         self._learning_rate = learning_rate
 
-    def _call(self, ops, var, grads, slots, kw):
-        return ops.tfclip_clip_apply_sgd(var=var, grad=grads, lr=_f64(self._learning_rate, "lr"),
-                                         weight_decay=tf.constant(0.0, tf.float64), **kw)
+    def _op_inputs(self):
+        return "sgd", {"lr": self._learning_rate, "weight_decay": 0.0}, {}
 
 
 class MomentumOptimizer(_Fused):
@@ -168,11 +159,9 @@ class MomentumOptimizer(_Fused):
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
         self._learning_rate, self._momentum, self._use_nesterov = learning_rate, momentum, use_nesterov
 
-    def _call(self, ops, var, grads, slots, kw):
-        return ops.tfclip_clip_apply_momentum(
-            var=var, accum=slots("momentum"), grad=grads, lr=_f64(self._learning_rate, "lr"),
-            momentum=_f64(self._momentum, "momentum"), weight_decay=tf.constant(0.0, tf.float64),
-            use_nesterov=self._use_nesterov, **kw)
+    def _op_inputs(self):
+        return ("momentum", {"lr": self._learning_rate, "momentum": self._momentum, "weight_decay": 0.0},
+                {"use_nesterov": self._use_nesterov})
 
 
 class AdamOptimizer(_Fused):
@@ -199,14 +188,12 @@ class AdamOptimizer(_Fused):
             return (self._get_non_slot_variable("beta1_power", graph=graph),
                     self._get_non_slot_variable("beta2_power", graph=graph))
 
-    def _call(self, ops, var, grads, slots, kw):
+    def _op_inputs(self):
         b1p, b2p = self._beta_powers()
-        return ops.tfclip_clip_apply_adam(
-            var=var, m=slots("m"), v=slots("v"), vhat=[], grad=grads, lr=_f64(self._lr, "lr"),
-            beta_1=_f64(self._beta1, "beta1"), beta_2=_f64(self._beta2, "beta2"),
-            epsilon=_f64(self._epsilon, "epsilon"), weight_decay=tf.constant(0.0, tf.float64),
-            step=tf.constant(1.0, tf.float64), beta_powers=[tf.cast(b1p, tf.float64), tf.cast(b2p, tf.float64)],
-            amsgrad=False, **kw)
+        return ("adam", {"lr": self._lr, "beta_1": self._beta1, "beta_2": self._beta2,
+                         "epsilon": self._epsilon, "weight_decay": 0.0, "step": 1.0,
+                         "beta_1_power": tf.cast(b1p, tf.float64), "beta_2_power": tf.cast(b2p, tf.float64)},
+                {"amsgrad": False})
 
     def _finish_step(self, applied):
         # As the stock _finish (power *= beta, in the accumulator's dtype), only for an applied step.

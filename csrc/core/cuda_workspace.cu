@@ -1,5 +1,5 @@
 // tfclip, CUDA: OwnedWorkspace (see workspace.h).
-#include "cuda/workspace.h"
+#include "csrc/core/cuda_workspace.h"
 
 #include <cuda_runtime.h>
 

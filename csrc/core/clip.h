@@ -1,74 +1,25 @@
-// tfclip core: what every adapter hands the core — raw tensors, the chunk plan over the
-// flattened list, the clip configuration and its per-tensor outcome, validation. No TF header.
+// tfclip core: the clip configuration, and each clip mode as TF computes it, written once for
+// the CPU driver and the CUDA finalize and apply kernels (TFCLIP_HD).
 #pragma once
 
-#include <cstdint>
+#include <cmath>
 #include <string>
-#include <vector>
 
-#include "csrc/core/rules.h"
 #include "csrc/core/types.h"
 
 namespace tfclip {
-
-// Work is split into fixed-size chunks over all tensors flattened together. A chunk never
-// spans two tensors, and its boundaries depend only on the tensor sizes, never on the thread
-// count or launch shape: that is what makes the norm bitwise deterministic.
-constexpr int64_t kChunkElems = int64_t{1} << 16;
-
-struct TensorView {
-  void* data = nullptr;
-  int64_t size = 0;  // elements
-  DType dtype = DType::kFloat;
-};
-
-struct ApplyTensor {
-  void* var = nullptr;
-  const void* grad = nullptr;
-  void* slots[kMaxSlots] = {nullptr, nullptr, nullptr};
-  int64_t size = 0;  // elements of the variable (and of a dense gradient)
-  DType var_dtype = DType::kFloat;  // slots share the variable's dtype
-  DType grad_dtype = DType::kFloat;
-  // An IndexedSlices gradient: `grad` holds nnz slices of `width` elements, slice j for row
-  // indices[j] of the variable seen as a rows x width matrix. Indices are in host memory.
-  bool sparse = false;
-  const int64_t* indices = nullptr;
-  int64_t nnz = 0;
-  int64_t rows = 0;
-  int64_t width = 0;
-  int64_t grad_size() const { return sparse ? nnz * width : size; }
-};
-
-struct Chunk {
-  int32_t tensor;
-  int64_t begin;
-  int64_t end;
-};
-
-// The chunks of a list, and the work blocks the thread pool schedules: consecutive chunks
-// grouped until they hold about chunk_elems elements, so 2,000 small tensors are a few dozen
-// tasks, not 2,000. Both depend only on the sizes; partial sums stay per chunk.
-struct ChunkPlan {
-  std::vector<Chunk> chunks;
-  std::vector<int64_t> block_begin;  // block b covers chunks [block_begin[b], block_begin[b+1])
-  int64_t num_blocks() const { return static_cast<int64_t>(block_begin.size()) - 1; }
-};
-
-// Plans the chunks of tensors with the given sizes (empty tensors get none).
-void PlanChunks(const int64_t* sizes, int n, int64_t chunk_elems, ChunkPlan* plan);
-// The same for a list of tensors, at kChunkElems.
-void PlanList(const TensorView* ts, int n, ChunkPlan* plan);
 
 enum class ClipMode : int { kNone = 0, kGlobalNorm = 1, kNorm = 2, kValue = 3 };
 enum class NonFinitePolicy : int { kSkip = 0, kPropagate = 1, kRaise = 2 };
 
 bool ParseClipMode(const std::string& s, ClipMode* out);
 bool ParseNonFinitePolicy(const std::string& s, NonFinitePolicy* out);
-bool ParseRule(const std::string& s, RuleKind* out);
 
 struct ClipConfig {
   ClipMode mode = ClipMode::kNone;
-  double clip = 0.0;  // global_clipnorm, clipnorm or clipvalue, by mode
+  // global_clipnorm, clipnorm or clipvalue, by mode; 0 means no clip, as in Keras (one rule for
+  // every entry point: Python, the ops, _core).
+  double clip = 0.0;
   bool has_use_norm = false;
   double use_norm = 0.0;  // a global norm computed elsewhere (e.g. all-reduced across shards)
   NonFinitePolicy policy = NonFinitePolicy::kSkip;
@@ -133,6 +84,20 @@ TFCLIP_HD typename Elem<V>::Math CastClipGradAt(const void* grad, DType gt, int6
   return typename Elem<V>::Math(0);
 }
 
+// The mode a step runs: a clip of 0 is no clip.
+TFCLIP_HD ClipMode ActiveClipMode(const ClipConfig& cfg) {
+  return cfg.clip == 0.0 ? ClipMode::kNone : cfg.mode;
+}
+
+// What is wrong with a clip configuration's numbers: 0 fine, 1 the clip (must be finite and
+// >= 0), 2 use_norm (a norm: >= 0, or NaN, which the non-finite policy handles). Host and
+// device: the CUDA finalize kernel checks values it reads from device memory with it.
+TFCLIP_HD int ClipConfigError(const ClipConfig& cfg) {
+  if (cfg.mode != ClipMode::kNone && !(cfg.clip - cfg.clip == 0.0 && cfg.clip >= 0.0)) return 1;
+  if (cfg.has_use_norm && cfg.use_norm < 0.0) return 2;
+  return 0;
+}
+
 // TF's clip_by_global_norm scale: clip * min(1/norm, 1/clip) + (norm - norm); NaN when the
 // norm is inf or NaN. Host and device (the CUDA finalize kernel computes it on the GPU).
 TFCLIP_HD double GlobalClipScale(double clip_norm, double norm) {
@@ -168,7 +133,8 @@ TFCLIP_HD double StepGlobalNorm(const ClipConfig& cfg, double total_sumsq) {
   return cfg.has_use_norm ? cfg.use_norm : std::sqrt(total_sumsq);
 }
 
-// Whether the norm pass is needed: always, except a global-norm clip given `use_norm`.
+// Whether the norm pass is needed: always, except with `use_norm` (unless clipnorm needs each
+// tensor's own norm).
 bool NeedsNormPass(const ClipConfig& cfg);
 
 // From the per-tensor sums of squares, the global norm and each tensor's clip factor.
@@ -178,11 +144,5 @@ struct ClipOutcome {
 };
 ClipOutcome ComputeClipFactors(const ClipConfig& cfg, const double* per_tensor_sumsq,
                                double total_sumsq, int n, ClipFactor* factors);
-
-// Validation shared by the adapters. Each returns "" when fine, else a message naming the
-// culprit by list index. Shapes are the adapters' business (the core only sees sizes).
-std::string ValidateClipNorm(double clip_norm, const char* what);
-std::string ValidateClipConfig(const ClipConfig& cfg);
-std::string ValidateHParams(RuleKind rule, const HParams& hp);
 
 }  // namespace tfclip

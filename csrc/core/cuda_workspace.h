@@ -24,6 +24,8 @@ class OwnedWorkspace {
                       void** device);
   // After the step's launches: frees the device buffer in stream order, marks the host one.
   std::string Release(void* stream);
+  // Whether a step's buffers are acquired and not yet released.
+  bool Held() const { return cur_ >= 0 || device_ != nullptr; }
 
  private:
   static constexpr int kRing = 4;

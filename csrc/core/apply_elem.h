@@ -1,0 +1,136 @@
+// tfclip core: the one per-element apply, and the dispatch every apply pass goes through.
+//
+// ApplyElem is the wrapper around a rule's Update: load the slots, decoupled weight decay, the
+// rule (once, or once per duplicate row of a scatter rule), store. Every apply pass calls it:
+// dense chunks, rows no IndexedSlices slice touches, touched rows; on the CPU (cpu_kernels.inc)
+// and on CUDA (cuda_driver.cu). The code that decides CPU/CUDA bit parity exists once.
+//
+// The gradient reaches it as a "grads" source, already clipped in the variable's math type M:
+//   DenseGrad<M>{g}   a dense element (or a zero one: an untouched row of an all-rows pass)
+//   RowGrads<...>     an IndexedSlices row's slices for this column (csrc/core/sparse.h)
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "csrc/core/clip.h"
+#include "csrc/core/rules.h"
+#include "csrc/core/types.h"
+
+namespace tfclip {
+
+template <typename M>
+struct DenseGrad {
+  M g;
+  template <typename Rule, typename F>
+  TFCLIP_HD void Feed(const StepConsts<M>&, const F& update) const {
+    update(g, g * g);
+  }
+};
+
+// The rule's Update on one element's loaded values (a functor, not a lambda: TFCLIP_HD forces
+// it inline into every instruction-set variant of the CPU loops).
+template <typename Rule, typename M>
+struct RuleStep {
+  const StepConsts<M>& c;
+  M& v;
+  M* s;
+  TFCLIP_HD void operator()(M g, M gsq) const { Rule::Update(c, g, gsq, v, s); }
+};
+
+// var[i] and slot k's s_k[i] (k < kSlots; the others are never touched and may be null), in
+// storage type V, updated in place.
+template <typename Rule, int kSlots, typename V, typename Grads>
+TFCLIP_HD void ApplyElem(const StepConsts<typename Elem<V>::Math>& c, const Grads& grads, V* var,
+                         V* s0, V* s1, V* s2, int64_t i) {
+  using M = typename Elem<V>::Math;
+  static_assert(kSlots >= Rule::kMinSlots && kSlots <= Rule::kMaxSlots, "slot count of the rule");
+  M s[kMaxSlots] = {M(0), M(0), M(0)};
+  if (kSlots > 0) s[0] = Elem<V>::Load(s0[i]);
+  if (kSlots > 1) s[1] = Elem<V>::Load(s1[i]);
+  if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
+  M v = DecayVar(c, Elem<V>::Load(var[i]));
+  grads.template Feed<Rule>(c, RuleStep<Rule, M>{c, v, s});
+  var[i] = Elem<V>::Store(v);
+  if (kSlots > 0) s0[i] = Elem<V>::Store(s[0]);
+  if (kSlots > 1) s1[i] = Elem<V>::Store(s[1]);
+  if (kSlots > 2) s2[i] = Elem<V>::Store(s[2]);
+}
+
+// Calls fn(std::integral_constant<int, k>{}) for the runtime slot count k of `Rule`, from the
+// rule's own range (kMinSlots..kMaxSlots). A count outside the range calls nothing and returns
+// false: the adapters check counts first (NumSlots), so that is a bug, never a silent fallback
+// to another count.
+template <typename Rule, typename Fn>
+TFCLIP_HD bool DispatchSlots(int nslots, Fn&& fn) {
+  static_assert(Rule::kMinSlots >= 0 && Rule::kMaxSlots <= kMaxSlots, "slot range");
+  bool done = false;
+  auto one = [&](auto k) {
+    constexpr int kS = decltype(k)::value;
+    if constexpr (kS >= Rule::kMinSlots && kS <= Rule::kMaxSlots) {
+      if (nslots == kS) {
+        fn(k);
+        done = true;
+      }
+    }
+  };
+  one(std::integral_constant<int, 0>{});
+  one(std::integral_constant<int, 1>{});
+  one(std::integral_constant<int, 2>{});
+  one(std::integral_constant<int, 3>{});
+  static_assert(kMaxSlots == 3, "DispatchSlots lists every count up to kMaxSlots");
+  return done;
+}
+
+// Calls fn(V{}, G{}) for a (variable, gradient) dtype pair: G is the gradient's storage type for
+// the pairs with a fused path of their own (the same dtype; half or bfloat16 for a float
+// variable), else AnyGrad (any other float pair: read at run time through CastClipGradAt, one
+// code path per variable dtype rather than one per pair). Host and device.
+template <typename Fn>
+TFCLIP_HD void DispatchPair(DType var, DType grad, Fn&& fn) {
+  if (var == DType::kFloat && grad == DType::kHalf) return fn(float{}, half{});
+  if (var == DType::kFloat && grad == DType::kBFloat16) return fn(float{}, bfloat16{});
+  DispatchDType(var, [&](auto v) {
+    using V = decltype(v);
+    if (var == grad) fn(V{}, V{});
+    else fn(V{}, AnyGrad{});
+  });
+}
+
+// The step constants in V's math type, from the float and double sets.
+template <typename V>
+TFCLIP_HD const StepConsts<typename Elem<V>::Math>& ConstsFor(const StepConsts<float>& cf,
+                                                               const StepConsts<double>& cd) {
+  if constexpr (std::is_same_v<typename Elem<V>::Math, double>) {
+    return cd;
+  } else {
+    return cf;
+  }
+}
+
+// Element k of a gradient, clipped and in V's math type: for gradient dtype G (AnyGrad: any
+// other float dtype than the variable's, read through CastClipGradAt).
+template <typename V, typename G>
+struct GradReader {
+  using M = typename Elem<V>::Math;
+  const G* values;
+  M scale, lo, hi;
+  TFCLIP_HD GradReader(const void* v, DType, const ClipFactor& f)
+      : values(static_cast<const G*>(v)),
+        scale(InGradDType<G, M>(f.scale)),
+        lo(InGradDType<G, M>(f.lo)),
+        hi(InGradDType<G, M>(f.hi)) {}
+  TFCLIP_HD M operator()(int64_t k) const { return ClipGrad<G, M>(values[k], scale, lo, hi); }
+};
+template <typename V>
+struct GradReader<V, AnyGrad> {
+  const void* values;
+  DType dtype;
+  ClipFactor f;
+  TFCLIP_HD GradReader(const void* v, DType t, const ClipFactor& cf) : values(v), dtype(t), f(cf) {}
+  TFCLIP_HD typename Elem<V>::Math operator()(int64_t k) const {
+    return CastClipGradAt<V>(values, dtype, k, f);
+  }
+};
+
+}  // namespace tfclip

@@ -1,0 +1,750 @@
+// tfclip core, CUDA: the multi-tensor launcher and its kernels (norm, finalize, apply, sparse
+// apply), plus the clip op's scale kernel. The update rules are csrc/core/rules.h, applied per
+// element by csrc/core/apply_elem.h, the clip modes csrc/core/clip.h: the same TFCLIP_HD bodies
+// and dispatch the CPU driver runs.
+//
+// Built with --fmad=false (CMakeLists.txt): nvcc would otherwise contract a*b+c into FMA where
+// the CPU build does not, and the apply pass would differ from the CPU in the last bit.
+#include "csrc/core/cuda_driver.h"
+
+#include "csrc/core/apply_elem.h"
+#include "csrc/core/sparse.h"
+#include "csrc/core/validate.h"
+
+#include <cuda_runtime.h>
+
+// Under nvcc a launch is kernel<<<...>>>; the CPU emulation (cuda/emulation/cuda_runtime.h, CI's
+// way to run these kernels) defines its own.
+#ifndef TFCLIP_LAUNCH
+#define TFCLIP_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <type_traits>
+
+namespace tfclip {
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------- the tensor table
+struct DevTensor {
+  void* var;          // apply: the variable; scale: the output
+  const void* grad;   // apply: the gradient (sparse: its slices); norm/scale: the input
+  void* slots[kMaxSlots];
+  int64_t size;       // of grad
+  int64_t first_chunk;
+  int64_t num_chunks;
+  int64_t width;      // sparse: elements per row
+  int32_t var_dtype;
+  int32_t grad_dtype;
+  int32_t sparse;     // 1: applied by the sparse kernel; its chunks are the norm's only
+  int32_t pad;
+};
+
+// The sparse apply pass's table (csrc/core/sparse.h), uploaded with the tensor table.
+struct DevSparse {
+  const SparseUnit* units;
+  const int64_t* order;
+  const int64_t* urows;
+  const int64_t* ustart;
+  int64_t nunits;
+};
+
+struct DevChunk {
+  int64_t begin;
+  int64_t end;
+  int32_t tensor;
+  int32_t pad;
+};
+
+struct DevStatus {
+  double norm;
+  double scale;  // the clip op's scale (kGlobalNorm)
+  int finite;
+  int apply;
+  int bad;           // a bad value read on the device: 1 + HP index, or -1 clip, -2 use_norm
+  double bad_value;
+};
+
+// The per-step constants the apply kernels read: from the host, or computed by the finalize
+// kernel from scalars in device memory.
+struct DevConsts {
+  StepConsts<float> f;
+  StepConsts<double> d;
+};
+
+// Device pointers into the workspace, passed to every kernel by value.
+struct Table {
+  const DevTensor* tensors;
+  const DevChunk* chunks;
+  const int64_t* block_begin;
+  double* partials;
+  ClipFactor* factors;
+  DevStatus* status;
+  DevConsts* consts;
+  int n;
+  int64_t nchunks;
+};
+
+// The plan of one step: chunks over the flattened list, the sparse plan (owned by the caller),
+// and where each part lives in the host table and the device workspace.
+struct CudaPlan {
+  ChunkPlan plan;
+  int n = 0;
+  const SparsePlan* sparse = nullptr;
+  size_t host_bytes = 0;    // the table: consts, hparams, tensors, chunks, block starts, sparse plan
+  size_t device_bytes = 0;  // the table's device copy, then partials, clip factors, status
+  size_t off_partials = 0, off_factors = 0, off_status = 0;
+};
+
+size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
+
+// Host table layout: the step constants, the host hyper-parameters, tensors, chunks, block
+// starts, then the sparse plan's units, order, urows and ustart (each 256-aligned).
+struct HostLayout {
+  size_t off_hparams, off_tensors, off_chunks, off_blocks, off_units, off_order, off_urows,
+      off_ustart, bytes;
+};
+template <typename T>
+size_t Bytes(const std::vector<T>& v) {
+  return Align256(sizeof(T) * v.size());
+}
+HostLayout Layout(const CudaPlan& p) {
+  HostLayout l;
+  l.off_hparams = Align256(sizeof(DevConsts));
+  l.off_tensors = l.off_hparams + Align256(sizeof(HParams));
+  l.off_chunks = l.off_tensors + Align256(sizeof(DevTensor) * static_cast<size_t>(p.n));
+  l.off_blocks = l.off_chunks + Align256(sizeof(DevChunk) * p.plan.chunks.size());
+  l.off_units = l.off_blocks + Bytes(p.plan.block_begin);
+  l.bytes = l.off_units;
+  l.off_order = l.off_urows = l.off_ustart = l.bytes;
+  if (p.sparse != nullptr && !p.sparse->empty()) {
+    const SparsePlan& sp = *p.sparse;
+    l.off_order = l.off_units + Bytes(sp.units);
+    l.off_urows = l.off_order + Bytes(sp.order);
+    l.off_ustart = l.off_urows + Bytes(sp.urows);
+    l.bytes = l.off_ustart + Bytes(sp.ustart);
+  }
+  return l;
+}
+
+void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse) {
+  p->n = n;
+  p->sparse = sparse;
+  PlanChunks(sizes, n, kCudaChunkElems, &p->plan);
+  const size_t nchunks = p->plan.chunks.size();
+  p->host_bytes = Layout(*p).bytes;
+  p->off_partials = p->host_bytes;
+  p->off_factors = p->off_partials + Align256(sizeof(double) * nchunks);
+  p->off_status = p->off_factors + Align256(sizeof(ClipFactor) * static_cast<size_t>(n));
+  p->device_bytes = p->off_status + Align256(sizeof(DevStatus));
+}
+
+thread_local int g_last_launches = 0;
+thread_local void* g_last_stream = nullptr;
+
+// ---------------------------------------------------------------- device helpers
+// Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums):
+// the same bits on every run. The result is valid in thread 0.
+template <int kBlock>
+__device__ double BlockSum(double v) {
+  static_assert(kBlock % 32 == 0 && kBlock <= 1024, "block size");
+  __shared__ double warp_sums[kBlock / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // warp_sums may still be read from the previous call
+  if (lane == 0) warp_sums[w] = v;
+  __syncthreads();
+  double r = 0.0;
+  if (w == 0) {
+    r = lane < kBlock / 32 ? warp_sums[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+  }
+  return r;
+}
+
+template <typename T, int kN>
+struct alignas(sizeof(T) * kN) Vec {
+  T v[kN];
+};
+
+template <typename T>
+__device__ __forceinline__ double Sq(T x) {
+  const double d = static_cast<double>(Elem<T>::Load(x));
+  return d * d;
+}
+
+// This thread's share of a chunk's sum of squares: a scalar head up to 16-byte alignment,
+// 16-byte vector loads, a scalar tail. The thread-to-element map depends only on the chunk.
+template <typename T>
+__device__ double ThreadSumSquares(const T* p, int64_t b, int64_t e) {
+  constexpr int kV = 16 / sizeof(T);
+  double acc = 0.0;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p + b);
+  int64_t head = static_cast<int64_t>(((16 - addr % 16) % 16) / sizeof(T));
+  if (addr % sizeof(T) != 0) head = e - b;  // misaligned element type: all scalar
+  head = head < e - b ? head : e - b;
+  for (int64_t i = b + threadIdx.x; i < b + head; i += kThreads) acc += Sq(p[i]);
+  const int64_t vb = b + head;
+  const int64_t nvec = (e - vb) / kV;
+  const Vec<T, kV>* vp = reinterpret_cast<const Vec<T, kV>*>(p + vb);
+  for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
+    const Vec<T, kV> x = vp[j];
+#pragma unroll
+    for (int k = 0; k < kV; ++k) acc += Sq(x.v[k]);
+  }
+  for (int64_t i = vb + nvec * kV + threadIdx.x; i < e; i += kThreads) acc += Sq(p[i]);
+  return acc;
+}
+
+// ---------------------------------------------------------------- kernel 1: norm
+__global__ void __launch_bounds__(kThreads) NormKernel(Table t) {
+  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
+  for (int64_t c = cb; c < ce; ++c) {
+    const DevChunk ch = t.chunks[c];
+    const DevTensor& ten = t.tensors[ch.tensor];
+    double acc = 0.0;
+    DispatchDType(static_cast<DType>(ten.grad_dtype), [&](auto tag) {
+      using T = decltype(tag);
+      acc = ThreadSumSquares(static_cast<const T*>(ten.grad), ch.begin, ch.end);
+    });
+    const double s = BlockSum<kThreads>(acc);
+    if (threadIdx.x == 0) t.partials[c] = s;
+  }
+}
+
+// ---------------------------------------------------------------- kernel 2: finalize
+constexpr int kFinalizeThreads = 1024;
+
+struct FinalizeArgs {
+  ClipConfig cfg;
+  RuleKind rule;
+  bool have_partials;   // false: no norm pass ran (a given norm)
+  bool round_norm;      // the clip op: the scale comes from the norm rounded to its dtype
+  bool apply_step;      // a clip-and-apply step (hyper-parameters, factors, consts)
+  DeviceScalars ds;     // scalars to read from device memory (apply steps)
+  bool read_scalars;    // ds.any(): read them, check them, recompute the step constants
+  CudaOutputs out;
+};
+
+// Thread 0: the scalars given in device memory, checked, and the step constants from them.
+// Returns 0, or what is bad (DevStatus::bad).
+__device__ int ReadDeviceScalars(const FinalizeArgs& a, const HParams& host_hp, ClipConfig* cfg,
+                                 DevConsts* consts, double* bad_value) {
+  HParams hp = host_hp;
+  for (int k = 0; k < kNumHParams; ++k) {
+    if (a.ds.hparams[k] != nullptr) hp.Set(static_cast<HP>(k), *a.ds.hparams[k]);
+  }
+  if (a.ds.iterations != nullptr) hp.step += static_cast<double>(*a.ds.iterations);
+  if (a.ds.clip != nullptr) cfg->clip = *a.ds.clip;
+  if (a.ds.use_norm != nullptr) cfg->use_norm = *a.ds.use_norm;
+  const int k = FirstBadHParam(RuleHParams(a.rule), hp);
+  if (k >= 0) {
+    *bad_value = hp.Get(static_cast<HP>(k));
+    return 1 + k;
+  }
+  const int c = ClipConfigError(*cfg);
+  if (c != 0) {
+    *bad_value = c == 1 ? cfg->clip : cfg->use_norm;
+    return -c;
+  }
+  consts->f = MakeStepConsts<float>(hp);
+  consts->d = MakeStepConsts<double>(hp);
+  return 0;
+}
+
+__global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, FinalizeArgs a,
+                                                                  const HParams* host_hp) {
+  double local = 0.0;
+  if (a.have_partials) {
+    for (int64_t c = threadIdx.x; c < t.nchunks; c += kFinalizeThreads) local += t.partials[c];
+  }
+  const double total = BlockSum<kFinalizeThreads>(local);
+  __shared__ double s_scale, s_clip;
+  __shared__ int s_mode;
+  if (threadIdx.x == 0) {
+    ClipConfig cfg = a.cfg;
+    int bad = 0;
+    double bad_value = 0.0;
+    if (a.read_scalars) bad = ReadDeviceScalars(a, *host_hp, &cfg, t.consts, &bad_value);
+    double norm = StepGlobalNorm(cfg, total);
+    if (a.round_norm && a.out.norm_dtype == DType::kFloat) norm = static_cast<float>(norm);
+    const bool finite = isfinite(norm);
+    const bool apply = bad == 0 && (finite || cfg.policy == NonFinitePolicy::kPropagate);
+    const ClipMode mode = a.apply_step ? ActiveClipMode(cfg) : cfg.mode;
+    const double scale = mode == ClipMode::kGlobalNorm ? GlobalClipScale(cfg.clip, norm) : 1.0;
+    t.status->norm = norm;
+    t.status->scale = scale;
+    t.status->finite = finite;
+    t.status->apply = apply;
+    t.status->bad = bad;
+    t.status->bad_value = bad_value;
+    if (a.out.norm != nullptr) {
+      if (a.out.norm_dtype == DType::kDouble) *static_cast<double*>(a.out.norm) = norm;
+      else *static_cast<float*>(a.out.norm) = static_cast<float>(norm);
+    }
+    if (a.out.applied != nullptr) *a.out.applied = apply;
+    // Only an applied step counts (nothing else reads the counter in this step).
+    if (apply && a.ds.iterations != nullptr) *a.ds.iterations += 1;
+    s_scale = scale;
+    s_clip = cfg.clip;
+    s_mode = static_cast<int>(mode);
+  }
+  __syncthreads();
+  if (t.factors == nullptr) return;
+  const ClipMode mode = static_cast<ClipMode>(s_mode);
+  for (int i = threadIdx.x; i < t.n; i += kFinalizeThreads) {
+    const DevTensor& ten = t.tensors[i];
+    double sumsq = 0.0;
+    if (mode == ClipMode::kNorm) {  // in chunk order, as the CPU driver sums
+      for (int64_t c = ten.first_chunk; c < ten.first_chunk + ten.num_chunks; ++c) sumsq += t.partials[c];
+    }
+    t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq);
+  }
+}
+
+// ---------------------------------------------------------------- kernel 3: apply
+// A range of a dense tensor: each element's gradient clipped (GradReader) and ApplyElem, four
+// elements per thread with vector loads when every array is aligned for them.
+template <typename Rule, typename V, typename G, int kSlots>
+__device__ void ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
+                           const ClipFactor& f, int64_t b, int64_t e) {
+  using M = typename Elem<V>::Math;
+  V* var = static_cast<V*>(t.var);
+  V* s0 = static_cast<V*>(t.slots[0]);
+  V* s1 = static_cast<V*>(t.slots[1]);
+  V* s2 = static_cast<V*>(t.slots[2]);
+  const GradReader<V, G> grad(t.grad, static_cast<DType>(t.grad_dtype), f);
+  int64_t i0 = b;
+  if constexpr (!std::is_same<G, AnyGrad>::value) {
+    constexpr int kV = 4;
+    V* sp[kMaxSlots] = {s0, s1, s2};
+    const G* graw = static_cast<const G*>(t.grad);
+    bool aligned = reinterpret_cast<uintptr_t>(var + b) % (sizeof(V) * kV) == 0 &&
+                   reinterpret_cast<uintptr_t>(graw + b) % (sizeof(G) * kV) == 0;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      aligned = aligned && reinterpret_cast<uintptr_t>(sp[k] + b) % (sizeof(V) * kV) == 0;
+    }
+    if (aligned) {
+      const int64_t nvec = (e - b) / kV;
+      for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
+        const int64_t i = b + j * kV;
+        Vec<V, kV> vv = *reinterpret_cast<const Vec<V, kV>*>(var + i);
+        const Vec<G, kV> gv = *reinterpret_cast<const Vec<G, kV>*>(graw + i);
+        Vec<V, kV> sv[kMaxSlots];
+#pragma unroll
+        for (int k = 0; k < kSlots; ++k) sv[k] = *reinterpret_cast<const Vec<V, kV>*>(sp[k] + i);
+#pragma unroll
+        for (int q = 0; q < kV; ++q) {
+          const M g = ClipGrad<G, M>(gv.v[q], grad.scale, grad.lo, grad.hi);
+          ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, vv.v, sv[0].v, sv[1].v, sv[2].v, q);
+        }
+        *reinterpret_cast<Vec<V, kV>*>(var + i) = vv;
+#pragma unroll
+        for (int k = 0; k < kSlots; ++k) *reinterpret_cast<Vec<V, kV>*>(sp[k] + i) = sv[k];
+      }
+      i0 = b + nvec * kV;
+    }
+  }
+  for (int64_t i = i0 + threadIdx.x; i < e; i += kThreads) {
+    ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i);
+  }
+}
+
+template <typename Rule, int kSlots>
+__global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
+  if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
+  const DevConsts consts = *t.consts;
+  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
+  for (int64_t c = cb; c < ce; ++c) {
+    const DevChunk ch = t.chunks[c];
+    const DevTensor& ten = t.tensors[ch.tensor];
+    if (ten.sparse) continue;  // the sparse kernel applies it
+    const ClipFactor f = t.factors[ch.tensor];
+    DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
+                 [&](auto vtag, auto gtag) {
+                   using V = decltype(vtag);
+                   ApplyRange<Rule, V, decltype(gtag), kSlots>(ConstsFor<V>(consts.f, consts.d),
+                                                               ten, f, ch.begin, ch.end);
+                 });
+  }
+}
+
+// ---------------------------------------------------------------- kernel 4: sparse apply
+// One block per unit of the sparse plan; a thread per (row, column) element. In an all-rows
+// unit a row finds its slices by binary search over the unit's touched rows.
+template <typename Rule, typename V, typename G, int kSlots>
+__device__ void SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
+                              const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
+  using M = typename Elem<V>::Math;
+  V* var = static_cast<V*>(ten.var);
+  const GradReader<V, G> grad(ten.grad, static_cast<DType>(ten.grad_dtype), f);
+  V* s0 = static_cast<V*>(ten.slots[0]);
+  V* s1 = static_cast<V*>(ten.slots[1]);
+  V* s2 = static_cast<V*>(ten.slots[2]);
+  const int64_t w = ten.width;
+  const int64_t total = (u.end - u.begin) * w;
+  for (int64_t e = threadIdx.x; e < total; e += kThreads) {
+    const int64_t r = e / w, col = e - r * w;
+    int64_t row, jb = 0, je = 0;
+    if (u.all_rows) {
+      row = u.begin + r;
+      int64_t a = u.u_begin, b = u.u_end;
+      while (a < b) {
+        const int64_t mid = a + (b - a) / 2;
+        if (sp.urows[mid] < row) a = mid + 1;
+        else b = mid;
+      }
+      if (a < u.u_end && sp.urows[a] == row) {
+        jb = sp.ustart[a];
+        je = sp.ustart[a + 1];
+      }
+    } else {
+      const int64_t x = u.begin + r;
+      row = sp.urows[x];
+      jb = sp.ustart[x];
+      je = sp.ustart[x + 1];
+    }
+    const RowGrads<M, GradReader<V, G>> rg{grad, w, col, sp.order, jb, je};
+    ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col);
+  }
+}
+
+template <typename Rule, int kSlots>
+__global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse sp) {
+  if (!t.status->apply) return;
+  const DevConsts consts = *t.consts;
+  const SparseUnit u = sp.units[blockIdx.x];
+  const DevTensor& ten = t.tensors[u.tensor];
+  const ClipFactor f = t.factors[u.tensor];
+  DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
+               [&](auto vtag, auto gtag) {
+                 using V = decltype(vtag);
+                 SparseUnitDev<Rule, V, decltype(gtag), kSlots>(ConstsFor<V>(consts.f, consts.d),
+                                                                ten, f, sp, u);
+               });
+}
+
+// ---------------------------------------------------------------- the clip op's scale pass
+__global__ void __launch_bounds__(kThreads) ScaleKernel(Table t) {
+  const double scale = t.status->scale;
+  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
+  for (int64_t c = cb; c < ce; ++c) {
+    const DevChunk ch = t.chunks[c];
+    const DevTensor& ten = t.tensors[ch.tensor];
+    DispatchDType(static_cast<DType>(ten.grad_dtype), [&](auto tag) {
+      using T = decltype(tag);
+      using M = typename Elem<T>::Math;
+      const M s = RoundTo<T>(static_cast<M>(scale));
+      const T* in = static_cast<const T*>(ten.grad);
+      T* out = static_cast<T*>(ten.var);
+      for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += kThreads) {
+        out[i] = Elem<T>::Store(Elem<T>::Load(in[i]) * s);
+      }
+    });
+  }
+}
+
+// ---------------------------------------------------------------- host side
+std::string CudaError(cudaError_t e, const char* what) {
+  std::ostringstream os;
+  os << "CUDA error in " << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e)
+     << ")";
+  return os.str();
+}
+
+// Fills the host table, uploads it, and returns the device-side view of the workspace.
+std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, void* host_ws,
+                   void* dev_ws, cudaStream_t stream, Table* t) {
+  const HostLayout l = Layout(p);
+  char* h = static_cast<char*>(host_ws);
+  char* d = static_cast<char*>(dev_ws);
+  DevConsts* hc0 = reinterpret_cast<DevConsts*>(h);
+  std::memset(static_cast<void*>(hc0), 0, sizeof(DevConsts));
+  if (hp != nullptr) {
+    hc0->f = MakeStepConsts<float>(*hp);
+    hc0->d = MakeStepConsts<double>(*hp);
+    std::memcpy(h + l.off_hparams, hp, sizeof(HParams));
+  }
+  std::memcpy(h + l.off_tensors, tensors, sizeof(DevTensor) * p.n);
+  DevChunk* hc = reinterpret_cast<DevChunk*>(h + l.off_chunks);
+  for (size_t c = 0; c < p.plan.chunks.size(); ++c) {
+    const Chunk& ch = p.plan.chunks[c];
+    hc[c] = DevChunk{ch.begin, ch.end, ch.tensor, 0};
+  }
+  std::memcpy(h + l.off_blocks, p.plan.block_begin.data(), sizeof(int64_t) * p.plan.block_begin.size());
+  if (p.sparse != nullptr && !p.sparse->empty()) {
+    const SparsePlan& sp = *p.sparse;
+    std::memcpy(h + l.off_units, sp.units.data(), sizeof(SparseUnit) * sp.units.size());
+    std::memcpy(h + l.off_order, sp.order.data(), sizeof(int64_t) * sp.order.size());
+    std::memcpy(h + l.off_urows, sp.urows.data(), sizeof(int64_t) * sp.urows.size());
+    std::memcpy(h + l.off_ustart, sp.ustart.data(), sizeof(int64_t) * sp.ustart.size());
+  }
+  const cudaError_t e = cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream);
+  if (e != cudaSuccess) return CudaError(e, "the tensor table upload");
+  t->consts = reinterpret_cast<DevConsts*>(d);
+  t->tensors = reinterpret_cast<const DevTensor*>(d + l.off_tensors);
+  t->chunks = reinterpret_cast<const DevChunk*>(d + l.off_chunks);
+  t->block_begin = reinterpret_cast<const int64_t*>(d + l.off_blocks);
+  t->partials = reinterpret_cast<double*>(d + p.off_partials);
+  t->factors = reinterpret_cast<ClipFactor*>(d + p.off_factors);
+  t->status = reinterpret_cast<DevStatus*>(d + p.off_status);
+  t->n = p.n;
+  t->nchunks = static_cast<int64_t>(p.plan.chunks.size());
+  return "";
+}
+
+// Per-tensor chunk ranges (chunks of a tensor are consecutive in the plan).
+void ChunkRanges(const CudaPlan& p, DevTensor* ts) {
+  for (int i = 0; i < p.n; ++i) {
+    ts[i].first_chunk = 0;
+    ts[i].num_chunks = 0;
+  }
+  const auto& ch = p.plan.chunks;
+  for (size_t c = ch.size(); c-- > 0;) {
+    ts[ch[c].tensor].first_chunk = static_cast<int64_t>(c);
+    ts[ch[c].tensor].num_chunks++;
+  }
+}
+
+std::string Launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : CudaError(e, what);
+}
+
+// Norm (when needed) and finalize: the first two launches of every op.
+std::string NormAndFinalize(const CudaPlan& p, const Table& t, const FinalizeArgs& a,
+                            const void* dev_ws, cudaStream_t stream) {
+  const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
+  if (a.have_partials && nblocks > 0) {
+    TFCLIP_LAUNCH(NormKernel, nblocks, kThreads, 0, stream)(t);
+    ++g_last_launches;
+    const std::string e = Launched("the norm kernel");
+    if (!e.empty()) return e;
+  }
+  const HParams* hp = reinterpret_cast<const HParams*>(static_cast<const char*>(dev_ws) +
+                                                       Layout(p).off_hparams);
+  TFCLIP_LAUNCH(FinalizeKernel, 1, kFinalizeThreads, 0, stream)(t, a, hp);
+  ++g_last_launches;
+  return Launched("the finalize kernel");
+}
+
+std::vector<DevTensor> TensorsFromViews(const TensorView* in, const TensorView* out, int n) {
+  std::vector<DevTensor> ts(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    DevTensor& d = ts[i];
+    std::memset(&d, 0, sizeof(d));
+    d.grad = in[i].data;
+    d.var = out != nullptr ? out[i].data : nullptr;
+    d.size = in[i].size;
+    d.grad_dtype = d.var_dtype = static_cast<int32_t>(in[i].dtype);
+  }
+  return ts;
+}
+
+// Plans a step, acquires its memory, runs fn(plan, host, device) and releases the memory on
+// every path: the one place a step's workspace is handed back (in stream order).
+template <typename Fn>
+std::string WithStepMemory(const int64_t* sizes, int n, const SparsePlan* sparse,
+                           CudaStepMemory* mem, void* stream, Fn&& fn) {
+  g_last_launches = 0;
+  g_last_stream = stream;
+  CudaPlan p;
+  PlanCudaStep(sizes, n, &p, sparse);
+  void* host = nullptr;
+  void* dev = nullptr;
+  std::string e = mem->Acquire(p.host_bytes, p.device_bytes, &host, &dev);
+  if (!e.empty()) return e;
+  e = fn(p, host, dev);
+  const std::string r = mem->Release();
+  return e.empty() ? r : e;
+}
+
+std::vector<int64_t> ViewSizes(const TensorView* v, int n) {
+  std::vector<int64_t> s(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) s[i] = v[i].size;
+  return s;
+}
+
+// The norm and clip ops' steps: inputs (and outputs), no clip factors.
+std::string ViewStep(const TensorView* in, const TensorView* out, int n, const FinalizeArgs& a,
+                     CudaStepMemory* mem, void* stream_v, bool scale) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_v);
+  const std::vector<int64_t> sizes = ViewSizes(in, n);
+  return WithStepMemory(sizes.data(), n, nullptr, mem, stream_v,
+                        [&](const CudaPlan& p, void* h, void* d) -> std::string {
+    std::vector<DevTensor> dts = TensorsFromViews(in, out, n);
+    ChunkRanges(p, dts.data());
+    Table t;
+    std::string e = Upload(p, dts.data(), nullptr, h, d, stream, &t);
+    if (!e.empty()) return e;
+    t.factors = nullptr;
+    e = NormAndFinalize(p, t, a, d, stream);
+    if (!e.empty()) return e;
+    const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
+    if (scale && nblocks > 0) {
+      TFCLIP_LAUNCH(ScaleKernel, nblocks, kThreads, 0, stream)(t);
+      ++g_last_launches;
+      return Launched("the scale kernel");
+    }
+    return "";
+  });
+}
+
+}  // namespace
+
+bool DeviceScalars::any() const {
+  for (const double* p : hparams) {
+    if (p != nullptr) return true;
+  }
+  return clip != nullptr || use_norm != nullptr || iterations != nullptr;
+}
+
+int LastStepLaunches() { return g_last_launches; }
+
+void* LastStepStream() { return g_last_stream; }
+
+std::string CudaGlobalNorm(const TensorView* ts, int n, CudaStepMemory* mem,
+                           const CudaOutputs& out, void* stream) {
+  FinalizeArgs a{};
+  a.cfg = ClipConfig{};
+  a.cfg.policy = NonFinitePolicy::kPropagate;
+  a.have_partials = true;
+  a.out = out;
+  return ViewStep(ts, nullptr, n, a, mem, stream, false);
+}
+
+std::string CudaClipByGlobalNorm(const TensorView* in, const TensorView* outs, int n,
+                                 double clip_norm, bool has_use_norm, double use_norm,
+                                 CudaStepMemory* mem, const CudaOutputs& out, void* stream) {
+  FinalizeArgs a{};
+  a.cfg.mode = ClipMode::kGlobalNorm;
+  a.cfg.clip = clip_norm;
+  a.cfg.has_use_norm = has_use_norm;
+  a.cfg.use_norm = use_norm;
+  a.cfg.policy = NonFinitePolicy::kPropagate;
+  a.have_partials = !has_use_norm;
+  a.round_norm = true;
+  a.out = out;
+  return ViewStep(in, outs, n, a, mem, stream, true);
+}
+
+std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaStepMemory* mem,
+                          const CudaOutputs& out, void* stream_v, StepResult* r) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_v);
+  *r = StepResult{};
+  const int n = args.n;
+  const ApplyTensor* ts = args.ts;
+  // Host values are checked here, device ones by the finalize kernel.
+  const bool on_device = ds.any();
+  HParams hp;
+  if (!on_device) {
+    r->error = StepHParams(args, &hp);
+    if (!r->error.empty()) return "";
+  } else {
+    hp = args.hp;
+  }
+  SparsePlan sparse;
+  r->error = PlanSparse(ts, n, args.rule, hp, args.lazy, kCudaChunkElems, &sparse,
+                        ds.hparams[static_cast<int>(HP::weight_decay)] != nullptr);
+  if (!r->error.empty()) return "";
+  std::vector<int64_t> sizes(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) sizes[i] = ts[i].grad_size();
+  DevStatus status{};
+  const std::string e = WithStepMemory(sizes.data(), n, &sparse, mem, stream_v,
+                                       [&](const CudaPlan& p, void* h, void* d) -> std::string {
+    std::vector<DevTensor> dts(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      DevTensor& dt = dts[i];
+      std::memset(&dt, 0, sizeof(dt));
+      dt.var = ts[i].var;
+      dt.grad = ts[i].grad;
+      for (int k = 0; k < kMaxSlots; ++k) dt.slots[k] = ts[i].slots[k];
+      dt.size = ts[i].grad_size();
+      dt.width = ts[i].width;
+      dt.sparse = ts[i].sparse ? 1 : 0;
+      dt.var_dtype = static_cast<int32_t>(ts[i].var_dtype);
+      dt.grad_dtype = static_cast<int32_t>(ts[i].grad_dtype);
+    }
+    ChunkRanges(p, dts.data());
+    Table t;
+    std::string err = Upload(p, dts.data(), &hp, h, d, stream, &t);
+    if (!err.empty()) return err;
+    FinalizeArgs a{};
+    a.cfg = args.cfg;
+    a.rule = args.rule;
+    a.have_partials = NeedsNormPass(args.cfg);
+    a.apply_step = true;
+    a.ds = ds;
+    a.read_scalars = on_device;
+    a.out = out;
+    err = NormAndFinalize(p, t, a, d, stream);
+    if (!err.empty()) return err;
+    const int nslots = NumSlots(args.rule, hp);
+    const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
+    const bool has_sparse = !sparse.empty();
+    DevSparse dsp{};
+    if (has_sparse) {
+      const HostLayout l = Layout(p);
+      const char* dc = static_cast<const char*>(d);
+      dsp.units = reinterpret_cast<const SparseUnit*>(dc + l.off_units);
+      dsp.order = reinterpret_cast<const int64_t*>(dc + l.off_order);
+      dsp.urows = reinterpret_cast<const int64_t*>(dc + l.off_urows);
+      dsp.ustart = reinterpret_cast<const int64_t*>(dc + l.off_ustart);
+      dsp.nunits = static_cast<int64_t>(sparse.units.size());
+    }
+    DispatchRule(args.rule, [&](auto rule_tag) {
+      using Rule = decltype(rule_tag);
+      const bool ok = DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
+        constexpr int kS = decltype(slots_tag)::value;
+        if (nblocks > 0) {
+          auto* apply_kernel = &ApplyKernel<Rule, kS>;
+          TFCLIP_LAUNCH(apply_kernel, nblocks, kThreads, 0, stream)(t);
+          ++g_last_launches;
+          err = Launched("the apply kernel");
+        }
+        if (err.empty() && has_sparse) {
+          auto* sparse_apply_kernel = &SparseApplyKernel<Rule, kS>;
+          TFCLIP_LAUNCH(sparse_apply_kernel, static_cast<unsigned>(dsp.nunits), kThreads, 0,
+                        stream)(t, dsp);
+          ++g_last_launches;
+          err = Launched("the sparse apply kernel");
+        }
+      });
+      if (!ok) err = "internal: no kernel for this rule's slot count";
+    });
+    if (!err.empty()) return err;
+    if (args.cfg.policy == NonFinitePolicy::kRaise) {
+      // The one host wait in tfclip: 'raise' must know before it returns.
+      cudaError_t ce = cudaMemcpyAsync(&status, t.status, sizeof(DevStatus),
+                                       cudaMemcpyDeviceToHost, stream);
+      if (ce == cudaSuccess) ce = cudaStreamSynchronize(stream);
+      if (ce != cudaSuccess) return CudaError(ce, "reading the step's status");
+    }
+    return "";
+  });
+  if (!e.empty()) return e;
+  if (args.cfg.policy == NonFinitePolicy::kRaise) {
+    r->global_norm = status.norm;
+    r->applied = status.apply != 0;
+    r->nonfinite = !status.finite;
+    if (status.bad > 0) {
+      r->error = HParamError(status.bad - 1, status.bad_value) + " (read on the device); no variable was updated";
+    } else if (status.bad < 0) {
+      ClipConfig c = args.cfg;
+      c.clip = c.use_norm = status.bad_value;
+      c.has_use_norm = status.bad == -2;
+      if (status.bad == -2) c.mode = ClipMode::kNone;
+      r->error = ValidateClipConfig(c) + " (read on the device); no variable was updated";
+    } else if (!status.finite) {
+      r->error = NonFiniteError(status.norm);
+    }
+  }
+  return "";
+}
+
+}  // namespace cuda
+}  // namespace tfclip

@@ -1,0 +1,136 @@
+// tfclip core: the one table of a step's scalar hyper-parameters and rule flags. The op inputs
+// (csrc/tf/ops.cc), the HParams fields, their validation (host and device), _core's keyword
+// names and tfclip/_opcall.py all follow from it: a name exists once.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "csrc/core/types.h"
+
+namespace tfclip {
+
+// X(field = op input name, name in messages, default, lo, lo_open, hi, hi_open)
+// A NaN default marks an optional input: NaN there means "not given" (Adam's beta powers, given
+// by TF1's AdamOptimizer, else computed from `step`), and NaN is accepted for it.
+#define TFCLIP_FOR_EACH_HPARAM(X)                                      \
+  X(lr, "learning_rate", 0.0, 0.0, false, INFINITY, false)            \
+  X(momentum, "momentum", 0.0, 0.0, false, 1.0, false)                 \
+  X(beta_1, "beta_1", 0.9, 0.0, false, 1.0, true)                      \
+  X(beta_2, "beta_2", 0.999, 0.0, false, 1.0, false)                   \
+  X(epsilon, "epsilon", 1e-7, 0.0, false, INFINITY, false)             \
+  X(weight_decay, "weight_decay", 0.0, 0.0, false, INFINITY, false)    \
+  X(step, "step", 1.0, 1.0, false, INFINITY, false)                    \
+  X(beta_1_power, "beta_1_power", NAN, 0.0, false, 1.0, true)          \
+  X(beta_2_power, "beta_2_power", NAN, 0.0, false, 1.0, false)
+
+// X(field, op attr name): the rules' boolean options.
+#define TFCLIP_FOR_EACH_FLAG(X) \
+  X(nesterov, "use_nesterov")   \
+  X(amsgrad, "amsgrad")
+
+// HP::lr, ... : an hyper-parameter's index; HPBit(HP::lr) its bit in a rule's mask.
+enum class HP : int {
+#define TFCLIP_HP_ENUM(f, ...) f,
+  TFCLIP_FOR_EACH_HPARAM(TFCLIP_HP_ENUM)
+#undef TFCLIP_HP_ENUM
+};
+enum class Flag : int {
+#define TFCLIP_FLAG_ENUM(f, ...) f,
+  TFCLIP_FOR_EACH_FLAG(TFCLIP_FLAG_ENUM)
+#undef TFCLIP_FLAG_ENUM
+};
+#define TFCLIP_COUNT(...) +1
+constexpr int kNumHParams = 0 TFCLIP_FOR_EACH_HPARAM(TFCLIP_COUNT);
+constexpr int kNumFlags = 0 TFCLIP_FOR_EACH_FLAG(TFCLIP_COUNT);
+#undef TFCLIP_COUNT
+constexpr uint32_t HPBit(HP h) { return 1u << static_cast<int>(h); }
+constexpr uint32_t FlagBit(Flag f) { return 1u << static_cast<int>(f); }
+
+// Hyper-parameters as the user gave them (one POD for every rule, so a launcher uploads it with
+// the tensor table). Rules read the fields they take.
+struct HParams {
+#define TFCLIP_HP_FIELD(f, name, def, ...) double f = def;
+  TFCLIP_FOR_EACH_HPARAM(TFCLIP_HP_FIELD)
+#undef TFCLIP_HP_FIELD
+#define TFCLIP_FLAG_FIELD(f, attr) bool f = false;
+  TFCLIP_FOR_EACH_FLAG(TFCLIP_FLAG_FIELD)
+#undef TFCLIP_FLAG_FIELD
+  // IndexedSlices rows with duplicate indices: Adam's v takes the sum of the duplicates'
+  // squares (stock Keras when nothing densifies the gradient first) instead of the square of
+  // their sum (a dense gradient's result; TF1 Adam; Keras after global_clipnorm densified it).
+  bool sum_of_squares = false;
+
+  TFCLIP_HD double Get(HP h) const {
+    switch (h) {
+#define TFCLIP_HP_GET(f, ...) \
+  case HP::f:                 \
+    return f;
+      TFCLIP_FOR_EACH_HPARAM(TFCLIP_HP_GET)
+#undef TFCLIP_HP_GET
+    }
+    return 0.0;
+  }
+  TFCLIP_HD void Set(HP h, double v) {
+    switch (h) {
+#define TFCLIP_HP_SET(f, ...) \
+  case HP::f:                 \
+    f = v;                    \
+    break;
+      TFCLIP_FOR_EACH_HPARAM(TFCLIP_HP_SET)
+#undef TFCLIP_HP_SET
+    }
+  }
+  TFCLIP_HD void SetFlag(Flag g, bool v) {
+    switch (g) {
+#define TFCLIP_FLAG_SET(f, attr) \
+  case Flag::f:                  \
+    f = v;                       \
+    break;
+      TFCLIP_FOR_EACH_FLAG(TFCLIP_FLAG_SET)
+#undef TFCLIP_FLAG_SET
+    }
+  }
+};
+
+// An hyper-parameter's name (as the op input), its name in messages, and its range.
+struct HParamInfo {
+  const char* input;
+  const char* display;
+  double def, lo;
+  bool lo_open;
+  double hi;
+  bool hi_open;
+};
+TFCLIP_HD HParamInfo GetHParamInfo(HP h) {
+  switch (h) {
+#define TFCLIP_HP_INFO(f, name, def, lo, lo_open, hi, hi_open) \
+  case HP::f:                                                    \
+    return HParamInfo{#f, name, def, lo, lo_open, hi, hi_open};
+    TFCLIP_FOR_EACH_HPARAM(TFCLIP_HP_INFO)
+#undef TFCLIP_HP_INFO
+  }
+  return HParamInfo{"", "", 0, 0, false, 0, false};
+}
+const char* FlagAttr(Flag f);
+
+// Whether a value is in its hyper-parameter's range (an optional one may be NaN: not given).
+TFCLIP_HD bool HParamOk(HP h, double v) {
+  const HParamInfo i = GetHParamInfo(h);
+  if (v != v && i.def != i.def) return true;
+  const bool finite = v - v == 0.0;
+  return finite && (i.lo_open ? v > i.lo : v >= i.lo) && (i.hi_open ? v < i.hi : v <= i.hi);
+}
+
+// The first hyper-parameter in `mask` out of its range, or -1. Host and device: the CUDA
+// finalize kernel checks values it reads from device memory with it.
+TFCLIP_HD int FirstBadHParam(uint32_t mask, const HParams& hp) {
+  for (int k = 0; k < kNumHParams; ++k) {
+    if ((mask >> k) & 1u) {
+      if (!HParamOk(static_cast<HP>(k), hp.Get(static_cast<HP>(k)))) return k;
+    }
+  }
+  return -1;
+}
+
+}  // namespace tfclip

@@ -1,0 +1,100 @@
+// tfclip core: the one rule table. Each row names a rule's struct (csrc/core/rules.h), its op
+// (TfclipClipApply<Op>, registered from this table in csrc/tf/ops.cc and kernels.cc), its name
+// in tfclip._core and tfclip/_opcall.py, its slot inputs, and the hyper-parameters and flags it
+// takes (csrc/core/hparams.h). Dispatch, op registration, HParams reading, _core and the Python
+// op calls all follow from it. Adding a rule: its struct in rules.h, one row here, one Python
+// declaration (tfclip/rules.py, and the drop-ins that use it).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "csrc/core/hparams.h"
+#include "csrc/core/rules.h"
+
+namespace tfclip {
+
+#define TFCLIP_H(f) | HPBit(HP::f)
+#define TFCLIP_F(f) | FlagBit(Flag::f)
+
+// X(kind, struct, op suffix, name, "slot inputs", hyper-parameters, flags)
+#define TFCLIP_FOR_EACH_RULE(X)                                                                 \
+  X(kSgd, SgdRule, "Sgd", "sgd", "", 0u TFCLIP_H(lr) TFCLIP_H(weight_decay), 0u)               \
+  X(kMomentum, MomentumRule, "Momentum", "momentum", "accum",                                  \
+    0u TFCLIP_H(lr) TFCLIP_H(momentum) TFCLIP_H(weight_decay), 0u TFCLIP_F(nesterov))          \
+  X(kKerasMomentum, KerasMomentumRule, "KerasMomentum", "keras_momentum", "accum",             \
+    0u TFCLIP_H(lr) TFCLIP_H(momentum) TFCLIP_H(weight_decay), 0u TFCLIP_F(nesterov))          \
+  X(kAdam, AdamRule, "Adam", "adam", "m,v,vhat",                                               \
+    0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
+        TFCLIP_H(step) TFCLIP_H(beta_1_power) TFCLIP_H(beta_2_power),                          \
+    0u TFCLIP_F(amsgrad))
+
+enum class RuleKind : int {
+#define TFCLIP_RULE_ENUM(kind, ...) kind,
+  TFCLIP_FOR_EACH_RULE(TFCLIP_RULE_ENUM)
+#undef TFCLIP_RULE_ENUM
+};
+
+// A row of the table, for the adapters (op registration, _core, error messages).
+struct RuleInfo {
+  RuleKind kind;
+  const char* op;        // "Adam": the op TfclipClipApplyAdam
+  const char* name;      // "adam"
+  const char* slot_csv;  // "m,v,vhat": the slot inputs, at most kMaxSlots of the struct
+  uint32_t hparams;      // HPBit mask: the scalar inputs, in HP order
+  uint32_t flags;        // FlagBit mask: the bool attrs
+  int min_slots, max_slots;
+  std::vector<std::string> slots() const;
+};
+
+constexpr int CsvCount(const char* s) {
+  if (*s == '\0') return 0;
+  int n = 1;
+  for (; *s != '\0'; ++s) n += *s == ',';
+  return n;
+}
+// Build-time checks of every row: its slot names match its struct's slot range.
+#define TFCLIP_RULE_CHECK(kind, Struct, op, name, slots, hps, flags)                    \
+  static_assert(CsvCount(slots) == Struct::kMaxSlots, #Struct ": one slot name per slot"); \
+  static_assert(Struct::kMaxSlots <= kMaxSlots, #Struct ": too many slots");
+TFCLIP_FOR_EACH_RULE(TFCLIP_RULE_CHECK)
+#undef TFCLIP_RULE_CHECK
+
+const std::vector<RuleInfo>& AllRules();
+const RuleInfo& GetRuleInfo(RuleKind r);
+bool ParseRule(const std::string& s, RuleKind* out);
+
+// Calls fn(RuleStruct{}) for a runtime rule kind. Host and device.
+template <typename Fn>
+TFCLIP_HD void DispatchRule(RuleKind r, Fn&& fn) {
+  switch (r) {
+#define TFCLIP_RULE_CASE(kind, Struct, ...) \
+  case RuleKind::kind:                      \
+    fn(Struct{});                           \
+    break;
+    TFCLIP_FOR_EACH_RULE(TFCLIP_RULE_CASE)
+#undef TFCLIP_RULE_CASE
+  }
+}
+
+// The slot count a step of `rule` uses with these flags.
+TFCLIP_HD int NumSlots(RuleKind rule, const HParams& hp) {
+  int n = 0;
+  DispatchRule(rule, [&](auto r) { n = decltype(r)::NumSlots(hp); });
+  return n;
+}
+
+// The hyper-parameters a rule takes (HPBit mask). Host and device.
+TFCLIP_HD uint32_t RuleHParams(RuleKind rule) {
+  switch (rule) {
+#define TFCLIP_RULE_HPS(kind, Struct, op, name, slots, hps, flags) \
+  case RuleKind::kind:                                             \
+    return hps;
+    TFCLIP_FOR_EACH_RULE(TFCLIP_RULE_HPS)
+#undef TFCLIP_RULE_HPS
+  }
+  return 0u;
+}
+
+}  // namespace tfclip

@@ -1,0 +1,35 @@
+// tfclip core: what every adapter hands the core: raw tensors (pointers, sizes, dtypes). No TF,
+// CUDA or pybind11 header.
+#pragma once
+
+#include <cstdint>
+
+#include "csrc/core/rules.h"
+#include "csrc/core/types.h"
+
+namespace tfclip {
+
+struct TensorView {
+  void* data = nullptr;
+  int64_t size = 0;  // elements
+  DType dtype = DType::kFloat;
+};
+
+struct ApplyTensor {
+  void* var = nullptr;
+  const void* grad = nullptr;
+  void* slots[kMaxSlots] = {nullptr, nullptr, nullptr};
+  int64_t size = 0;  // elements of the variable (and of a dense gradient)
+  DType var_dtype = DType::kFloat;  // slots share the variable's dtype
+  DType grad_dtype = DType::kFloat;
+  // An IndexedSlices gradient: `grad` holds nnz slices of `width` elements, slice j for row
+  // indices[j] of the variable seen as a rows x width matrix. Indices are in host memory.
+  bool sparse = false;
+  const int64_t* indices = nullptr;
+  int64_t nnz = 0;
+  int64_t rows = 0;
+  int64_t width = 0;
+  int64_t grad_size() const { return sparse ? nnz * width : size; }
+};
+
+}  // namespace tfclip

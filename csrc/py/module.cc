@@ -1,0 +1,70 @@
+// tfclip._core: the same core on NumPy arrays and CUDA arrays, without TensorFlow. It exists so
+// the kernels can be tested and benchmarked on hosts that have no TF (the GPU hosts), and it
+// must stay the very code path the TF kernels call: numpy_adapter.cc and cuda_adapter.cc only
+// check (arrays.h), convert and call csrc/core.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "csrc/core/hparams.h"
+#include "csrc/core/rule_table.h"
+
+namespace py = pybind11;
+
+namespace tfclip {
+void DefineNumpy(py::module_& m);
+#if TFCLIP_WITH_CUDA
+void DefineCuda(py::module_& m);
+#endif
+
+namespace {
+// The rule table (csrc/core/rule_table.h) for the Python layer (tfclip/_opcall.py): per rule its
+// op, slot inputs, hyper-parameter inputs and flag attrs; and each hyper-parameter's default.
+py::dict RuleTable() {
+  py::dict rules;
+  for (const RuleInfo& r : AllRules()) {
+    py::list hps, flags;
+    for (int k = 0; k < kNumHParams; ++k) {
+      if ((r.hparams >> k) & 1u) hps.append(GetHParamInfo(static_cast<HP>(k)).input);
+    }
+    for (int k = 0; k < kNumFlags; ++k) {
+      if ((r.flags >> k) & 1u) flags.append(FlagAttr(static_cast<Flag>(k)));
+    }
+    py::dict d;
+    d["op"] = std::string("TfclipClipApply") + r.op;
+    d["slots"] = r.slots();
+    d["min_slots"] = r.min_slots;
+    d["hparams"] = hps;
+    d["flags"] = flags;
+    rules[r.name] = d;
+  }
+  return rules;
+}
+
+py::dict HParamTable() {
+  py::dict out;
+  for (int k = 0; k < kNumHParams; ++k) {
+    const HParamInfo i = GetHParamInfo(static_cast<HP>(k));
+    py::dict d;
+    d["display"] = i.display;
+    d["default"] = i.def;
+    d["optional"] = i.def != i.def;
+    out[i.input] = d;
+  }
+  return out;
+}
+}  // namespace
+}  // namespace tfclip
+
+PYBIND11_MODULE(_core, m) {
+  using namespace tfclip;
+  m.doc() = "tfclip's core on NumPy and CUDA arrays (no TensorFlow): the same kernels the TF ops call.";
+  m.def("rule_table", &RuleTable, "Each rule's op, slot inputs, hyper-parameters and flags.");
+  m.def("hparam_table", &HParamTable, "Each hyper-parameter's name in messages and default.");
+  DefineNumpy(m);
+#if TFCLIP_WITH_CUDA
+  DefineCuda(m);
+#else
+  m.attr("cuda") = false;
+  m.attr("cuda_emulated") = false;
+#endif
+}

@@ -1,0 +1,151 @@
+// tfclip._core, NumPy adapter: the core's CPU driver on NumPy arrays, on threads of our own. It
+// only checks (arrays.h), converts and calls csrc/core: the very code the TF CPU kernels call.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "csrc/core/cpu_driver.h"
+#include "csrc/core/cpu_kernels.h"
+#include "csrc/core/validate.h"
+#include "csrc/py/arrays.h"
+
+namespace tfclip {
+namespace {
+
+std::atomic<int> g_num_threads{0};  // 0: hardware concurrency
+
+int NumThreads() {
+  const int n = g_num_threads.load();
+  if (n > 0) return n;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+// Our own threads: contiguous blocks of units, one per thread; small work stays inline.
+CpuExecutor PyExecutor() {
+  return CpuExecutor{[](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
+    constexpr int64_t kMinCyclesPerThread = 1 << 16;
+    int64_t threads = std::min<int64_t>(NumThreads(), n);
+    threads = std::min<int64_t>(threads, std::max<int64_t>(1, n * cost / kMinCyclesPerThread));
+    if (threads <= 1) {
+      fn(0, n);
+      return;
+    }
+    std::vector<std::thread> pool;
+    pool.reserve(static_cast<size_t>(threads - 1));
+    const int64_t per = (n + threads - 1) / threads;
+    for (int64_t t = 1; t < threads; ++t) {
+      const int64_t b = t * per, e = std::min(n, b + per);
+      if (b < e) pool.emplace_back([&fn, b, e] { fn(b, e); });
+    }
+    fn(0, std::min(n, per));
+    for (auto& th : pool) th.join();
+  }};
+}
+
+double Norm(const std::vector<TensorView>& ts) {
+  py::gil_scoped_release nogil;
+  return GlobalNormCpu(ts.data(), static_cast<int>(ts.size()), PyExecutor());
+}
+
+double GlobalNorm(const py::list& t_list) {
+  return Norm(Views(Arrays(t_list, "t_list", false, &FromNumpy), "t_list"));
+}
+
+py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object use_norm) {
+  const auto arrays = Arrays(t_list, "t_list", false, &FromNumpy);
+  const auto in = Views(arrays, "t_list");
+  const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
+  if (!err.empty()) Fail(err);
+  const double norm = use_norm.is_none() ? Norm(in) : use_norm.cast<double>();
+  const double scale = GlobalClipScale(clip_norm, norm);
+  py::list outs;
+  std::vector<TensorView> out;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    py::array o = py::array(py::reinterpret_borrow<py::array>(t_list[i]).dtype(), arrays[i].shape);
+    outs.append(o);
+    out.push_back(View(o, Idx("out", i), true));
+  }
+  {
+    py::gil_scoped_release nogil;
+    ScaleListCpu(in.data(), out.data(), static_cast<int>(in.size()), scale, PyExecutor());
+  }
+  return py::make_tuple(outs, norm);
+}
+
+
+py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
+                    const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
+                    py::object clip, py::object use_norm, const std::string& nonfinite,
+                    py::object indices, bool lazy, py::object iterations) {
+  ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
+                             use_norm, nonfinite, indices, lazy, &FromNumpy);
+  if (!c.device_scalars.empty()) Fail("clip_apply takes numbers; device arrays go to cuda_clip_apply");
+  StepArgs args;
+  args.rule = c.rule;
+  args.hp = c.hp;
+  args.cfg = c.cfg;
+  args.ts = c.ts.data();
+  args.n = static_cast<int>(c.ts.size());
+  args.lazy = c.lazy;
+  int64_t* counter = nullptr;
+  if (!iterations.is_none()) {
+    if (!py::isinstance<py::array>(iterations)) Fail("iterations must be a NumPy int64 array of one element");
+    py::array a = py::reinterpret_borrow<py::array>(iterations);
+    if (a.size() != 1 || std::string(py::str(a.dtype().attr("name"))) != "int64" || !a.writeable() ||
+        !(a.flags() & py::array::c_style)) {
+      Fail("iterations must be a writable NumPy int64 array of one element");
+    }
+    counter = static_cast<int64_t*>(a.mutable_data());
+  }
+  args.iterations = counter;
+  StepScratch scratch;
+  StepResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = ClipApplyCpu(args, &scratch, PyExecutor());
+  }
+  if (!r.error.empty()) Fail(r.error);
+  return py::make_tuple(r.global_norm, r.applied);
+}
+
+}  // namespace
+
+void DefineNumpy(py::module_& m) {
+  m.def("global_norm", &GlobalNorm, py::arg("t_list"),
+        "Global L2 norm of a list of float arrays (fp64 accumulation, deterministic).");
+  m.def("clip_by_global_norm", &ClipByGlobalNorm, py::arg("t_list"), py::arg("clip_norm"),
+        py::arg("use_norm") = py::none(),
+        "(clipped arrays, norm) with tf.clip_by_global_norm semantics.");
+  m.def("clip_apply", &ClipApply, py::arg("rule"), py::arg("vars"), py::arg("grads"),
+        py::arg("slots"), py::arg("hparams"), py::arg("clip_mode") = "none",
+        py::arg("clip") = 0.0, py::arg("use_norm") = py::none(), py::arg("nonfinite") = "skip",
+        py::arg("indices") = py::none(), py::arg("lazy") = false,
+        py::arg("iterations") = py::none(),
+        "Clip and apply in place. rule: a name of rule_table(). slots: one list of arrays per "
+        "slot the step uses (momentum: [accum]; adam: [m, v] or [m, v, vhat]). hparams: the "
+        "rule's hyper-parameters and flags by name (rule_table(); missing ones take the table's "
+        "default). clip 0: no clip. indices: None, or per variable None (dense) or an "
+        "int32/int64 array of rows, grads[i] then holding the slices (IndexedSlices); lazy: "
+        "sparse updates touch only those rows. iterations: None or a 1-element int64 array, a "
+        "step counter: t = iterations + step, advanced when applied. Returns (global_norm, applied).");
+  m.def("set_num_threads", [](int n) { g_num_threads = n; }, py::arg("n"),
+        "Threads for the CPU passes (0: all cores). Results do not depend on it.");
+  m.def("num_threads", &NumThreads);
+  m.attr("chunk_elems") = kChunkElems;
+  m.def("cpu_isa", [] { return std::string(ActiveCpuKernels().name); },
+        "The instruction set the CPU passes run with (avx512, avx2 or baseline), picked at run "
+        "time from the CPU (or TFCLIP_CPU_ISA).");
+  m.def("cpu_isas", &SupportedCpuIsas, "The instruction-set variants this CPU can run, best first.");
+  m.def("set_cpu_isa", [](const std::string& name) {
+          if (!SetCpuIsa(name)) Fail("CPU variant '" + name + "' is not supported here");
+        }, py::arg("name"), "Switch variant (every variant gives the same bits).");
+}
+
+}  // namespace tfclip

@@ -1,0 +1,171 @@
+"""The one place the Python layer builds a clip-and-apply op call, and checks the clip and
+non-finite arguments every entry point shares (`fused_clip_apply`, the Keras and TF1 optimizers).
+
+The ops and their inputs come from the core's rule table (`csrc/core/rule_table.h`, read through
+`tfclip._core.rule_table()`): per rule its op, its slot inputs, its hyper-parameter inputs and its
+flags. A caller gives a rule's name, its slot handle lists in the table's order, and its
+hyper-parameters and flags by the table's names; a name the rule does not take, or one it needs
+that is missing, is an error here, before any op is built.
+"""
+import collections
+import math
+import numbers
+import re
+
+import tensorflow as tf
+from tensorflow.python.framework.ops import EagerTensor
+
+from tfclip import _core, _loader
+
+RULES = _core.rule_table()
+HPARAMS = _core.hparam_table()
+
+ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied"])
+ClipApplyResult.__doc__ = """What `fused_clip_apply` returns.
+
+global_norm: float32 scalar, the global norm of the gradients before clipping (or `use_norm`).
+applied: bool scalar; False only when `nonfinite="skip"` met a non-finite norm and nothing was
+    written.
+"""
+
+CLIP_ARGS = ("global_clipnorm", "clipnorm", "clipvalue")
+_CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue": "value"}
+POLICIES = ("skip", "propagate", "raise")
+
+
+def clip_config(global_clipnorm=None, clipnorm=None, clipvalue=None):
+    """(clip_mode, clip) for the op from Keras's three clip arguments (at most one set).
+
+    One rule everywhere, as Keras: None or 0 is no clip; otherwise a finite number > 0.
+    """
+    given = {k: v for k, v in zip(CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue)) if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got {sorted(given)}")
+    for k, v in given.items():
+        if isinstance(v, (tf.Tensor, tf.Variable)):
+            return _CLIP_MODES[k], v  # checked by the op (0: no clip there too)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{k} must be a finite number >= 0 (None or 0: no clip), got {v!r}")
+        if v > 0:
+            return _CLIP_MODES[k], float(v)
+    return "none", 0.0
+
+
+def check_policy(nonfinite):
+    """The non-finite policy check every entry point shares."""
+    if nonfinite not in POLICIES:
+        raise ValueError(f"nonfinite must be one of {POLICIES}, got {nonfinite!r}")
+
+
+def check_clip_norm(x, what):
+    """tf.clip_by_global_norm's clip_norm (the clip op, not the apply ops): finite and > 0."""
+    if type(x) is float:  # the common case, without NumPy's scalar machinery
+        ok = math.isfinite(x) and x > 0
+    else:
+        ok = not isinstance(x, numbers.Real) or (math.isfinite(x) and x > 0)
+    if not ok:
+        raise ValueError(f"{what} must be finite and > 0, got {x}")
+
+
+def scalar(x, name):
+    """A float64 scalar tensor for an op input (Python numbers converted exactly)."""
+    if type(x) in (float, int) and tf.executing_eagerly():
+        cached = _eager_number(x)
+        if cached is not None:
+            return cached
+    if isinstance(x, tf.Tensor) and x.dtype == tf.float64 and x.shape.rank == 0:
+        return x
+    t = tf.convert_to_tensor(x, dtype_hint=tf.float64, name=name)
+    if not t.dtype.is_floating and not t.dtype.is_integer:
+        raise TypeError(f"{name} must be a number, got dtype {t.dtype.name}")
+    if t.shape.rank is not None and t.shape.rank != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {t.shape}")
+    return tf.cast(t, tf.float64)
+
+
+# Eager float64 constants of the Python numbers a step passes (hyper-parameters, clip): making
+# and checking one anew cost ~20 us, a seventh of an eager step's fixed cost with 200
+# variables. Keyed by value and sign, so -0.0 stays -0.0 (and NaN, an optional input's "not
+# given", by its own key); bounded, for a number that changes every step. (Host constants: on
+# GPU TF copies them to the device without a wait, where the kernel reads them.)
+_EAGER_NUMBERS = {}
+
+
+def _eager_number(x):
+    try:
+        f = float(x)
+    except OverflowError:
+        return None  # the general path names the problem
+    key = ("nan",) if f != f else (f, math.copysign(1.0, f))
+    t = _EAGER_NUMBERS.get(key)
+    if t is None:
+        if len(_EAGER_NUMBERS) >= 256:
+            _EAGER_NUMBERS.clear()
+        with tf.device("/device:CPU:0"):
+            t = tf.constant(f, tf.float64)
+        _EAGER_NUMBERS[key] = t
+    return t
+
+
+def op_grads(grads):
+    """The `grad`, `indices` and `sparse` inputs of the apply ops for a gradient list:
+    IndexedSlices travel as their values, with their indices and positions."""
+    values, indices, sparse = [], [], []
+    for i, g in enumerate(grads):
+        # (An eager tensor is told apart first: the IndexedSlices check is an ABC instance
+        # check, ~1 us a gradient on an eager step.)
+        if type(g) is not EagerTensor and isinstance(g, tf.IndexedSlices):
+            values.append(g.values)
+            indices.append(g.indices)
+            sparse.append(i)
+        else:
+            values.append(g)
+    return values, {"indices": indices, "sparse": sparse}
+
+
+NO_SPARSE = {"indices": (), "sparse": ()}  # the op's sparse inputs for all-dense gradients
+
+
+def _snake(name):
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+_OP_FUNCS = {}
+
+
+def _op(rule):
+    f = _OP_FUNCS.get(rule)
+    if f is None:
+        f = _OP_FUNCS[rule] = getattr(_loader.ops(), _snake(RULES[rule]["op"]))
+    return f
+
+
+def apply(rule, var, slots, grad, hparams, flags=None, **common):
+    """Calls the rule's apply op.
+
+    rule: a name of the rule table ("sgd", "adam", ...). var: the variables' handles. slots: the
+    handle lists of the slots the step uses, in the table's order (Adam: [m, v] or [m, v, vhat]).
+    grad: the gradient values (see op_grads). hparams: every hyper-parameter the rule takes, by
+    the table's name (numbers, tensors or variables; optional ones, Adam's beta powers, may be
+    left out); flags: its bool options by attr name. common: the inputs and attrs every apply op
+    has (clip, use_norm, iterations, clip_mode, nonfinite, indices, sparse, lazy, ...).
+    """
+    row = RULES[rule]
+    names = row["hparams"]
+    unknown = set(hparams) - set(names)
+    missing = [n for n in names if n not in hparams and not HPARAMS[n]["optional"]]
+    if unknown or missing:
+        raise TypeError(f"rule '{rule}' takes the hyper-parameters {names}; "
+                        f"missing {missing}, unknown {sorted(unknown)}")
+    if not row["min_slots"] <= len(slots) <= len(row["slots"]):
+        raise TypeError(f"rule '{rule}' takes {row['min_slots']} to {len(row['slots'])} slot lists "
+                        f"({row['slots']}), got {len(slots)}")
+    flags = flags or {}
+    if set(flags) - set(row["flags"]):
+        raise TypeError(f"rule '{rule}' takes the flags {row['flags']}, got {sorted(flags)}")
+    kw = {n: scalar(hparams.get(n, math.nan), HPARAMS[n]["display"]) for n in names}
+    for k, s in enumerate(row["slots"]):
+        kw[s] = slots[k] if k < len(slots) else []
+    for f in row["flags"]:
+        kw[f] = bool(flags.get(f, False))
+    return _op(rule)(var=var, grad=grad, **kw, **common)
