@@ -296,7 +296,8 @@ def overhead_table(args, rng):
     inputs = handles + m + s + grads
     f64 = lambda x: tf.constant(x, tf.float64)  # noqa: E731
     hp = dict(lr=f64(1e-9), beta_1=f64(0.9), beta_2=f64(0.999), epsilon=f64(1e-7),
-              weight_decay=f64(0.0), step=f64(1.0), beta_powers=[], clip=f64(1.0), use_norm=f64(0.0))
+              weight_decay=f64(0.0), step=f64(1.0), beta_1_power=f64(float("nan")),
+              beta_2_power=f64(float("nan")), clip=f64(1.0), use_norm=f64(0.0))
 
     def raw_op(var, m, v):
         return ops.tfclip_clip_apply_adam(var=var, m=m, v=v, vhat=[], grad=grads, indices=[],

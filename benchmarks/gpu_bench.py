@@ -41,9 +41,9 @@ SETS = {
 }
 # rule: (tfclip rule, slots, hparams, bytes of var+slots traffic per param at fp32 beyond the grad)
 RULES = {
-    "adam": ("adam", 2, {"learning_rate": 1e-3}),
-    "adamw": ("adam", 2, {"learning_rate": 1e-3, "weight_decay": 0.01}),
-    "sgdm": ("keras_momentum", 1, {"learning_rate": 1e-2, "momentum": 0.9}),
+    "adam": ("adam", 2, {"lr": 1e-3}),
+    "adamw": ("adam", 2, {"lr": 1e-3, "weight_decay": 0.01}),
+    "sgdm": ("keras_momentum", 1, {"lr": 1e-2, "momentum": 0.9}),
 }
 TORCH_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,15 +93,17 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw):
     norm_out = torch.zeros((1,), dtype=torch.float32, device="cuda")
     applied_out = torch.zeros((1,), dtype=torch.bool, device="cuda")
     g_cai = [as_cai(g) for g in grads]
-    step = {"n": 0}
+    # As a Keras step on a GPU has them: the learning rate and the step counter in device memory
+    # (a schedule's value, `iterations`), read by the step itself; nothing waits on the host.
+    h = {k: torch.tensor([v], dtype=torch.float64, device="cuda") for k, v in hp.items()}
+    counter = torch.zeros((1,), dtype=torch.int64, device="cuda")
+    if core_rule == "adam":
+        h["step"] = 1.0  # t = iterations + 1
 
     def tfclip_step():
-        step["n"] += 1
-        h = dict(hp)
-        if core_rule == "adam":
-            h["step"] = step["n"]
         _core.cuda_clip_apply(core_rule, params, g_cai, slots, h, "global_norm", 1.0,
-                              norm_out=norm_out, applied_out=applied_out, stream=stream)
+                              iterations=counter, norm_out=norm_out, applied_out=applied_out,
+                              stream=stream)
 
     t_tfclip = time_loop(tfclip_step, iters)
     launches = _core.cuda_last_launches()

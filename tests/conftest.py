@@ -29,12 +29,14 @@ def rng():
 # ---------------------------------------------------------------- tests/gpu: no silent skips
 # The CUDA parity suite cannot skip silently where it is required to run: with
 # TFCLIP_REQUIRE_GPU=1 (CI's emulated run, GPU hosts) a skipped test there is a failure, except
-# one marked `gpu_only` on the emulated build (the >2^31-element case).
+# one marked `gpu_only` on the emulated build (the >2^31-element case), or `emulation_only` on a
+# real GPU (fault injection, which only the emulation offers).
 _REQUIRE_GPU = os.environ.get("TFCLIP_REQUIRE_GPU") == "1"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu_only: needs a real GPU (skipped on the emulated build)")
+    config.addinivalue_line("markers", "emulation_only: needs the CUDA emulation (skipped on a real GPU)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -43,7 +45,10 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if not (_REQUIRE_GPU and rep.skipped and os.sep + "gpu" + os.sep in str(item.fspath)):
         return
-    if item.get_closest_marker("gpu_only") is not None and getattr(item.module, "EMULATED", False):
+    emulated = getattr(item.module, "EMULATED", None)
+    if item.get_closest_marker("gpu_only") is not None and emulated is True:
+        return
+    if item.get_closest_marker("emulation_only") is not None and emulated is False:
         return
     rep.outcome = "failed"
     rep.longrepr = f"TFCLIP_REQUIRE_GPU=1, and this test was skipped: {rep.longrepr}"

@@ -750,3 +750,30 @@ def test_clip_zero_is_no_clip_everywhere(rng):
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="global_clipnorm must be finite and >= 0"):
             _core.clip_apply("sgd", [v0.copy()], [g0], [], {"lr": 0.1}, clip_mode="global_norm", clip=bad)
+
+
+@pytest.mark.parametrize("rule,slots,hp", [
+    ("sgd", 0, {"lr": 0.1}),
+    ("momentum", 1, {"lr": 0.1, "momentum": 0.9}),
+    ("adam", 2, {"lr": 0.01}),
+])
+def test_core_step_counter_serves_every_rule(rng, rule, slots, hp):
+    """The step counter is the core's, for every rule (it once applied to Adam only): t is
+    iterations + step for whichever rule takes a step, and an applied step advances it."""
+    from tfclip import _core
+
+    v0 = [rng.normal(size=(6,)).astype(np.float32)]
+    g = [rng.normal(size=(6,)).astype(np.float32)]
+    a, b = [v0[0].copy()], [v0[0].copy()]
+    sa = [[np.zeros(6, np.float32)] for _ in range(slots)]
+    sb = [[np.zeros(6, np.float32)] for _ in range(slots)]
+    counter = np.array([4], np.int64)
+    step = {"step": 1.0} if rule == "adam" else {}
+    _core.clip_apply(rule, a, g, sa, {**hp, **({"step": 5.0} if rule == "adam" else {})})
+    _, applied = _core.clip_apply(rule, b, g, sb, {**hp, **step}, iterations=counter)
+    assert applied and counter[0] == 5
+    np.testing.assert_array_equal(a[0], b[0])
+    bad = [np.full(6, np.nan, np.float32)]
+    _, applied = _core.clip_apply(rule, b, bad, sb, {**hp, **step}, clip_mode="global_norm", clip=1.0,
+                                  iterations=counter)
+    assert not applied and counter[0] == 5

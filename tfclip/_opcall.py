@@ -84,8 +84,8 @@ def scalar(x, name):
 
 
 # Eager float64 constants of the Python numbers a step passes (hyper-parameters, clip): making
-# and checking one anew cost ~20 us, a seventh of an eager step's fixed cost with 200
-# variables. Keyed by value and sign, so -0.0 stays -0.0 (and NaN, an optional input's "not
+# and checking one anew is a visible part of an eager step's fixed cost (benchmarks/NOTES.md,
+# "Figures behind the code": P1). Keyed by value and sign, so -0.0 stays -0.0 (and NaN, an optional input's "not
 # given", by its own key); bounded, for a number that changes every step. (Host constants: on
 # GPU TF copies them to the device without a wait, where the kernel reads them.)
 _EAGER_NUMBERS = {}
@@ -113,7 +113,7 @@ def op_grads(grads):
     values, indices, sparse = [], [], []
     for i, g in enumerate(grads):
         # (An eager tensor is told apart first: the IndexedSlices check is an ABC instance
-        # check, ~1 us a gradient on an eager step.)
+        # check, slow per gradient on an eager step; NOTES.md's P2.)
         if type(g) is not EagerTensor and isinstance(g, tf.IndexedSlices):
             values.append(g.values)
             indices.append(g.indices)

@@ -293,7 +293,8 @@ def _pairs_error(pairs):
 
 
 # A repeated eager step (the same variable objects, every gradient a dense eager tensor) skips
-# the per-pair Python above: ~8 us a pair, 1.6 ms of a 200-variable step's 3 ms. What it
+# the per-pair Python above (most of a 200-variable eager step: benchmarks/NOTES.md, "Figures
+# behind the code": P3). What it
 # checked of the variables (unwrapping, dtype, duplicates) still holds for the same objects;
 # a gradient's dtype and shape are checked by the op before it writes anything, and an op
 # error reruns the full check so the error still names the pair. The entry holds the variable
@@ -301,7 +302,7 @@ def _pairs_error(pairs):
 # rule, one entry, as the rule's handle lists do. Not under tf.distribute, where a variable
 # stands for replicas. The check is one pass in C over a list of 2-tuples (what zip() and
 # compute_gradients give; other pairs take the full path): in Python it was four passes (zip,
-# ids, types, list) that ran cache-cold after each op, ~50 us of a 200-pair step.
+# ids, types, list) that ran cache-cold after each op (E1).
 
 
 def _repeated_eager_split(pairs, rule):
@@ -318,8 +319,8 @@ _EAGER_ONLY = {EagerTensor}
 
 
 def _all_eager_tensors(ts):
-    """Whether every entry is a dense eager tensor (whole-list check in C: a per-gradient
-    Python loop cost ~10 us of a 200-variable step)."""
+    """Whether every entry is a dense eager tensor (a whole-list check in C rather than a
+    per-gradient Python loop; benchmarks/NOTES.md's P4)."""
     return set(map(type, ts)) == _EAGER_ONLY
 
 

@@ -124,8 +124,9 @@ class Rule:
         are kept for the last list of variables, so a repeated step pays no per-variable Python
         here; the entry holds the variables themselves, so their ids cannot be reused while it
         stands. For host variables each list is kept packed into one vector of handles (the op
-        takes either form): TF's eager dispatch costs ~0.7 us per resource input, so 600 of them
-        were most of a 200-variable step's fixed cost. Graph code keeps one input per variable,
+        takes either form): TF's eager dispatch costs per resource input, and 600 of them were
+        most of a 200-variable step's fixed cost (benchmarks/NOTES.md, "Figures behind the
+        code": P5). Graph code keeps one input per variable,
         which is what automatic control dependencies order the step by. Also returns whether
         every variable (and so every slot) is in host memory, where the CPU kernel runs, and
         the step counter's handle where the op may own the count (see _host_counter).
@@ -156,8 +157,8 @@ class Rule:
                all_dense=False):
         # The step counter advances only for an applied step. With host variables and a host
         # counter the op reads it (Adam's step) and advances it under the step's locks: the
-        # same count, atomic with the update, for ~100 us of eager reads, constants and
-        # increments less (in a tf.function, five small ops and two identities); else graph
+        # same count, atomic with the update, without the eager reads, constants and increments
+        # (in a tf.function, five small ops and two identities; NOTES.md's P6); else graph
         # ops do it here. (`counter`: its handle then, else None.)
         var_handles, slot_lists, host, counter = self._handles(variables)
         given = use_norm is not None

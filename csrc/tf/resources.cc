@@ -78,8 +78,8 @@ absl::Status LockOrder::Lock(const std::vector<VarRef>& refs, LockSet* locks) {
     if (same) order = order_;
   }
   if (order.empty()) {
-    // (The keys are gathered first: a sort that chases refs[k].var->mu() per comparison
-    // cost ~3x as much for a few hundred variables.)
+    // (The keys are gathered first: a sort that chases refs[k].var->mu() per comparison cost
+    // more; benchmarks/NOTES.md, "Figures behind the code": T1.)
     std::vector<std::pair<tf::mutex*, int>> sorted(refs.size());
     for (size_t k = 0; k < refs.size(); ++k) sorted[k] = {refs[k].var->mu(), static_cast<int>(k)};
     std::sort(sorted.begin(), sorted.end());

@@ -44,7 +44,7 @@ class LockSet {
 // Finds the Vars of a step's resource inputs. A TF2 variable's handle is ref-counting: it owns
 // its Var, and the op's input owns the handle until Compute returns, so such a Var is used
 // through the handle's pointer, with no reference taken and dropped (two atomic operations per
-// resource, ~10% of a small step's fixed cost). The handle must name this device and a Var,
+// resource; benchmarks/NOTES.md, "Figures behind the code": T2). The handle must name this device and a Var,
 // as TF's LookupResource checks; anything else (shared-name TF1 variables, a wrong device or
 // type, a deleted variable) goes through LookupResource itself, which keeps a reference in
 // `owned_` and gives TF's own error.

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -578,6 +579,13 @@ void ShuffleXor(unsigned mask, void* v, size_t bytes, int lane_mask) {
 
 void EnqueueLaunch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
                    std::function<void()> body) {
+  // Fault injection for tests: a launch whose kernel name contains $TFCLIP_EMU_FAIL_LAUNCH fails
+  // as a real launch can (cudaGetLastError reports it), so error paths run in CI.
+  const char* fail = std::getenv("TFCLIP_EMU_FAIL_LAUNCH");
+  if (fail != nullptr && *fail != '\0' && std::strstr(name, fail) != nullptr) {
+    SetLast(cudaErrorLaunchFailure);
+    return;
+  }
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > kMaxThreadsPerBlock ||
       smem > (size_t{48} << 10)) {

@@ -2,7 +2,7 @@
 
 No TensorFlow here. On a GPU host (CuPy or PyTorch, or _core's own allocator) this runs the real
 CUDA build. In CI it runs the emulated build (scripts/cuda_emulation.sh), which compiles the very
-cuda/*.cu sources against cuda/emulation/, so every kernel and launcher line executes there too.
+csrc/core/*.cu sources against cuda/emulation/, so every kernel and launcher line executes there too.
 
 The apply kernels are built without FMA contraction and run the same rule bodies in the same
 order as the CPU, so with no clip (or a clip by value) they match the CPU bit for bit. The norm

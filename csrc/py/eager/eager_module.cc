@@ -7,7 +7,7 @@ namespace py = pybind11;
 
 namespace {
 // For tfclip/ops.py's repeated eager step, one pass in C over the (gradient, variable) pairs
-// instead of several in Python (which ran cache-cold after each op: ~50 us for 200 pairs).
+// instead of several in Python (benchmarks/NOTES.md, "Figures behind the code": E1).
 // Returns the gradients as a list when `pairs` is a list of 2-tuples whose variables are, in
 // order, the very objects of the tuple `variables` and whose gradients are all exactly of type
 // `grad_type`; else None (the caller then takes its general path). Nothing here knows TF.
