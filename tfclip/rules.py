@@ -215,18 +215,20 @@ class Rule:
 
 
 def _check_number(name, v):
-    import math
-
+    """A hyper-parameter given as a Python number, checked at construction against the range the
+    core's table gives it (csrc/core/hparams.h, through tfclip._core.hparam_table())."""
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v}")
-    if name in ("learning_rate", "weight_decay", "epsilon") and v < 0:
-        raise ValueError(f"{name} must be >= 0, got {v}")
-    if name == "momentum" and not 0 <= v <= 1:
-        raise ValueError(f"momentum must be in [0, 1], got {v}")
-    if name == "beta_1" and not 0 <= v < 1:
-        raise ValueError(f"beta_1 must be in [0, 1), got {v}")
-    if name == "beta_2" and not 0 <= v <= 1:  # 1: a zero update, as stock Keras and TF allow
-        raise ValueError(f"beta_2 must be in [0, 1], got {v}")
+    info = _opcall.HPARAMS.get("lr" if name == "learning_rate" else name)
+    if info is None:
+        return
+    lo, hi = info["lo"], info["hi"]
+    ok = (v > lo if info["lo_open"] else v >= lo) and (v < hi if info["hi_open"] else v <= hi)
+    if not ok:
+        if math.isinf(hi):
+            raise ValueError(f"{name} must be {'>' if info['lo_open'] else '>='} {lo:g}, got {v}")
+        raise ValueError(f"{name} must be in {'(' if info['lo_open'] else '['}{lo:g}, {hi:g}"
+                         f"{')' if info['hi_open'] else ']'}, got {v}")
 
 
 class SGD(Rule):

@@ -75,7 +75,7 @@ template <typename V>
 TFCLIP_HD typename Elem<V>::Math CastClipGradAt(const void* grad, DType gt, int64_t i,
                                                 const ClipFactor& f) {
   switch (gt) {
-#define TFCLIP_CAST_CASE(E, S, M, N) \
+#define TFCLIP_CAST_CASE(E, S, M, N, ...) \
   case DType::E:                     \
     return CastClipGrad<S, V>(static_cast<const S*>(grad)[i], f);
     TFCLIP_FOR_EACH_TYPE(TFCLIP_CAST_CASE)

@@ -44,8 +44,8 @@ enum class Flag : int {
 constexpr int kNumHParams = 0 TFCLIP_FOR_EACH_HPARAM(TFCLIP_COUNT);
 constexpr int kNumFlags = 0 TFCLIP_FOR_EACH_FLAG(TFCLIP_COUNT);
 #undef TFCLIP_COUNT
-constexpr uint32_t HPBit(HP h) { return 1u << static_cast<int>(h); }
-constexpr uint32_t FlagBit(Flag f) { return 1u << static_cast<int>(f); }
+constexpr TFCLIP_HD uint32_t HPBit(HP h) { return 1u << static_cast<int>(h); }
+constexpr TFCLIP_HD uint32_t FlagBit(Flag f) { return 1u << static_cast<int>(f); }
 
 // Hyper-parameters as the user gave them (one POD for every rule, so a launcher uploads it with
 // the tensor table). Rules read the fields they take.

@@ -23,19 +23,29 @@
 
 namespace tfclip {
 
-// The one dtype list. Op attrs, kernel registration, pybind dispatch and explicit
-// instantiations are all driven from it, so the lists cannot drift apart.
-//   X(enum name, storage type, math type, name as TF spells it in an attr)
-#define TFCLIP_FOR_EACH_TYPE(X)           \
-  X(kHalf, ::tfclip::half, float, "half") \
-  X(kBFloat16, ::tfclip::bfloat16, float, "bfloat16") \
-  X(kFloat, float, float, "float")        \
-  X(kDouble, double, double, "double")
+// The one dtype list. Op attrs, TF dtype mapping, dispatch (host and device) and _core's NumPy
+// and __cuda_array_interface__ dtypes are all driven from it, so the lists cannot drift apart.
+//   X(enum name, storage type, math type, name as TF spells it in an attr, NumPy dtype name,
+//     __cuda_array_interface__ type codes)
+// bfloat16's codes are 16-bit integer views: no CUDA array library exports a bfloat16 typestr
+// (CuPy has no bfloat16 dtype, PyTorch refuses to export one), so callers pass a uint16 or
+// int16 view of bfloat16 data, and _core reads those codes as bfloat16.
+#define TFCLIP_FOR_EACH_TYPE(X)                                      \
+  X(kHalf, ::tfclip::half, float, "half", "float16", "f2")           \
+  X(kBFloat16, ::tfclip::bfloat16, float, "bfloat16", "bfloat16", "u2,i2") \
+  X(kFloat, float, float, "float", "float32", "f4")                  \
+  X(kDouble, double, double, "double", "float64", "f8")
 
 enum class DType : int { kHalf = 0, kBFloat16 = 1, kFloat = 2, kDouble = 3 };
 
 const char* DTypeName(DType t);
 int DTypeSize(DType t);
+// The dtype of a NumPy dtype name ("float32", ...), or of a __cuda_array_interface__ type code
+// ("f4", ...; the typestr without its byte-order character). False if it is none of ours.
+bool DTypeFromNumpyName(const char* name, DType* out);
+bool DTypeFromTypeCode(const char* code, DType* out);
+// What the dtype list accepts, for error messages: "float16, bfloat16, float32, float64".
+const char* NumpyDTypeNames();
 
 // Storage-only 16-bit types: arithmetic always happens in the math type (float).
 struct half {
@@ -145,7 +155,7 @@ struct Elem<bfloat16> {
 template <typename Fn>
 TFCLIP_HD void DispatchDType(DType t, Fn&& fn) {
   switch (t) {
-#define TFCLIP_DISPATCH_CASE(E, S, M, N) \
+#define TFCLIP_DISPATCH_CASE(E, S, M, N, ...) \
   case DType::E:                         \
     fn(S{});                             \
     break;

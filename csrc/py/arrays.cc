@@ -11,13 +11,12 @@ namespace tfclip {
 
 namespace {
 DType ArrayDType(const py::array& a, const std::string& name) {
-  const py::dtype dt = a.dtype();
-  const std::string dname = py::str(dt.attr("name"));
-  if (dname == "float16") return DType::kHalf;
-  if (dname == "bfloat16") return DType::kBFloat16;
-  if (dname == "float32") return DType::kFloat;
-  if (dname == "float64") return DType::kDouble;
-  Fail(name + " has dtype " + dname + "; only float16, bfloat16, float32 and float64");
+  const std::string dname = py::str(a.dtype().attr("name"));
+  DType t;
+  if (!DTypeFromNumpyName(dname.c_str(), &t)) {
+    Fail(name + " has dtype " + dname + "; only " + NumpyDTypeNames());
+  }
+  return t;
 }
 
 }  // namespace
@@ -256,6 +255,17 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
 [[noreturn]] void FailNonFinite() {
   throw py::value_error("the global norm of the gradients is non-finite and nonfinite='raise'; "
                         "no variable was updated");
+}
+
+StepArgs ApplyCall::Args() const {
+  StepArgs a;
+  a.rule = rule;
+  a.hp = hp;
+  a.cfg = cfg;
+  a.ts = ts.data();
+  a.n = static_cast<int>(ts.size());
+  a.lazy = lazy;
+  return a;
 }
 
 }  // namespace tfclip

@@ -56,6 +56,8 @@ struct ApplyCall {
   std::vector<uintptr_t> streams;          // the streams the arrays declare (CUDA)
   // Scalars given as device arrays (CUDA): (HP index, or kClip / kUseNorm / kIterations; array).
   std::vector<std::pair<int, py::object>> device_scalars;
+  // The core's step arguments (the tensors stay owned here).
+  StepArgs Args() const;
 };
 
 ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,

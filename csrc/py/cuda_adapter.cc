@@ -78,11 +78,9 @@ Array FromCuda(const py::handle& h, const std::string& name, bool writable) {
   if (writable && data[1].cast<bool>()) Fail(name + " is read-only (it is updated in place)");
   const std::string ts = cai["typestr"].cast<std::string>();
   const std::string code = ts.size() >= 2 ? ts.substr(1) : ts;
-  if (code == "f2") r.dtype = DType::kHalf;
-  else if (code == "u2" || code == "i2") r.dtype = DType::kBFloat16;
-  else if (code == "f4") r.dtype = DType::kFloat;
-  else if (code == "f8") r.dtype = DType::kDouble;
-  else Fail(name + " has typestr " + ts + "; only float16, float32, float64 (and a uint16/int16 view as bfloat16)");
+  if (!DTypeFromTypeCode(code.c_str(), &r.dtype)) {
+    Fail(name + " has typestr " + ts + "; only float16, float32, float64 (and a uint16/int16 view as bfloat16)");
+  }
   r.size = 1;
   for (auto d : cai["shape"].cast<py::tuple>()) {
     r.shape.push_back(d.cast<int64_t>());
@@ -294,13 +292,7 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
     if (!IsDeviceScalar(iterations)) Fail("iterations must be a 1-element int64 device array");
     ds.iterations = static_cast<int64_t*>(DeviceScalarPtr(iterations, "iterations", "i8"));
   }
-  StepArgs args;
-  args.rule = c.rule;
-  args.hp = c.hp;
-  args.cfg = c.cfg;
-  args.ts = c.ts.data();
-  args.n = static_cast<int>(c.ts.size());
-  args.lazy = c.lazy;
+  StepArgs args = c.Args();
   void* stream = StepStream(stream_o, c.streams);
   cuda::CudaOutputs o;
   DType unused;

@@ -48,6 +48,10 @@ py::dict HParamTable() {
     d["display"] = i.display;
     d["default"] = i.def;
     d["optional"] = i.def != i.def;
+    d["lo"] = i.lo;
+    d["lo_open"] = i.lo_open;
+    d["hi"] = i.hi;
+    d["hi_open"] = i.hi_open;
     out[i.input] = d;
   }
   return out;
@@ -59,7 +63,7 @@ PYBIND11_MODULE(_core, m) {
   using namespace tfclip;
   m.doc() = "tfclip's core on NumPy and CUDA arrays (no TensorFlow): the same kernels the TF ops call.";
   m.def("rule_table", &RuleTable, "Each rule's op, slot inputs, hyper-parameters and flags.");
-  m.def("hparam_table", &HParamTable, "Each hyper-parameter's name in messages and default.");
+  m.def("hparam_table", &HParamTable, "Each hyper-parameter's name in messages, default and range (lo, hi, open ends).");
   DefineNumpy(m);
 #if TFCLIP_WITH_CUDA
   DefineCuda(m);

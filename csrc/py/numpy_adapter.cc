@@ -87,13 +87,7 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromNumpy);
   if (!c.device_scalars.empty()) Fail("clip_apply takes numbers; device arrays go to cuda_clip_apply");
-  StepArgs args;
-  args.rule = c.rule;
-  args.hp = c.hp;
-  args.cfg = c.cfg;
-  args.ts = c.ts.data();
-  args.n = static_cast<int>(c.ts.size());
-  args.lazy = c.lazy;
+  StepArgs args = c.Args();
   int64_t* counter = nullptr;
   if (!iterations.is_none()) {
     if (!py::isinstance<py::array>(iterations)) Fail("iterations must be a NumPy int64 array of one element");

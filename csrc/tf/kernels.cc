@@ -58,7 +58,7 @@ CpuExecutor TfExecutor(OpKernelContext* ctx) {
 bool ToCoreDType(tf::DataType t, DType* out) {
   static const std::vector<std::pair<tf::DataType, DType>> kMap = [] {
     std::vector<std::pair<tf::DataType, DType>> m;
-#define TFCLIP_TF_DTYPE(E, S, M, N)               \
+#define TFCLIP_TF_DTYPE(E, S, M, N, ...)          \
   {                                               \
     tf::DataType dt;                              \
     if (tf::DataTypeFromString(N, &dt)) m.push_back({dt, DType::E}); \
@@ -335,141 +335,34 @@ class ClipApplyOp : public OpKernel {
     nslots_ = NumSlots(rule_.kind, hp_);
   }
 
+  // Check, look up and lock, allocate, one core step.
   void Compute(OpKernelContext* ctx) override {
     StepArgs args;
     args.rule = rule_.kind;
     args.hp = hp_;
     args.cfg = cfg_;
     args.lazy = lazy_;
-    // The scalars: read here on CPU; on GPU they stay in device memory, read by the core.
-#if TFCLIP_WITH_CUDA
-    cuda::DeviceScalars ds;
-#endif
-    for (int k = 0; k < kNumHParams; ++k) {
-      if (!((rule_.hparams >> k) & 1u)) continue;
-      const char* name = GetHParamInfo(static_cast<HP>(k)).input;
-      if constexpr (kGpu<D>) {
-#if TFCLIP_WITH_CUDA
-        OP_REQUIRES_OK(ctx, DeviceScalar(ctx, name, &ds.hparams[k]));
-#endif
-      } else {
-        double v = 0;
-        OP_REQUIRES_OK(ctx, ScalarInput(ctx, name, &v));
-        args.hp.Set(static_cast<HP>(k), v);
-      }
-    }
-    if constexpr (kGpu<D>) {
-#if TFCLIP_WITH_CUDA
-      OP_REQUIRES_OK(ctx, DeviceScalar(ctx, "clip", &ds.clip));
-      OP_REQUIRES_OK(ctx, DeviceScalar(ctx, "use_norm", &ds.use_norm));
-      if (!cfg_.has_use_norm) ds.use_norm = nullptr;
-#endif
-    } else {
-      OP_REQUIRES_OK(ctx, ScalarInput(ctx, "clip", &args.cfg.clip));
-      OP_REQUIRES_OK(ctx, ScalarInput(ctx, "use_norm", &args.cfg.use_norm));
-    }
-
+    Scalars ds;
+    OP_REQUIRES_OK(ctx, ReadScalars(ctx, &args, &ds));
     tf::OpInputList grads, indices;
     OP_REQUIRES_OK(ctx, ctx->input_list("grad", &grads));
     OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
     OP_REQUIRES(ctx, indices.size() == num_sparse_,
                 tf::errors::InvalidArgument("got ", indices.size(), " index vectors for ",
                                             num_sparse_, " sparse gradients"));
-
-    // Look up every resource: vars, then each slot list the step uses (slot k of var i is
-    // refs[(k + 1) * n + i]); an unused slot list (Adam's vhat without amsgrad) must be empty.
     VarLookup lookup(ctx);  // before refs: it may own references refs point through
     std::vector<VarRef> refs;
-    refs.reserve(static_cast<size_t>((nslots_ + 1) * n_));
-    OP_REQUIRES_OK(ctx, lookup.Add("var", "vars", n_, &refs));
-    for (int k = 0; k < static_cast<int>(slots_.size()); ++k) {
-      const char* slot = slots_[k].c_str();
-      if (k < nslots_) {
-        OP_REQUIRES_OK(ctx, lookup.Add(slot, slot, n_, &refs));
-      } else {
-        int64_t extra = 0;
-        OP_REQUIRES_OK(ctx, lookup.Count(slot, &extra));
-        OP_REQUIRES(ctx, extra == 0,
-                    tf::errors::InvalidArgument("got ", extra, " ", slot, " slots, but with these ",
-                                                "flags rule '", rule_.name, "' takes ", nslots_,
-                                                " slot lists and no ", slot));
-      }
-    }
-    // The step counter, if given, is locked and copied-on-write with the rest: refs' last.
-    if (has_iterations_) OP_REQUIRES_OK(ctx, lookup.Add("iterations", "iterations", 1, &refs));
-
+    OP_REQUIRES_OK(ctx, LookUp(ctx, &lookup, &refs));
     LockSet locks;
     OP_REQUIRES_OK(ctx, lock_order_.Lock(refs, &locks));
-
     void* gpu_stream = nullptr;
 #if TFCLIP_WITH_CUDA
     if constexpr (kGpu<D>) gpu_stream = GpuStream(ctx);
 #endif
-    // Validate everything before the first write. Each variable, once checked, gets a private
-    // buffer (EnsureExclusive changes no value, so a later failure has still written nothing)
-    // and its raw pointers for the core: one visit of each Var and tensor per step.
     std::vector<ApplyTensor> ts(n_);
     std::vector<std::vector<int64_t>> sparse_rows(static_cast<size_t>(num_sparse_));
-    for (int i = 0; i < n_; ++i) {
-      tf::Var* var = refs[i].var;
-      OP_REQUIRES(ctx, var->is_initialized,
-                  tf::errors::FailedPrecondition("vars[", i, "] is not initialized"));
-      const Tensor& vt = *var->tensor();
-      OP_REQUIRES(ctx, ToCoreDType(vt.dtype(), &ts[i].var_dtype),
-                  tf::errors::InvalidArgument("vars[", i, "] has dtype ",
-                                              tf::DataTypeString(vt.dtype()),
-                                              "; only half, bfloat16, float and double variables"));
-      OP_REQUIRES(ctx, ToCoreDType(grads[i].dtype(), &ts[i].grad_dtype),
-                  tf::errors::InvalidArgument("grads[", i, "] has unsupported dtype"));
-      if (sparse_of_[i] >= 0) {
-        OP_REQUIRES_OK(ctx, CheckSparse(i, vt, grads[i], indices[sparse_of_[i]],
-                                        &sparse_rows[sparse_of_[i]], &ts[i]));
-      } else if (vt.shape() != grads[i].shape()) {
-        if (vt.NumElements() != grads[i].NumElements()) {
-          ctx->CtxFailure(tf::errors::InvalidArgument(
-              "grads[", i, "] has ", grads[i].NumElements(), " elements (shape ",
-              grads[i].shape().DebugString(), ") but vars[", i, "] has ", vt.NumElements(),
-              " (shape ", vt.shape().DebugString(), ")"));
-        } else {
-          ctx->CtxFailure(tf::errors::InvalidArgument(
-              "grads[", i, "] has shape ", grads[i].shape().DebugString(), " but vars[", i,
-              "] has shape ", vt.shape().DebugString()));
-        }
-        return;
-      }
-      ts[i].size = vt.NumElements();
-      OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, var, gpu_stream));
-      ts[i].var = const_cast<char*>(var->tensor()->tensor_data().data());
-      ts[i].grad = grads[i].tensor_data().data();
-      for (int k = 0; k < nslots_; ++k) {
-        const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
-        OP_REQUIRES(ctx, s.var->is_initialized,
-                    tf::errors::FailedPrecondition(s.name(), " is not initialized"));
-        const Tensor& st = *s.var->tensor();
-        OP_REQUIRES(ctx, st.dtype() == vt.dtype() && st.shape() == vt.shape(),
-                    tf::errors::InvalidArgument(
-                        s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(),
-                        " but vars[", i, "] is ", tf::DataTypeString(vt.dtype()),
-                        vt.shape().DebugString(), "; a slot must match its variable"));
-        OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, s.var, gpu_stream));
-        ts[i].slots[k] = const_cast<char*>(s.var->tensor()->tensor_data().data());
-      }
-    }
     int64_t* counter = nullptr;
-    if (has_iterations_) {
-      tf::Var* cv = refs.back().var;
-      OP_REQUIRES(ctx, cv->is_initialized,
-                  tf::errors::FailedPrecondition("iterations is not initialized"));
-      const Tensor& c = *cv->tensor();
-      OP_REQUIRES(ctx, c.dtype() == tf::DT_INT64 && tf::TensorShapeUtils::IsScalar(c.shape()),
-                  tf::errors::InvalidArgument("iterations must be an int64 scalar variable, got ",
-                                              tf::DataTypeString(c.dtype()),
-                                              c.shape().DebugString()));
-      OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, cv, gpu_stream));
-      // Read and advanced by the core, under the step's locks: every rule's t is
-      // iterations + step (on GPU in device memory, by the finalize kernel).
-      counter = const_cast<int64_t*>(reinterpret_cast<const int64_t*>(cv->tensor()->tensor_data().data()));
-    }
+    OP_REQUIRES_OK(ctx, Prepare(ctx, refs, grads, indices, gpu_stream, &ts, &sparse_rows, &counter));
     args.ts = ts.data();
     args.n = n_;
 
@@ -500,6 +393,135 @@ class ClipApplyOp : public OpKernel {
   }
 
  private:
+#if TFCLIP_WITH_CUDA
+  using Scalars = cuda::DeviceScalars;
+#else
+  struct Scalars {
+    int64_t* iterations = nullptr;
+  };
+#endif
+
+  // The scalar inputs: read here on CPU; on GPU they stay in device memory, read by the core.
+  absl::Status ReadScalars(OpKernelContext* ctx, StepArgs* args, Scalars* ds) {
+    for (int k = 0; k < kNumHParams; ++k) {
+      if (!((rule_.hparams >> k) & 1u)) continue;
+      const char* name = GetHParamInfo(static_cast<HP>(k)).input;
+      if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+        TF_RETURN_IF_ERROR(DeviceScalar(ctx, name, &ds->hparams[k]));
+#endif
+      } else {
+        double v = 0;
+        TF_RETURN_IF_ERROR(ScalarInput(ctx, name, &v));
+        args->hp.Set(static_cast<HP>(k), v);
+      }
+    }
+    if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+      TF_RETURN_IF_ERROR(DeviceScalar(ctx, "clip", &ds->clip));
+      TF_RETURN_IF_ERROR(DeviceScalar(ctx, "use_norm", &ds->use_norm));
+      if (!cfg_.has_use_norm) ds->use_norm = nullptr;
+#endif
+    } else {
+      TF_RETURN_IF_ERROR(ScalarInput(ctx, "clip", &args->cfg.clip));
+      TF_RETURN_IF_ERROR(ScalarInput(ctx, "use_norm", &args->cfg.use_norm));
+    }
+    return absl::OkStatus();
+  }
+
+  // Every resource: vars, then each slot list the step uses (slot k of var i is
+  // refs[(k + 1) * n + i]; an unused slot list, Adam's vhat without amsgrad, must be empty),
+  // then the step counter, if given (locked and copied-on-write with the rest: refs' last).
+  absl::Status LookUp(OpKernelContext* ctx, VarLookup* lookup, std::vector<VarRef>* refs) {
+    refs->reserve(static_cast<size_t>((nslots_ + 1) * n_ + 1));
+    TF_RETURN_IF_ERROR(lookup->Add("var", "vars", n_, refs));
+    for (int k = 0; k < static_cast<int>(slots_.size()); ++k) {
+      const char* slot = slots_[k].c_str();
+      if (k < nslots_) {
+        TF_RETURN_IF_ERROR(lookup->Add(slot, slot, n_, refs));
+        continue;
+      }
+      int64_t extra = 0;
+      TF_RETURN_IF_ERROR(lookup->Count(slot, &extra));
+      if (extra != 0) {
+        return tf::errors::InvalidArgument("got ", extra, " ", slot, " slots, but with these ",
+                                           "flags rule '", rule_.name, "' takes ", nslots_,
+                                           " slot lists and no ", slot);
+      }
+    }
+    if (has_iterations_) TF_RETURN_IF_ERROR(lookup->Add("iterations", "iterations", 1, refs));
+    return absl::OkStatus();
+  }
+
+  // Checks everything TF sees (dtypes, shapes, initialization) before the first write, and gives
+  // each variable, once checked, a private buffer (EnsureExclusive changes no value, so a later
+  // failure has still written nothing) and its raw pointers for the core: one visit of each Var
+  // and tensor per step. The step counter's pointer, if any, in *counter.
+  absl::Status Prepare(OpKernelContext* ctx, const std::vector<VarRef>& refs,
+                       const tf::OpInputList& grads, const tf::OpInputList& indices,
+                       void* gpu_stream, std::vector<ApplyTensor>* ts_out,
+                       std::vector<std::vector<int64_t>>* sparse_rows, int64_t** counter) {
+    std::vector<ApplyTensor>& ts = *ts_out;
+    for (int i = 0; i < n_; ++i) {
+      tf::Var* var = refs[i].var;
+      if (!var->is_initialized) return tf::errors::FailedPrecondition("vars[", i, "] is not initialized");
+      const Tensor& vt = *var->tensor();
+      if (!ToCoreDType(vt.dtype(), &ts[i].var_dtype)) {
+        return tf::errors::InvalidArgument("vars[", i, "] has dtype ", tf::DataTypeString(vt.dtype()),
+                                           "; only half, bfloat16, float and double variables");
+      }
+      if (!ToCoreDType(grads[i].dtype(), &ts[i].grad_dtype)) {
+        return tf::errors::InvalidArgument("grads[", i, "] has unsupported dtype");
+      }
+      if (sparse_of_[i] >= 0) {
+        TF_RETURN_IF_ERROR(CheckSparse(i, vt, grads[i], indices[sparse_of_[i]],
+                                       &(*sparse_rows)[sparse_of_[i]], &ts[i]));
+      } else if (vt.shape() != grads[i].shape()) {
+        if (vt.NumElements() != grads[i].NumElements()) {
+          return tf::errors::InvalidArgument(
+              "grads[", i, "] has ", grads[i].NumElements(), " elements (shape ",
+              grads[i].shape().DebugString(), ") but vars[", i, "] has ", vt.NumElements(),
+              " (shape ", vt.shape().DebugString(), ")");
+        }
+        return tf::errors::InvalidArgument("grads[", i, "] has shape ", grads[i].shape().DebugString(),
+                                           " but vars[", i, "] has shape ", vt.shape().DebugString());
+      }
+      ts[i].size = vt.NumElements();
+      TF_RETURN_IF_ERROR(EnsureExclusive(ctx, var, gpu_stream));
+      ts[i].var = const_cast<char*>(var->tensor()->tensor_data().data());
+      ts[i].grad = grads[i].tensor_data().data();
+      for (int k = 0; k < nslots_; ++k) {
+        const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
+        if (!s.var->is_initialized) return tf::errors::FailedPrecondition(s.name(), " is not initialized");
+        const Tensor& st = *s.var->tensor();
+        if (st.dtype() != vt.dtype() || st.shape() != vt.shape()) {
+          return tf::errors::InvalidArgument(
+              s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but vars[",
+              i, "] is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
+              "; a slot must match its variable");
+        }
+        TF_RETURN_IF_ERROR(EnsureExclusive(ctx, s.var, gpu_stream));
+        ts[i].slots[k] = const_cast<char*>(s.var->tensor()->tensor_data().data());
+      }
+    }
+    *counter = nullptr;
+    if (has_iterations_) {
+      tf::Var* cv = refs.back().var;
+      if (!cv->is_initialized) return tf::errors::FailedPrecondition("iterations is not initialized");
+      const Tensor& c = *cv->tensor();
+      if (c.dtype() != tf::DT_INT64 || !tf::TensorShapeUtils::IsScalar(c.shape())) {
+        return tf::errors::InvalidArgument("iterations must be an int64 scalar variable, got ",
+                                           tf::DataTypeString(c.dtype()), c.shape().DebugString());
+      }
+      TF_RETURN_IF_ERROR(EnsureExclusive(ctx, cv, gpu_stream));
+      // Read and advanced by the core, under the step's locks: every rule's t is
+      // iterations + step (on GPU in device memory, by the finalize kernel).
+      *counter = const_cast<int64_t*>(
+          reinterpret_cast<const int64_t*>(cv->tensor()->tensor_data().data()));
+    }
+    return absl::OkStatus();
+  }
+
 #if TFCLIP_WITH_CUDA
   // A scalar double input left in device memory.
   static absl::Status DeviceScalar(OpKernelContext* ctx, const char* name, const double** out) {

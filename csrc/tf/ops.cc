@@ -14,7 +14,7 @@ namespace {
 using ::tensorflow::shape_inference::InferenceContext;
 
 // "half, bfloat16, float, double" from the one dtype list.
-#define TFCLIP_ATTR_NAME(E, S, M, N) N ", "
+#define TFCLIP_ATTR_NAME(E, S, M, N, ...) N ", "
 constexpr char kTypeList[] = TFCLIP_FOR_EACH_TYPE(TFCLIP_ATTR_NAME);
 #undef TFCLIP_ATTR_NAME
 
