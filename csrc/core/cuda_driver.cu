@@ -225,6 +225,7 @@ struct FinalizeArgs {
   bool round_norm;      // the clip op: the scale comes from the norm rounded to its dtype
   bool apply_step;      // a clip-and-apply step (hyper-parameters, factors, consts)
   DeviceScalars ds;     // scalars to read from device memory (apply steps)
+  ClipOpScalars clip_op;  // the clip op's clip_norm / use_norm in device memory
   bool read_scalars;    // ds.any(): read them, check them, recompute the step constants
   CudaOutputs out;
 };
@@ -255,6 +256,11 @@ __device__ int ReadDeviceScalars(const FinalizeArgs& a, const HParams& host_hp, 
   return 0;
 }
 
+__device__ double ReadScalar(const void* p, DType t) {
+  return t == DType::kDouble ? *static_cast<const double*>(p)
+                             : static_cast<double>(*static_cast<const float*>(p));
+}
+
 __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, FinalizeArgs a,
                                                                   const HParams* host_hp) {
   double local = 0.0;
@@ -269,12 +275,19 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
     int bad = 0;
     double bad_value = 0.0;
     if (a.read_scalars) bad = ReadDeviceScalars(a, *host_hp, &cfg, t.consts, &bad_value);
+    bool bad_clip_norm = false;
+    if (a.clip_op.clip_norm != nullptr) {
+      cfg.clip = ReadScalar(a.clip_op.clip_norm, a.clip_op.dtype);
+      bad_clip_norm = !(isfinite(cfg.clip) && cfg.clip > 0.0);
+    }
+    if (a.clip_op.use_norm != nullptr) cfg.use_norm = ReadScalar(a.clip_op.use_norm, a.clip_op.dtype);
     double norm = StepGlobalNorm(cfg, total);
     if (a.round_norm && a.out.norm_dtype == DType::kFloat) norm = static_cast<float>(norm);
     const bool finite = isfinite(norm);
     const bool apply = bad == 0 && (finite || cfg.policy == NonFinitePolicy::kPropagate);
     const ClipMode mode = a.apply_step ? ActiveClipMode(cfg) : cfg.mode;
-    const double scale = mode == ClipMode::kGlobalNorm ? GlobalClipScale(cfg.clip, norm) : 1.0;
+    double scale = mode == ClipMode::kGlobalNorm ? GlobalClipScale(cfg.clip, norm) : 1.0;
+    if (bad_clip_norm) scale = NAN;
     t.status->norm = norm;
     t.status->scale = scale;
     t.status->finite = finite;
@@ -619,8 +632,10 @@ std::string CudaGlobalNorm(const TensorView* ts, int n, CudaStepMemory* mem,
 
 std::string CudaClipByGlobalNorm(const TensorView* in, const TensorView* outs, int n,
                                  double clip_norm, bool has_use_norm, double use_norm,
-                                 CudaStepMemory* mem, const CudaOutputs& out, void* stream) {
+                                 const ClipOpScalars& dev, CudaStepMemory* mem,
+                                 const CudaOutputs& out, void* stream) {
   FinalizeArgs a{};
+  a.clip_op = dev;
   a.cfg.mode = ClipMode::kGlobalNorm;
   a.cfg.clip = clip_norm;
   a.cfg.has_use_norm = has_use_norm;

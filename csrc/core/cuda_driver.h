@@ -68,11 +68,22 @@ struct CudaOutputs {
 std::string CudaGlobalNorm(const TensorView* ts, int n, CudaStepMemory* mem,
                            const CudaOutputs& out, void* stream);
 
+// The clip op's clip_norm and use_norm when they are in device memory (each may be null: the
+// host value), scalars of `dtype` (float or double: the op's Tnorm).
+struct ClipOpScalars {
+  const void* clip_norm = nullptr;
+  const void* use_norm = nullptr;
+  DType dtype = DType::kFloat;
+};
+
 // out[i] = in[i] * cast<T>(scale), scale from the norm of `in` (or the given one). The norm is
-// rounded to out.norm_dtype before the scale is computed, as TF does. Three launches.
+// rounded to out.norm_dtype before the scale is computed, as TF does. Three launches. A
+// clip_norm read on the device that is not finite and > 0 makes the scale, and so every
+// output, NaN (the host value is checked by the caller).
 std::string CudaClipByGlobalNorm(const TensorView* in, const TensorView* outs, int n,
                                  double clip_norm, bool has_use_norm, double use_norm,
-                                 CudaStepMemory* mem, const CudaOutputs& out, void* stream);
+                                 const ClipOpScalars& dev, CudaStepMemory* mem,
+                                 const CudaOutputs& out, void* stream);
 
 // Both passes of a clip-and-apply step: the CUDA ClipApplyCpu. Host-side values (args.hp,
 // args.cfg) are checked before anything is queued, sparse indices too (r->error: nothing

@@ -224,8 +224,32 @@ py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object s
   return py::none();
 }
 
-py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_list, double clip_norm,
-                                  py::object use_norm, py::object norm_out, py::object stream_o) {
+// A scalar the step reads on the device: a 1-element device array of `typestr` ("f8" or "i8").
+void* DeviceScalarPtr(const py::object& o, const std::string& what, const char* typestr) {
+  const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
+  const std::string ts = cai["typestr"].cast<std::string>();
+  int64_t size = 1;
+  for (auto d : cai["shape"].cast<py::tuple>()) size *= d.cast<int64_t>();
+  if (ts.size() < 2 || ts.substr(1) != typestr || size != 1) {
+    const std::string t(typestr);
+    Fail(what + " must be a 1-element " +
+         (t == "f8" ? "float64" : t == "f4" ? "float32 or float64" : "int64") +
+         " device array, got typestr " + ts + " with " + std::to_string(size) + " elements");
+  }
+  Array a;
+  a.name = what;
+  a.data = reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+  a.size = 1;
+  a.dtype = DType::kDouble;  // 8 bytes either way: for the alignment check
+  CheckOnDevice(a);
+  return a.data;
+}
+
+// clip_norm and use_norm: numbers, or 1-element float32/float64 device arrays (of one dtype)
+// that the step reads on the device.
+py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_list,
+                                  py::object clip_norm, py::object use_norm, py::object norm_out,
+                                  py::object stream_o) {
   std::vector<uintptr_t> streams;
   const auto in = CudaViews(t_list, "t_list", false, &streams);
   const auto outs = CudaViews(out_list, "out", true, &streams);
@@ -236,37 +260,40 @@ py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_li
       Fail(Idx("out", i) + " must have the size and dtype of " + Idx("t_list", i));
     }
   }
-  const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
-  if (!err.empty()) Fail(err);
+  cuda::ClipOpScalars dev;
+  double clip = 0.0, un = 0.0;
+  auto device_scalar = [&](const py::object& o, const char* what) -> const void* {
+    const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
+    const std::string ts = cai["typestr"].cast<std::string>();
+    const bool f8 = ts.size() >= 2 && ts.substr(1) == "f8";
+    dev.dtype = f8 ? DType::kDouble : DType::kFloat;
+    return DeviceScalarPtr(o, what, f8 ? "f8" : "f4");
+  };
+  if (IsDeviceScalar(clip_norm)) {
+    dev.clip_norm = device_scalar(clip_norm, "clip_norm");
+  } else {
+    clip = clip_norm.cast<double>();
+    const std::string err = ValidateClipNorm(clip, "clip_norm");
+    if (!err.empty()) Fail(err);
+  }
+  const bool has = !use_norm.is_none();
+  if (has && IsDeviceScalar(use_norm)) {
+    const DType clip_dtype = dev.dtype;
+    dev.use_norm = device_scalar(use_norm, "use_norm");
+    if (dev.clip_norm != nullptr && dev.dtype != clip_dtype) {
+      Fail("clip_norm and use_norm on the device must have one dtype");
+    }
+  } else if (has) {
+    un = use_norm.cast<double>();
+  }
   void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
   const auto tmp = NormOutOrScratch(norm_out, "norm_out", &o, DType::kFloat);  // as the TF op's default Tnorm
-  const bool has = !use_norm.is_none();
-  const double un = has ? use_norm.cast<double>() : 0.0;
   OwnedMemory mem(stream);
-  Check(cuda::CudaClipByGlobalNorm(in.data(), outs.data(), static_cast<int>(in.size()), clip_norm,
-                                   has, un, &mem, o, stream));
+  Check(cuda::CudaClipByGlobalNorm(in.data(), outs.data(), static_cast<int>(in.size()), clip, has,
+                                   un, dev, &mem, o, stream));
   if (tmp) return py::float_(SyncNorm(o.norm, o.norm_dtype, stream));
   return py::none();
-}
-
-// A scalar the step reads on the device: a 1-element device array of `typestr` ("f8" or "i8").
-void* DeviceScalarPtr(const py::object& o, const std::string& what, const char* typestr) {
-  const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
-  const std::string ts = cai["typestr"].cast<std::string>();
-  int64_t size = 1;
-  for (auto d : cai["shape"].cast<py::tuple>()) size *= d.cast<int64_t>();
-  if (ts.size() < 2 || ts.substr(1) != typestr || size != 1) {
-    Fail(what + " must be a 1-element " + (std::string(typestr) == "f8" ? "float64" : "int64") +
-         " device array, got typestr " + ts + " with " + std::to_string(size) + " elements");
-  }
-  Array a;
-  a.name = what;
-  a.data = reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
-  a.size = 1;
-  a.dtype = DType::kDouble;  // 8 bytes either way: for the alignment check
-  CheckOnDevice(a);
-  return a.data;
 }
 
 py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
@@ -376,7 +403,9 @@ void DefineCuda(py::module_& m) {
         py::arg("clip_norm"), py::arg("use_norm") = py::none(), py::arg("norm_out") = py::none(),
         py::arg("stream") = py::none(),
         "out[i] = t_list[i] * clip scale (tf.clip_by_global_norm). The norm goes to norm_out, "
-        "or is returned (after a wait) when norm_out is None.");
+        "or is returned (after a wait) when norm_out is None. clip_norm and use_norm may be "
+        "1-element float32/float64 device arrays, read by the step on the device (a clip_norm "
+        "there that is not finite and > 0 makes every output NaN).");
   m.def("cuda_clip_apply", &CudaClipApplyPy, py::arg("rule"), py::arg("vars"), py::arg("grads"),
         py::arg("slots"), py::arg("hparams"), py::arg("clip_mode") = "none",
         py::arg("clip") = 0.0, py::arg("use_norm") = py::none(), py::arg("nonfinite") = "skip",

@@ -197,11 +197,14 @@ class ClipByGlobalNormOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     tf::OpInputList t;
     OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
+    // clip_norm and use_norm: read here on CPU; on GPU left in device memory for the step.
     double clip_norm = 0, use_norm = 0;
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "clip_norm", &clip_norm));
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, "use_norm", &use_norm));
-    const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
-    OP_REQUIRES(ctx, err.empty(), tf::errors::InvalidArgument(err));
+    if constexpr (!kGpu<D>) {
+      OP_REQUIRES_OK(ctx, ScalarInput(ctx, "clip_norm", &clip_norm));
+      OP_REQUIRES_OK(ctx, ScalarInput(ctx, "use_norm", &use_norm));
+      const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
+      OP_REQUIRES(ctx, err.empty(), tf::errors::InvalidArgument(err));
+    }
     std::vector<TensorView> in;
     OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &in));
     const int n = static_cast<int>(in.size());
@@ -218,11 +221,15 @@ class ClipByGlobalNormOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(n, tf::TensorShape({}), &norm_out));
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
+      cuda::ClipOpScalars dev;
+      dev.clip_norm = ctx->input(n).tensor_data().data();  // inputs: t..., clip_norm, use_norm
+      if (use_given_norm_) dev.use_norm = ctx->input(n + 1).tensor_data().data();
+      dev.dtype = NormDType<Tnorm>();
       GpuMemory mem(ctx);
       const cuda::CudaOutputs o = NormOutput(norm_out, NormDType<Tnorm>());
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipByGlobalNorm(in.data(), out.data(), n, clip_norm,
-                                                                use_given_norm_, use_norm, &mem, o,
-                                                                GpuStream(ctx))));
+                                                                use_given_norm_, use_norm, dev, &mem,
+                                                                o, GpuStream(ctx))));
 #endif
     } else {
       const CpuExecutor exec = TfExecutor(ctx);
@@ -599,13 +606,11 @@ REGISTER_KERNEL_BUILDER(
 
 #if TFCLIP_WITH_CUDA
 TFCLIP_REGISTER_NORM_OPS(DEVICE_GPU, OnGpu)
+// clip_norm and use_norm stay in device memory (an all-reduced norm is computed there).
 #define TFCLIP_REGISTER_CLIP_GPU(T)                                                          \
-  REGISTER_KERNEL_BUILDER(Name("TfclipClipByGlobalNorm")                                     \
-                              .Device(DEVICE_GPU)                                            \
-                              .TypeConstraint<T>("Tnorm")                                    \
-                              .HostMemory("clip_norm")                                       \
-                              .HostMemory("use_norm"),                                       \
-                          ClipByGlobalNormOp<T, OnGpu>);
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("TfclipClipByGlobalNorm").Device(DEVICE_GPU).TypeConstraint<T>("Tnorm"),          \
+      ClipByGlobalNormOp<T, OnGpu>);
 TFCLIP_REGISTER_CLIP_GPU(float)
 TFCLIP_REGISTER_CLIP_GPU(double)
 #endif  // TFCLIP_WITH_CUDA

@@ -179,3 +179,24 @@ def test_failed_launch_releases_the_workspace_and_writes_nothing(rng, monkeypatc
     norm, applied = core.cuda_clip_apply("adam", vd, grads, sd, {**hp, **flags}, "global_norm", 1.0,
                                          None, "skip", indices)
     assert applied and norm > 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_clip_op_reads_clip_norm_and_use_norm_on_the_device(rng, dtype):
+    """tf.clip_by_global_norm's op: clip_norm and use_norm (an all-reduced norm lives on the GPU)
+    read on the device give the host-value result; a bad clip_norm there makes every output NaN."""
+    ts = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    ins = [to_dev(t) for t in ts]
+    a = [to_dev(np.zeros_like(t)) for t in ts]
+    b = [to_dev(np.zeros_like(t)) for t in ts]
+    for use_norm in (None, 3.5):
+        na = core.cuda_clip_by_global_norm(ins, a, 0.5, use_norm)
+        nb = core.cuda_clip_by_global_norm(ins, b, scalar(0.5, dtype),
+                                           None if use_norm is None else scalar(use_norm, dtype))
+        assert na == nb
+        for x, y in zip(a, b):
+            assert to_host(x, np.float32).tobytes() == to_host(y, np.float32).tobytes()
+    core.cuda_clip_by_global_norm(ins, b, scalar(-1.0, dtype))
+    assert all(np.isnan(to_host(y, np.float32)).all() for y in b)
+    with pytest.raises(ValueError, match="clip_norm and use_norm on the device must have one dtype"):
+        core.cuda_clip_by_global_norm(ins, b, scalar(0.5, np.float32), scalar(1.0, np.float64))
