@@ -30,7 +30,6 @@ There, `nonfinite="skip"` is honoured without a strategy; under a strategy the f
 the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
 import contextlib
-import math
 import threading
 
 import keras
@@ -91,7 +90,7 @@ class _FusedMixin:
     def _tfclip_init(self, nonfinite, lazy_sparse):
         _opcall.check_policy(nonfinite)
         # Keras allows one of the three (it raises first otherwise); each None or 0 is no clip.
-        self._tfclip_clip = _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+        _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         if not isinstance(lazy_sparse, bool):
             raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite

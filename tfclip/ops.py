@@ -1,10 +1,7 @@
 """The fused ops: global norm, clip by global norm (with its gradient), and clip-and-apply."""
 import collections
-import functools
-import math
 import numbers
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor
 

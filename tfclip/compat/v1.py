@@ -28,7 +28,6 @@ advances), and resource variables are required (TF2's default; in a TF1 graph,
 classes apply them: SGD as a scatter, Momentum on the touched rows only (duplicates summed),
 Adam on every row (its slots decay everywhere; duplicates summed before squaring for `v`).
 """
-import math
 
 import tensorflow as tf
 
