@@ -1,6 +1,9 @@
 // tfclip._core, CUDA adapter: the core's CUDA driver on arrays with __cuda_array_interface__
 // (CuPy, PyTorch, or _core's own cuda_malloc), with a stream argument. The same checks as the
 // NumPy adapter (arrays.h), then the very launcher the TF GPU kernels call.
+// Compiled only into a build with CUDA (a toolkit, or the emulation): module.cc calls DefineCuda
+// under the same condition.
+#if TFCLIP_WITH_CUDA
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -464,3 +467,5 @@ void DefineCuda(py::module_& m) {
 }
 
 }  // namespace tfclip
+
+#endif  // TFCLIP_WITH_CUDA
