@@ -176,26 +176,35 @@ __device__ __forceinline__ double Sq(T x) {
   return d * d;
 }
 
-// This thread's share of a chunk's sum of squares: a scalar head up to 16-byte alignment,
-// 16-byte vector loads, a scalar tail. The thread-to-element map depends only on the chunk.
+// This thread's share of a chunk's sum of squares. The elements are taken in groups of kV (16
+// bytes) counted from the chunk's first element: thread t sums groups t, t + kThreads, ..., each
+// group's elements in order. Which thread sums which element, and in what order, depends only on
+// the chunk, never on where the buffer starts: the same values give the same bits in an aligned
+// buffer and in a view such as x[1:]. An aligned chunk reads a group with one 16-byte load, a
+// misaligned one with kV scalar loads (the same elements, the same order).
 template <typename T>
 __device__ double ThreadSumSquares(const T* p, int64_t b, int64_t e) {
   constexpr int kV = 16 / sizeof(T);
   double acc = 0.0;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p + b);
-  int64_t head = static_cast<int64_t>(((16 - addr % 16) % 16) / sizeof(T));
-  if (addr % sizeof(T) != 0) head = e - b;  // misaligned element type: all scalar
-  head = head < e - b ? head : e - b;
-  for (int64_t i = b + threadIdx.x; i < b + head; i += kThreads) acc += Sq(p[i]);
-  const int64_t vb = b + head;
-  const int64_t nvec = (e - vb) / kV;
-  const Vec<T, kV>* vp = reinterpret_cast<const Vec<T, kV>*>(p + vb);
-  for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
-    const Vec<T, kV> x = vp[j];
+  const int64_t n = e - b;
+  const int64_t ngroups = n / kV;
+  const bool aligned = reinterpret_cast<uintptr_t>(p + b) % 16 == 0;
+  if (aligned) {
+    const Vec<T, kV>* vp = reinterpret_cast<const Vec<T, kV>*>(p + b);
+    for (int64_t g = threadIdx.x; g < ngroups; g += kThreads) {
+      const Vec<T, kV> x = vp[g];
 #pragma unroll
-    for (int k = 0; k < kV; ++k) acc += Sq(x.v[k]);
+      for (int k = 0; k < kV; ++k) acc += Sq(x.v[k]);
+    }
+  } else {
+    for (int64_t g = threadIdx.x; g < ngroups; g += kThreads) {
+      const T* q = p + b + g * kV;
+#pragma unroll
+      for (int k = 0; k < kV; ++k) acc += Sq(q[k]);
+    }
   }
-  for (int64_t i = vb + nvec * kV + threadIdx.x; i < e; i += kThreads) acc += Sq(p[i]);
+  // The last, partial group: its elements one per thread, after the full groups.
+  for (int64_t i = b + ngroups * kV + threadIdx.x; i < e; i += kThreads) acc += Sq(p[i]);
   return acc;
 }
 
