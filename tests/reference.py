@@ -49,8 +49,46 @@ def step(rule, var, slots, g, hp, t, gsq=None):
             slots[2][...] = np.maximum(slots[2], slots[1])
             v = slots[2]
         return var - slots[0] * alpha / (np.sqrt(v) + eps)
+    gg = g * g if gsq is None else gsq
+    eps = hp.get("epsilon", 1e-7)
+    if rule == "adagrad":
+        slots[0][...] = slots[0] + gg
+        return var - lr * g / np.sqrt(slots[0] + eps)
+    if rule == "rmsprop":  # slots: velocity, [momentum], [average_gradient]
+        rho, mom = hp.get("rho", 0.9), hp.get("momentum", 0.0)
+        slots[0][...] = rho * slots[0] + (1 - rho) * gg
+        den = slots[0] + eps
+        if hp.get("centered"):
+            avg = slots[2 if hp.get("has_momentum") else 1]
+            avg[...] = rho * avg + (1 - rho) * g
+            den = slots[0] - avg * avg + eps
+        inc = lr * g / np.sqrt(den)
+        if hp.get("has_momentum"):
+            slots[1][...] = mom * slots[1] + inc
+            return var - slots[1]
+        return var - inc
+    if rule == "adadelta":
+        rho = hp.get("rho", 0.9)
+        slots[0][...] = rho * slots[0] + (1 - rho) * gg
+        d = -np.sqrt(slots[1] + eps) * g / np.sqrt(slots[0] + eps)
+        slots[1][...] = rho * slots[1] + (1 - rho) * d * d
+        return var + lr * d
+    if rule == "adamax":
+        b1, b2 = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999)
+        slots[0][...] = slots[0] + (g - slots[0]) * (1 - b1)
+        slots[1][...] = np.maximum(b2 * slots[1], np.abs(g))
+        return var - lr * slots[0] / ((1 - b1 ** t) * (slots[1] + eps))
+    if rule == "lion":
+        b1, b2 = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999)
+        out = var - lr * np.sign(slots[0] * b1 + g * (1 - b1))
+        slots[0][...] = slots[0] * b2 + g * (1 - b2)
+        return out
     raise ValueError(rule)
 
 
 def num_slots(rule, hp):
-    return {"sgd": 0, "momentum": 1, "keras_momentum": 1}.get(rule, 3 if hp.get("amsgrad") else 2)
+    if rule == "rmsprop":
+        return 1 + bool(hp.get("has_momentum")) + bool(hp.get("centered"))
+    fixed = {"sgd": 0, "momentum": 1, "keras_momentum": 1, "adagrad": 1, "adadelta": 2, "adamax": 2,
+             "lion": 1}
+    return fixed.get(rule, 3 if hp.get("amsgrad") else 2)

@@ -144,7 +144,8 @@ def apply(rule, var, slots, grad, hparams, flags=None, **common):
     """Calls the rule's apply op.
 
     rule: a name of the rule table ("sgd", "adam", ...). var: the variables' handles. slots: the
-    handle lists of the slots the step uses, in the table's order (Adam: [m, v] or [m, v, vhat]).
+    handle lists of the slots the step uses, in the table's order (Adam: [m, v] or [m, v, vhat]),
+    or a dict by the table's slot names.
     grad: the gradient values (see op_grads). hparams: every hyper-parameter the rule takes, by
     the table's name (numbers, tensors or variables; optional ones, Adam's beta powers, may be
     left out); flags: its bool options by attr name. common: the inputs and attrs every apply op
@@ -157,15 +158,20 @@ def apply(rule, var, slots, grad, hparams, flags=None, **common):
     if unknown or missing:
         raise TypeError(f"rule '{rule}' takes the hyper-parameters {names}; "
                         f"missing {missing}, unknown {sorted(unknown)}")
-    if not row["min_slots"] <= len(slots) <= len(row["slots"]):
+    if isinstance(slots, dict):  # by the table's slot names (the ones the flags leave out absent)
+        if set(slots) - set(row["slots"]):
+            raise TypeError(f"rule '{rule}' has the slots {row['slots']}, got {sorted(slots)}")
+    elif not row["min_slots"] <= len(slots) <= len(row["slots"]):
         raise TypeError(f"rule '{rule}' takes {row['min_slots']} to {len(row['slots'])} slot lists "
                         f"({row['slots']}), got {len(slots)}")
+    else:
+        slots = dict(zip(row["slots"], slots))
     flags = flags or {}
     if set(flags) - set(row["flags"]):
         raise TypeError(f"rule '{rule}' takes the flags {row['flags']}, got {sorted(flags)}")
     kw = {n: scalar(hparams.get(n, math.nan), HPARAMS[n]["display"]) for n in names}
-    for k, s in enumerate(row["slots"]):
-        kw[s] = slots[k] if k < len(slots) else []
+    for s in row["slots"]:
+        kw[s] = slots.get(s, [])
     for f in row["flags"]:
         kw[f] = bool(flags.get(f, False))
     return _op(rule)(var=var, grad=grad, **kw, **common)

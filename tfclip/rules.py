@@ -20,7 +20,17 @@ The rules match TF's own training ops and the Keras 3 optimizers:
 `Momentum`         tf.compat.v1.train.MomentumOptimizer (ResourceApplyMomentum)
 `Adam`             keras.optimizers.Adam / ResourceApplyAdam (amsgrad too)
 `AdamW`            keras.optimizers.AdamW (decoupled weight decay before the step)
+`Adagrad`          keras.optimizers.Adagrad / ResourceApplyAdagradV2
+`RMSprop`          keras.optimizers.RMSprop (momentum, centered)
+`Adadelta`         keras.optimizers.Adadelta
+`Adamax`           keras.optimizers.Adamax
+`Lion`             keras.optimizers.Lion
 =================  ==========================================================================
+
+Adagrad, RMSprop, Adadelta, Adamax and Lion match stock Keras bit for bit on dense gradients
+(clip by value or none; a norm clip differs in the scale's last bit, Keras's norm being
+float32). With IndexedSlices they give the densified gradient's update, as the other rules do
+here (a row's duplicates summed, every row's slots updated).
 
 `weight_decay` on any rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
 """
@@ -81,8 +91,8 @@ class Rule:
             with tf.init_scope():
                 base = var.name.split(":")[0]
                 self._slots[key] = {
-                    s: tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False,
-                                   name=f"{base}/{self.name}/{s}")
+                    s: tf.Variable(tf.fill(var.shape, tf.cast(self._slot_initial(s), var.dtype)),
+                                   trainable=False, name=f"{base}/{self.name}/{s}")
                     for s in names
                 }
         return self._slots[key]
@@ -94,6 +104,10 @@ class Rule:
         for slots in self._slots.values():
             out.extend(slots.values())
         return out
+
+    def _slot_initial(self, name):
+        """A slot's initial value (Adagrad's accumulator: initial_accumulator_value)."""
+        return 0.0
 
     # -- hyper-parameters ---------------------------------------------------------------
     def current_learning_rate(self):
@@ -167,7 +181,7 @@ class Rule:
         norm, applied = _opcall.apply(
             self.kind,
             var_handles,
-            [slot_lists[s] for s in self.slot_names],
+            self._op_slots(slot_lists),
             values,
             self._op_hparams(counter is not None),
             self._op_flags(),
@@ -205,6 +219,13 @@ class Rule:
 
     def _op_flags(self):
         return {}
+
+    def _op_slots(self, slot_lists):
+        """The slot handle lists for the op: by the table's names where the rule uses them, else
+        in order (Momentum's `momentum` is the op's `accum`)."""
+        if set(self.slot_names) <= set(_opcall.RULES[self.kind]["slots"]):
+            return {s: slot_lists[s] for s in self.slot_names}
+        return [slot_lists[s] for s in self.slot_names]
 
     def _step(self, has_counter):
         """The `step` input: `iterations + 1` as a float64 scalar, or, when the op is given the
@@ -322,3 +343,120 @@ class AdamW(Adam):
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, amsgrad=False, name=None):
         super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, name)
+
+
+class Adagrad(Rule):
+    """Keras Adagrad / ResourceApplyAdagradV2: `accumulator += g^2; var -= lr*g /
+    sqrt(accumulator + epsilon)`. Slot `accumulator`, starting at `initial_accumulator_value`."""
+
+    kind = "adagrad"
+    slot_names = ("accumulator",)
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
+                 weight_decay=0.0, name=None):
+        self.initial_accumulator_value = initial_accumulator_value
+        self.epsilon = epsilon
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "epsilon": self.epsilon,
+                "weight_decay": self.weight_decay}
+
+    def _slot_initial(self, name):
+        return self.initial_accumulator_value
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "epsilon": self.epsilon}
+
+
+class RMSprop(Rule):
+    """Keras RMSprop (`rho`, `momentum`, `centered`). Slots `velocity`, `momentum` (when momentum
+    is not the number 0) and `average_gradient` (centered)."""
+
+    kind = "rmsprop"
+
+    def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False,
+                 weight_decay=0.0, name=None):
+        self.rho, self.momentum, self.epsilon = rho, momentum, epsilon
+        self.centered = bool(centered)
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _has_momentum(self):
+        return not (isinstance(self.momentum, numbers.Real) and self.momentum == 0)
+
+    @property
+    def slot_names(self):
+        return ("velocity",) + (("momentum",) if self._has_momentum() else ()) + (
+            ("average_gradient",) if self.centered else ())
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "rho": self.rho, "momentum": self.momentum,
+                "epsilon": self.epsilon, "weight_decay": self.weight_decay}
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "rho": self.rho, "momentum": self.momentum,
+                "epsilon": self.epsilon}
+
+    def _op_slots(self, slot_lists):
+        names = {"momentum": "momentum_slot"}  # the op's input; `momentum` is the hyper-parameter
+        return {names.get(s, s): slot_lists[s] for s in self.slot_names}
+
+    def _op_flags(self):
+        return {"centered": self.centered, "has_momentum": self._has_momentum()}
+
+
+class Adadelta(Rule):
+    """Keras Adadelta. Slots `accumulated_grad`, `accumulated_delta_var`."""
+
+    kind = "adadelta"
+    slot_names = ("accumulated_grad", "accumulated_delta_var")
+
+    def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, weight_decay=0.0, name=None):
+        self.rho, self.epsilon = rho, epsilon
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "rho": self.rho, "epsilon": self.epsilon,
+                "weight_decay": self.weight_decay}
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "rho": self.rho, "epsilon": self.epsilon}
+
+
+class Adamax(Rule):
+    """Keras Adamax, bias correction from `iterations + 1`. Slots `m`, `u`."""
+
+    kind = "adamax"
+    slot_names = ("m", "u")
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 weight_decay=0.0, name=None):
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "epsilon": self.epsilon, "weight_decay": self.weight_decay}
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "epsilon": self.epsilon, "step": self._step(has_counter)}
+
+
+class Lion(Rule):
+    """Keras Lion: `var -= lr * sign(m*beta_1 + g*(1 - beta_1)); m = m*beta_2 + g*(1 - beta_2)`.
+    Slot `m`."""
+
+    kind = "lion"
+    slot_names = ("m",)
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, weight_decay=0.0, name=None):
+        self.beta_1, self.beta_2 = beta_1, beta_2
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "weight_decay": self.weight_decay}
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "beta_1": self.beta_1, "beta_2": self.beta_2}

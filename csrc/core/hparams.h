@@ -20,6 +20,7 @@ namespace tfclip {
   X(beta_2, "beta_2", 0.999, 0.0, false, 1.0, false)                   \
   X(epsilon, "epsilon", 1e-7, 0.0, false, INFINITY, false)             \
   X(weight_decay, "weight_decay", 0.0, 0.0, false, INFINITY, false)    \
+  X(rho, "rho", 0.9, 0.0, false, 1.0, false)                           \
   X(step, "step", 1.0, 1.0, false, INFINITY, false)                    \
   X(beta_1_power, "beta_1_power", NAN, 0.0, false, 1.0, true)          \
   X(beta_2_power, "beta_2_power", NAN, 0.0, false, 1.0, false)
@@ -27,7 +28,9 @@ namespace tfclip {
 // X(field, op attr name): the rules' boolean options.
 #define TFCLIP_FOR_EACH_FLAG(X) \
   X(nesterov, "use_nesterov")   \
-  X(amsgrad, "amsgrad")
+  X(amsgrad, "amsgrad")         \
+  X(centered, "centered")       \
+  X(has_momentum, "has_momentum")
 
 // HP::lr, ... : an hyper-parameter's index; HPBit(HP::lr) its bit in a rule's mask.
 enum class HP : int {

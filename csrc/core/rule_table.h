@@ -28,7 +28,20 @@ namespace tfclip {
   X(kAdam, AdamRule, "Adam", "adam", "m,v,vhat",                                               \
     0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
         TFCLIP_H(step) TFCLIP_H(beta_1_power) TFCLIP_H(beta_2_power),                          \
-    0u TFCLIP_F(amsgrad))
+    0u TFCLIP_F(amsgrad))                                                                      \
+  X(kAdagrad, AdagradRule, "Adagrad", "adagrad", "accumulator",                                \
+    0u TFCLIP_H(lr) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), 0u)                              \
+  X(kRmsProp, RmsPropRule, "RmsProp", "rmsprop", "velocity,momentum_slot,average_gradient",         \
+    0u TFCLIP_H(lr) TFCLIP_H(rho) TFCLIP_H(momentum) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), \
+    0u TFCLIP_F(centered) TFCLIP_F(has_momentum))                                              \
+  X(kAdadelta, AdadeltaRule, "Adadelta", "adadelta", "accumulated_grad,accumulated_delta_var", \
+    0u TFCLIP_H(lr) TFCLIP_H(rho) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), 0u)                \
+  X(kAdamax, AdamaxRule, "Adamax", "adamax", "m,u",                                            \
+    0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
+        TFCLIP_H(step),                                                                        \
+    0u)                                                                                        \
+  X(kLion, LionRule, "Lion", "lion", "m",                                                      \
+    0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(weight_decay), 0u)
 
 enum class RuleKind : int {
 #define TFCLIP_RULE_ENUM(kind, ...) kind,

@@ -30,7 +30,11 @@ template <typename M>
 struct StepConsts {
   M lr, momentum, one_minus_beta_1, one_minus_beta_2, epsilon, alpha;
   M weight_decay;
-  bool nesterov, amsgrad, decay, sum_of_squares;
+  M beta_1, beta_2;                  // in M (Lion, Adamax)
+  M one_minus_beta_1_m, one_minus_beta_2_m;  // M(1) - M(beta): Lion's, computed in the dtype
+  M one_minus_beta_1_power;          // 1 - beta_1^t (Adamax)
+  M rho, one_minus_rho;              // RMSprop, Adadelta
+  bool nesterov, amsgrad, decay, sum_of_squares, centered, has_momentum;
 };
 
 template <typename M>
@@ -49,11 +53,20 @@ TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
   const M b1p = hp.beta_1_power == hp.beta_1_power ? static_cast<M>(hp.beta_1_power) : std::pow(b1, t);
   const M b2p = hp.beta_2_power == hp.beta_2_power ? static_cast<M>(hp.beta_2_power) : std::pow(b2, t);
   c.alpha = c.lr * std::sqrt(M(1) - b2p) / (M(1) - b1p);
+  c.beta_1 = b1;
+  c.beta_2 = b2;
+  c.one_minus_beta_1_m = M(1) - b1;
+  c.one_minus_beta_2_m = M(1) - b2;
+  c.one_minus_beta_1_power = M(1) - b1p;
+  c.rho = static_cast<M>(hp.rho);
+  c.one_minus_rho = static_cast<M>(1.0 - hp.rho);
   c.weight_decay = static_cast<M>(hp.weight_decay);
   c.decay = hp.weight_decay != 0.0;
   c.nesterov = hp.nesterov;
   c.amsgrad = hp.amsgrad;
   c.sum_of_squares = hp.sum_of_squares;
+  c.centered = hp.centered;
+  c.has_momentum = hp.has_momentum;
   return c;
 }
 
@@ -123,6 +136,102 @@ struct AdamRule {
       v = vhat;
     }
     var = var - (m * c.alpha) / (std::sqrt(v) + c.epsilon);
+  }
+};
+
+struct AdagradRule {
+  // accum += g^2; var -= lr*g / sqrt(accum + eps)  (keras Adagrad; ResourceApplyAdagradV2)
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 1, kMaxSlots = 1;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+    const M accum = s[0] + gsq;
+    s[0] = accum;
+    var = var - (c.lr * g) / std::sqrt(accum + c.epsilon);
+  }
+};
+
+struct RmsPropRule {
+  // keras RMSprop: v = rho*v + (1-rho)*g^2; [centered: a = rho*a + (1-rho)*g; den = v - a^2 + eps,
+  // else den = v + eps]; inc = lr*g / sqrt(den); [momentum: m = momentum*m + inc; var -= m,
+  // else var -= inc]. Slots, in this order: velocity, momentum (has_momentum; the op input
+  // momentum_slot, as `momentum` is the hyper-parameter), average_gradient (centered); the op's
+  // inputs of the slots left out are empty.
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 1, kMaxSlots = 3;
+  static TFCLIP_HD int NumSlots(const HParams& hp) {
+    return 1 + (hp.has_momentum ? 1 : 0) + (hp.centered ? 1 : 0);
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+    const M v = c.rho * s[0] + c.one_minus_rho * gsq;
+    s[0] = v;
+    M den;
+    if (c.centered) {
+      M& avg = s[c.has_momentum ? 2 : 1];
+      avg = c.rho * avg + c.one_minus_rho * g;
+      den = (v - avg * avg) + c.epsilon;
+    } else {
+      den = v + c.epsilon;
+    }
+    const M inc = (c.lr * g) / std::sqrt(den);
+    if (c.has_momentum) {
+      const M m = c.momentum * s[1] + inc;
+      s[1] = m;
+      var = var - m;
+    } else {
+      var = var - inc;
+    }
+  }
+};
+
+struct AdadeltaRule {
+  // keras Adadelta: ag = rho*ag + (1-rho)*g^2; d = -(sqrt(adv + eps)*g / sqrt(ag + eps));
+  // adv = rho*adv + (1-rho)*d^2; var += lr*d. Slots: accumulated_grad, accumulated_delta_var.
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+    const M ag = c.rho * s[0] + c.one_minus_rho * gsq;
+    s[0] = ag;
+    const M d = -((std::sqrt(s[1] + c.epsilon) * g) / std::sqrt(ag + c.epsilon));
+    s[1] = c.rho * s[1] + c.one_minus_rho * (d * d);
+    var = var + c.lr * d;
+  }
+};
+
+struct AdamaxRule {
+  // keras Adamax: m += (g - m)*(1 - b1); u = max(b2*u, |g|); var -= lr*m / ((1 - b1^t)*(u + eps)).
+  // Slots: m, u.
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M, M& var, M* s) {
+    const M m = s[0] + (g - s[0]) * c.one_minus_beta_1;
+    s[0] = m;
+    const M bu = c.beta_2 * s[1];
+    const M ag = g < M(0) ? -g : g;
+    const M u = (bu != bu || bu > ag) ? bu : ag;  // max, NaN from either side, as tf.maximum
+    s[1] = u;
+    var = var - (c.lr * m) / (c.one_minus_beta_1_power * (u + c.epsilon));
+  }
+};
+
+struct LionRule {
+  // keras Lion: var -= lr * sign(m*b1 + g*(1 - b1)); m = m*b2 + g*(1 - b2), the 1 - b in the
+  // variable's dtype. Slot: m.
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 1, kMaxSlots = 1;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M, M& var, M* s) {
+    const M x = s[0] * c.beta_1 + g * c.one_minus_beta_1_m;
+    const M sign = x > M(0) ? M(1) : (x < M(0) ? M(-1) : (x != x ? x : M(0)));
+    var = var - c.lr * sign;
+    s[0] = s[0] * c.beta_2 + g * c.one_minus_beta_2_m;
   }
 };
 

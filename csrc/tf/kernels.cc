@@ -437,24 +437,27 @@ class ClipApplyOp : public OpKernel {
   }
 
   // Every resource: vars, then each slot list the step uses (slot k of var i is
-  // refs[(k + 1) * n + i]; an unused slot list, Adam's vhat without amsgrad, must be empty),
-  // then the step counter, if given (locked and copied-on-write with the rest: refs' last).
+  // refs[(k + 1) * n + i]), then the step counter, if given (locked and copied-on-write with the
+  // rest: refs' last). A slot the step's flags leave out (Adam's vhat without amsgrad, RMSprop's
+  // momentum without has_momentum) is an empty input; the others follow in the table's order.
   absl::Status LookUp(OpKernelContext* ctx, VarLookup* lookup, std::vector<VarRef>* refs) {
     refs->reserve(static_cast<size_t>((nslots_ + 1) * n_ + 1));
     TF_RETURN_IF_ERROR(lookup->Add("var", "vars", n_, refs));
-    for (int k = 0; k < static_cast<int>(slots_.size()); ++k) {
-      const char* slot = slots_[k].c_str();
-      if (k < nslots_) {
-        TF_RETURN_IF_ERROR(lookup->Add(slot, slot, n_, refs));
-        continue;
+    int used = 0;
+    for (const std::string& s : slots_) {
+      int64_t count = 0;
+      TF_RETURN_IF_ERROR(lookup->Count(s.c_str(), &count));
+      if (count == 0) continue;
+      if (used == nslots_) {
+        return tf::errors::InvalidArgument("got ", count, " ", s, " slots, but with these flags rule '",
+                                           rule_.name, "' takes ", nslots_, " slot lists");
       }
-      int64_t extra = 0;
-      TF_RETURN_IF_ERROR(lookup->Count(slot, &extra));
-      if (extra != 0) {
-        return tf::errors::InvalidArgument("got ", extra, " ", slot, " slots, but with these ",
-                                           "flags rule '", rule_.name, "' takes ", nslots_,
-                                           " slot lists and no ", slot);
-      }
+      TF_RETURN_IF_ERROR(lookup->Add(s.c_str(), s.c_str(), n_, refs));
+      ++used;
+    }
+    if (used != nslots_) {
+      return tf::errors::InvalidArgument("with these flags rule '", rule_.name, "' takes ", nslots_,
+                                         " slot lists, got ", used);
     }
     if (has_iterations_) TF_RETURN_IF_ERROR(lookup->Add("iterations", "iterations", 1, refs));
     return absl::OkStatus();

@@ -180,7 +180,15 @@ RULES = {
     "keras_momentum": (["m"], {"learning_rate": 0.1, "momentum": 0.9}),
     "adam": (["m", "v"], {"learning_rate": 0.01, "weight_decay": 0.004}),
     "amsgrad": (["m", "v", "vhat"], {"learning_rate": 0.01, "amsgrad": True}),
+    "adagrad": (["accumulator"], {"learning_rate": 0.05, "epsilon": 1e-6}),
+    "rmsprop": (["velocity", "momentum", "average_gradient"],
+                {"learning_rate": 0.01, "rho": 0.8, "momentum": 0.5, "centered": True,
+                 "has_momentum": True}),
+    "adadelta": (["accumulated_grad", "accumulated_delta_var"], {"learning_rate": 1.0, "rho": 0.9}),
+    "adamax": (["m", "u"], {"learning_rate": 0.02, "beta_1": 0.8, "weight_decay": 0.004}),
+    "lion": (["m"], {"learning_rate": 0.003, "beta_1": 0.9, "beta_2": 0.99}),
 }
+TAKES_STEP = {r for r, row in core.rule_table().items() if "step" in row["hparams"]}
 MODES = {"none": 0.0, "global_norm": 1.0, "norm": 0.3, "value": 0.01}
 PAIRS = [("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32"),
          ("float64", "float64"), ("float32", "float16"), ("float32", "bfloat16"),
@@ -198,7 +206,10 @@ def run_both(rng, rule, var_dtype, grad_dtype, mode, shapes, steps=2, nonfinite=
     slot_names, hp = RULES[rule]
     vd, gd = DTYPES[var_dtype], DTYPES[grad_dtype]
     vars_c = [rand(rng, s, vd) for s in shapes]
-    slots_c = [[small_pos(rng, s, vd) for s in shapes] for _ in slot_names]
+    # Slots start positive and small; RMSprop's average_gradient at 0, as it does, so that the
+    # centered denominator v - avg^2 + eps stays a variance (random slots could make it ~0).
+    slots_c = [[np.zeros(s, vd) if name == "average_gradient" else small_pos(rng, s, vd)
+                for s in shapes] for name in slot_names]
     vars_g = [to_dev(v) for v in vars_c]
     slots_g = [[to_dev(s) for s in sl] for sl in slots_c]
     vars_r = [v.astype(np.float64) for v in vars_c]
@@ -209,7 +220,7 @@ def run_both(rng, rule, var_dtype, grad_dtype, mode, shapes, steps=2, nonfinite=
         if poison is not None:
             grads[poison][...] = np.inf
         h = dict(hp)
-        if core_rule(rule) == "adam":
+        if core_rule(rule) in TAKES_STEP:
             h["step"] = step + 1
         rc = core.clip_apply(core_rule(rule), vars_c, grads, slots_c, h, mode, MODES[mode], None, nonfinite)
         rg = core.cuda_clip_apply(core_rule(rule), vars_g, [to_dev(g) for g in grads], slots_g, h, mode,
@@ -243,7 +254,17 @@ def test_apply_parity(rng, rule, mode, var_dtype, grad_dtype):
     # And against NumPy float64, to the coarser of the two dtypes.
     tol = TOL[min(var_dtype, grad_dtype, key=PRECISION.index)]
     for got, want in zip(vars_g, vars_r):
-        np.testing.assert_allclose(to_host(got, vd).astype(np.float64), want, rtol=tol, atol=tol)
+        got = to_host(got, vd).astype(np.float64)
+        if rule == "lion":
+            # sign(m*b1 + g*(1-b1)) of a value within rounding of 0 can flip in a 16-bit dtype: such
+            # an element is off by a whole 2*lr step (and only such), and there are few.
+            lr2 = 2 * RULES[rule][1]["learning_rate"]
+            off = ~np.isclose(got, want, rtol=tol, atol=tol)
+            steps = np.abs(got - want)[off] / lr2
+            assert np.allclose(steps, np.round(steps), atol=tol / lr2 + 0.01), steps
+            assert off.sum() <= max(2, off.size // 5000), off.sum()
+            continue
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
 def test_misaligned_views_take_the_scalar_paths(rng):
@@ -473,7 +494,10 @@ def test_sparse_apply_parity(rng, rule, mode, lazy, var_dtype, grad_dtype):
     vd, gd = DTYPES[var_dtype], DTYPES[grad_dtype]
     shapes = [(1000,), (300, 700), (5000, 3)]
     vars_c = [rand(rng, s, vd) for s in shapes]
-    slots_c = [[small_pos(rng, s, vd) for s in shapes] for _ in slot_names]
+    # Slots start positive and small; RMSprop's average_gradient at 0, as it does, so that the
+    # centered denominator v - avg^2 + eps stays a variance (random slots could make it ~0).
+    slots_c = [[np.zeros(s, vd) if name == "average_gradient" else small_pos(rng, s, vd)
+                for s in shapes] for name in slot_names]
     vars_g = [to_dev(v) for v in vars_c]
     slots_g = [[to_dev(s) for s in sl] for sl in slots_c]
     for step in range(3):
@@ -482,7 +506,7 @@ def test_sparse_apply_parity(rng, rule, mode, lazy, var_dtype, grad_dtype):
         idx2 = np.concatenate([rng.integers(0, 5000, size=2000), [4999, 0, 4999]]).astype(np.int32)
         grads = [rand(rng, shapes[0], gd), rand(rng, (64, 700), gd), rand(rng, (len(idx2), 3), gd)]
         h = dict(hp, sum_of_squares=step == 1)
-        if core_rule(rule) == "adam":
+        if core_rule(rule) in TAKES_STEP:
             h["step"] = step + 1
         ind = [None, idx1, idx2]
         nc, ac = core.clip_apply(core_rule(rule), vars_c, grads, slots_c, h, mode, MODES[mode], None, "skip",

@@ -1,0 +1,116 @@
+"""The element-wise rules beyond SGD/Momentum/Adam (issue 21, first part): Adagrad, RMSprop
+(momentum, centered), Adadelta, Adamax, Lion as tfclip.rules, fused_clip_apply against stock
+Keras 3 step by step (dense gradients, each clip mode, weight decay), and the core against NumPy
+float64. Their Keras drop-ins and IndexedSlices semantics come next."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import reference
+import tfclip
+
+SHAPES = [(7, 5), (33,), ()]
+CASES = {
+    "adagrad": (lambda: tfclip.rules.Adagrad(0.05, initial_accumulator_value=0.2),
+                lambda kw: keras.optimizers.Adagrad(0.05, initial_accumulator_value=0.2, **kw)),
+    "rmsprop": (lambda: tfclip.rules.RMSprop(0.01), lambda kw: keras.optimizers.RMSprop(0.01, **kw)),
+    "rmsprop_momentum_centered": (
+        lambda: tfclip.rules.RMSprop(0.01, rho=0.8, momentum=0.7, centered=True),
+        lambda kw: keras.optimizers.RMSprop(0.01, rho=0.8, momentum=0.7, centered=True, **kw)),
+    "rmsprop_centered": (lambda: tfclip.rules.RMSprop(0.01, centered=True),
+                         lambda kw: keras.optimizers.RMSprop(0.01, centered=True, **kw)),
+    "adadelta": (lambda: tfclip.rules.Adadelta(1.0), lambda kw: keras.optimizers.Adadelta(1.0, **kw)),
+    "adamax": (lambda: tfclip.rules.Adamax(0.02), lambda kw: keras.optimizers.Adamax(0.02, **kw)),
+    "lion": (lambda: tfclip.rules.Lion(0.003), lambda kw: keras.optimizers.Lion(0.003, **kw)),
+}
+CLIPS = {"none": {}, "global_clipnorm": {"global_clipnorm": 0.5}, "clipnorm": {"clipnorm": 0.3},
+         "clipvalue": {"clipvalue": 0.05}}
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_trajectory_matches_stock_keras(case, clip):
+    """20 steps of fused_clip_apply against the stock Keras optimizer clipping the same way."""
+    make_rule, make_keras = CASES[case]
+    rng = np.random.default_rng(3)
+    init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    ours = [tf.Variable(x) for x in init]
+    theirs = [keras.Variable(x) for x in init]
+    rule = make_rule()
+    opt = make_keras(CLIPS[clip])
+    for step in range(20):
+        grads = [tf.constant(rng.normal(size=s).astype(np.float32) * (1 + step % 3)) for s in SHAPES]
+        res = tfclip.fused_clip_apply(list(zip(grads, ours)), rule, **CLIPS[clip])
+        assert bool(res.applied)
+        opt.apply_gradients(zip(grads, theirs))
+    for a, b in zip(ours, theirs):
+        if clip in ("none", "clipvalue"):
+            # The same operations in the same order as Keras: the same bits.
+            np.testing.assert_array_equal(a.numpy(), np.asarray(b.numpy()))
+        else:
+            # Keras's norm is float32 (tf.linalg.global_norm), tfclip's float64: the clip scale
+            # can differ in its last bit.
+            np.testing.assert_allclose(a.numpy(), np.asarray(b.numpy()), rtol=2e-6, atol=1e-7)
+    assert int(rule.iterations.numpy()) == 20
+
+
+@pytest.mark.parametrize("case", ["adagrad", "rmsprop", "adamax", "lion"])
+def test_decoupled_weight_decay_as_keras(case):
+    make_rule, make_keras = CASES[case]
+    rng = np.random.default_rng(5)
+    init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    ours = [tf.Variable(x) for x in init]
+    theirs = [keras.Variable(x) for x in init]
+    rule = make_rule()
+    rule.weight_decay = 0.01
+    opt = make_keras({"weight_decay": 0.01})
+    for _ in range(10):
+        grads = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in SHAPES]
+        tfclip.fused_clip_apply(list(zip(grads, ours)), rule)
+        opt.apply_gradients(zip(grads, theirs))
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(a.numpy(), np.asarray(b.numpy()))
+
+
+@pytest.mark.parametrize("rule,nslots,hp,flags", [
+    ("adagrad", 1, {"lr": 0.05, "epsilon": 1e-6}, {}),
+    ("rmsprop", 3, {"lr": 0.01, "rho": 0.8, "momentum": 0.5, "epsilon": 1e-6},
+     {"centered": True, "has_momentum": True}),
+    ("adadelta", 2, {"lr": 1.0, "rho": 0.9, "epsilon": 1e-6}, {}),
+    ("adamax", 2, {"lr": 0.02, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6}, {}),
+    ("lion", 1, {"lr": 0.003, "beta_1": 0.9, "beta_2": 0.99}, {}),
+])
+def test_core_rules_against_numpy_float64(rule, nslots, hp, flags):
+    from tfclip import _core
+
+    rng = np.random.default_rng(11)
+    v = [rng.normal(size=(50,)).astype(np.float64)]
+    s = [[np.abs(rng.normal(size=(50,))) * 0.1] for _ in range(nslots)]
+    v_ref, s_ref = v[0].copy(), [x[0].copy() for x in s]
+    for t in range(1, 6):
+        g = [rng.normal(size=(50,))]
+        step = {"step": float(t)} if rule == "adamax" else {}
+        _core.clip_apply(rule, v, g, s, {**hp, **flags, **step})
+        v_ref = reference.step(rule, v_ref, s_ref, g[0], {**hp, **flags, "learning_rate": hp["lr"]}, t)
+    np.testing.assert_allclose(v[0], v_ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(s, s_ref):
+        np.testing.assert_allclose(a[0], b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["adagrad", "rmsprop_momentum_centered", "adadelta", "adamax", "lion"])
+def test_indexed_slices_give_the_densified_gradients_update(case):
+    """IndexedSlices with duplicate rows, without densifying: the same bits as the rule given the
+    dense gradient (untouched rows get the zero-gradient update, as a dense zero row does)."""
+    make_rule, _ = CASES[case]
+    rng = np.random.default_rng(9)
+    init = rng.normal(size=(6, 4)).astype(np.float32)
+    a, b = tf.Variable(init), tf.Variable(init)
+    ra, rb = make_rule(), make_rule()
+    for _ in range(5):
+        values = tf.constant(rng.normal(size=(4, 4)).astype(np.float32))
+        idx = tf.constant([3, 0, 3, 5])
+        sl = tf.IndexedSlices(values, idx, tf.constant([6, 4]))
+        tfclip.fused_clip_apply([(sl, a)], ra)
+        tfclip.fused_clip_apply([(tf.convert_to_tensor(sl), b)], rb)
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
