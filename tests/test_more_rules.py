@@ -28,22 +28,32 @@ CLIPS = {"none": {}, "global_clipnorm": {"global_clipnorm": 0.5}, "clipnorm": {"
          "clipvalue": {"clipvalue": 0.05}}
 
 
-@pytest.mark.parametrize("clip", list(CLIPS))
-@pytest.mark.parametrize("case", list(CASES))
-def test_trajectory_matches_stock_keras(case, clip):
-    """20 steps of fused_clip_apply against the stock Keras optimizer clipping the same way."""
+def _side_by_side(case, steps, seed, keras_kw, fused_kw, weight_decay=None):
+    """`steps` steps of tfclip.fused_clip_apply and of the stock Keras optimizer on the same
+    gradients; returns (tfclip's variables, Keras's, the rule)."""
     make_rule, make_keras = CASES[case]
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
     ours = [tf.Variable(x) for x in init]
     theirs = [keras.Variable(x) for x in init]
     rule = make_rule()
-    opt = make_keras(CLIPS[clip])
-    for step in range(20):
+    if weight_decay is not None:
+        rule.weight_decay = weight_decay
+        keras_kw = {**keras_kw, "weight_decay": weight_decay}
+    opt = make_keras(keras_kw)
+    for step in range(steps):
         grads = [tf.constant(rng.normal(size=s).astype(np.float32) * (1 + step % 3)) for s in SHAPES]
-        res = tfclip.fused_clip_apply(list(zip(grads, ours)), rule, **CLIPS[clip])
+        res = tfclip.fused_clip_apply(list(zip(grads, ours)), rule, **fused_kw)
         assert bool(res.applied)
         opt.apply_gradients(zip(grads, theirs))
+    return ours, theirs, rule
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_trajectory_matches_stock_keras(case, clip):
+    """20 steps of fused_clip_apply against the stock Keras optimizer clipping the same way."""
+    ours, theirs, rule = _side_by_side(case, 20, 3, CLIPS[clip], CLIPS[clip])
     for a, b in zip(ours, theirs):
         if clip in ("none", "clipvalue"):
             # The same operations in the same order as Keras: the same bits.
@@ -57,18 +67,7 @@ def test_trajectory_matches_stock_keras(case, clip):
 
 @pytest.mark.parametrize("case", ["adagrad", "rmsprop", "adamax", "lion"])
 def test_decoupled_weight_decay_as_keras(case):
-    make_rule, make_keras = CASES[case]
-    rng = np.random.default_rng(5)
-    init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
-    ours = [tf.Variable(x) for x in init]
-    theirs = [keras.Variable(x) for x in init]
-    rule = make_rule()
-    rule.weight_decay = 0.01
-    opt = make_keras({"weight_decay": 0.01})
-    for _ in range(10):
-        grads = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in SHAPES]
-        tfclip.fused_clip_apply(list(zip(grads, ours)), rule)
-        opt.apply_gradients(zip(grads, theirs))
+    ours, theirs, _ = _side_by_side(case, 10, 5, {}, {}, weight_decay=0.01)
     for a, b in zip(ours, theirs):
         np.testing.assert_array_equal(a.numpy(), np.asarray(b.numpy()))
 
