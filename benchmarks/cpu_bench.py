@@ -12,8 +12,8 @@ parameter (4 to read the gradient for the norm, 16 to read grad/var/m/v, 12 to w
 at the speed of a multi-threaded copy that moves as many bytes, timed in the same interleaved
 loop as the methods (a bandwidth read once at the start swung the ratios by 20% between runs).
 
-Extras: every rule (SGD ... Ftrl) on the BERT-base set against its own floor (16 + 8 B/param per
-slot) and against the stock Keras optimizer's tf.function step; float16/bfloat16 gradients for float32 variables, per parameter,
+Extras: every rule (SGD ... Lamb) on the BERT-base set against its own floor (16 + 8 B/param per
+slot; Lamb 44, its three passes) and against the stock Keras optimizer's tf.function step; float16/bfloat16 gradients for float32 variables, per parameter,
 against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
 `tf.function`. Machines are shared and noisy: compare ratios within one run.
 """
@@ -217,26 +217,34 @@ def _bytes(slots):
     return 4 + 4 + 8 + 8 * slots
 
 
-# label: (tfclip.rules object, stock Keras optimizer, slot count). lr 1e-9 keeps the weights where
+# Lamb's per-tensor trust ratio needs every update before any variable moves: the norm reads
+# the gradient (4); the slot pass reads gradient, variable (for |w|) and m, v and writes m, v
+# (4 + 4 + 16); the variable pass reads variable, m, v and writes the variable (16).
+LAMB_BYTES = 4 + (4 + 4 + 16) + 16
+
+
+# label: (tfclip.rules object, stock Keras optimizer, bytes per fp32 parameter). lr 1e-9 keeps the weights where
 # they are; the speed does not depend on it.
 RULES = {
-    "SGD": (lambda: tfclip.rules.SGD(1e-9), lambda: keras.optimizers.SGD(1e-9, global_clipnorm=1.0), 0),
+    "SGD": (lambda: tfclip.rules.SGD(1e-9), lambda: keras.optimizers.SGD(1e-9, global_clipnorm=1.0), _bytes(0)),
     "Momentum": (lambda: tfclip.rules.SGD(1e-9, momentum=0.9),
-                 lambda: keras.optimizers.SGD(1e-9, momentum=0.9, global_clipnorm=1.0), 1),
-    "Adam": (lambda: tfclip.rules.Adam(1e-9), lambda: keras.optimizers.Adam(1e-9, global_clipnorm=1.0), 2),
+                 lambda: keras.optimizers.SGD(1e-9, momentum=0.9, global_clipnorm=1.0), _bytes(1)),
+    "Adam": (lambda: tfclip.rules.Adam(1e-9), lambda: keras.optimizers.Adam(1e-9, global_clipnorm=1.0), _bytes(2)),
     "AdamW": (lambda: tfclip.rules.AdamW(1e-9, weight_decay=1e-9),
-              lambda: keras.optimizers.AdamW(1e-9, weight_decay=1e-9, global_clipnorm=1.0), 2),
-    "RMSprop": (lambda: tfclip.rules.RMSprop(1e-9), lambda: keras.optimizers.RMSprop(1e-9, global_clipnorm=1.0), 1),
+              lambda: keras.optimizers.AdamW(1e-9, weight_decay=1e-9, global_clipnorm=1.0), _bytes(2)),
+    "RMSprop": (lambda: tfclip.rules.RMSprop(1e-9), lambda: keras.optimizers.RMSprop(1e-9, global_clipnorm=1.0), _bytes(1)),
     "RMSprop mom+centered": (lambda: tfclip.rules.RMSprop(1e-9, momentum=0.9, centered=True),
                              lambda: keras.optimizers.RMSprop(1e-9, momentum=0.9, centered=True,
-                                                              global_clipnorm=1.0), 3),
-    "Adagrad": (lambda: tfclip.rules.Adagrad(1e-9), lambda: keras.optimizers.Adagrad(1e-9, global_clipnorm=1.0), 1),
+                                                              global_clipnorm=1.0), _bytes(3)),
+    "Adagrad": (lambda: tfclip.rules.Adagrad(1e-9), lambda: keras.optimizers.Adagrad(1e-9, global_clipnorm=1.0), _bytes(1)),
     "Adadelta": (lambda: tfclip.rules.Adadelta(1e-9),
-                 lambda: keras.optimizers.Adadelta(1e-9, global_clipnorm=1.0), 2),
-    "Adamax": (lambda: tfclip.rules.Adamax(1e-9), lambda: keras.optimizers.Adamax(1e-9, global_clipnorm=1.0), 2),
-    "Nadam": (lambda: tfclip.rules.Nadam(1e-9), lambda: keras.optimizers.Nadam(1e-9, global_clipnorm=1.0), 2),
-    "Lion": (lambda: tfclip.rules.Lion(1e-9), lambda: keras.optimizers.Lion(1e-9, global_clipnorm=1.0), 1),
-    "Ftrl": (lambda: tfclip.rules.Ftrl(1e-9), lambda: keras.optimizers.Ftrl(1e-9, global_clipnorm=1.0), 2),
+                 lambda: keras.optimizers.Adadelta(1e-9, global_clipnorm=1.0), _bytes(2)),
+    "Adamax": (lambda: tfclip.rules.Adamax(1e-9), lambda: keras.optimizers.Adamax(1e-9, global_clipnorm=1.0), _bytes(2)),
+    "Nadam": (lambda: tfclip.rules.Nadam(1e-9), lambda: keras.optimizers.Nadam(1e-9, global_clipnorm=1.0), _bytes(2)),
+    "Lion": (lambda: tfclip.rules.Lion(1e-9), lambda: keras.optimizers.Lion(1e-9, global_clipnorm=1.0), _bytes(1)),
+    "Ftrl": (lambda: tfclip.rules.Ftrl(1e-9), lambda: keras.optimizers.Ftrl(1e-9, global_clipnorm=1.0), _bytes(2)),
+    "Lamb": (lambda: tfclip.rules.Lamb(1e-9), lambda: keras.optimizers.Lamb(1e-9, global_clipnorm=1.0),
+             LAMB_BYTES),
 }
 
 
@@ -253,7 +261,7 @@ def rules_table(args, rng):
     print(f"{'rule':<21} {'B/param':>7} {'ms/call':>8} {'net ms':>8} {'floor ms':>9} {'x floor':>8} "
           f"{'Keras ms':>9} {'x Keras':>8}")
     only = set(args.rules.split(",")) if args.rules else None
-    for label, (make_rule, make_stock, slots) in RULES.items():
+    for label, (make_rule, make_stock, nbytes) in RULES.items():
         if only and label not in only:
             continue
         rule, stock = make_rule(), make_stock()
@@ -275,7 +283,6 @@ def rules_table(args, rng):
 
         r = interleaved_medians({"fused": fused, "harness": harness, "keras": keras_step,
                                  "floor": floor_copy(n)}, args.repeats)
-        nbytes = _bytes(slots)
         floor = r["floor"] * nbytes / BYTES_PER_PARAM
         net = r["fused"] - r["harness"]
         print(f"{label:<21} {nbytes:7d} {r['fused'] * 1e3:8.2f} {net * 1e3:8.2f} {floor * 1e3:9.2f} "

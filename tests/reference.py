@@ -20,9 +20,11 @@ def clip(grads, mode, c, use_norm=None):
     return g64
 
 
-def step(rule, var, slots, g, hp, t, gsq=None):
+def step(rule, var, slots, g, hp, t, gsq=None, slot_dtype=None):
     """One update in float64. slots: list of arrays (updated in place); returns the new var.
-    gsq: what Adam's v takes as g^2 (default g*g; a sparse row: the sum of its slices' squares)."""
+    gsq: what Adam's v takes as g^2 (default g*g; a sparse row: the sum of its slices' squares).
+    slot_dtype: Lamb computes its update from the slots as stored (as keras, from its slot
+    variables): with a 16-bit dtype the slots are rounded to it first."""
     lr, wd = hp.get("learning_rate", 0.01), hp.get("weight_decay", 0.0)
     var = var - var * wd * lr
     if rule == "sgd":
@@ -66,6 +68,17 @@ def step(rule, var, slots, g, hp, t, gsq=None):
         slots[0][...] = n_new
         quadratic = n_new ** p / lr + 2 * (l2 + beta / (2 * lr))
         return (np.clip(slots[1], -l1, l1) - slots[1]) / quadratic
+    if rule == "lamb":  # var, g: a whole tensor (the trust ratio is per tensor)
+        b1, b2, eps = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999), hp.get("epsilon", 1e-7)
+        slots[0][...] = slots[0] + (g - slots[0]) * (1 - b1)
+        slots[1][...] = slots[1] + ((g * g if gsq is None else gsq) - slots[1]) * (1 - b2)
+        if slot_dtype is not None:
+            for sl in slots:
+                sl[...] = sl.astype(slot_dtype).astype(np.float64)
+        u = (slots[0] / (1 - b1 ** t)) / (np.sqrt(slots[1] / (1 - b2 ** t)) + eps)
+        w_norm, u_norm = np.sqrt(np.sum(var * var)), np.sqrt(np.sum(u * u))
+        ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+        return var - ratio * lr * u
     gg = g * g if gsq is None else gsq
     eps = hp.get("epsilon", 1e-7)
     if rule == "adagrad":
@@ -119,5 +132,5 @@ def num_slots(rule, hp):
     if rule == "tf_rmsprop":
         return 3 if hp.get("centered") else 2
     fixed = {"sgd": 0, "momentum": 1, "keras_momentum": 1, "adagrad": 1, "adadelta": 2, "adamax": 2,
-             "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2}
+             "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2, "lamb": 2}
     return fixed.get(rule, 3 if hp.get("amsgrad") else 2)

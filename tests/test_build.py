@@ -125,7 +125,12 @@ def test_each_variant_vectorizes_the_adam_step(path):
     funcs = _functions(path)
 
     def apply_code(ns):
-        return "\n".join("\n".join(body) for name, body in funcs.items() if f"{ns}Apply(" in name)
+        # The dense pass, Apply, and its chunk and loop templates for Adam, wherever the compiler
+        # left them (inlined into Apply, or out of line once Apply grew: the AVX2 variant's
+        # ApplyChunk<AdamRule, ...> since Lamb's instantiations).
+        return "\n".join("\n".join(body) for name, body in funcs.items()
+                         if f"{ns}Apply(" in name
+                         or (ns in name and ("ApplyChunk<tfclip::AdamRule" in name or "ApplyLoop<tfclip::AdamRule" in name)))
 
     # Adam's sqrt, packed at each variant's width: SSE xmm, AVX2 ymm, AVX-512 zmm.
     assert "\tsqrtps " in apply_code("tfclip::isa_baseline::")

@@ -93,6 +93,7 @@ RULE_HP = {
     "momentum": ("learning_rate", "momentum", "nesterov", "weight_decay"),
     "keras_momentum": ("learning_rate", "momentum", "nesterov", "weight_decay"),
     "adam": ("learning_rate", "beta_1", "beta_2", "epsilon", "weight_decay", "amsgrad", "step"),
+    "lamb": ("learning_rate", "beta_1", "beta_2", "epsilon", "weight_decay", "step"),
 }
 
 

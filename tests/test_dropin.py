@@ -34,6 +34,7 @@ CONFIGS = {  # name: (class name, constructor kwargs)
     "nadam": ("Nadam", dict(learning_rate=0.01, global_clipnorm=0.5)),
     "lion": ("Lion", dict(learning_rate=0.001)),
     "ftrl": ("Ftrl", dict(learning_rate=0.05, l1_regularization_strength=0.01, beta=0.1)),
+    "lamb": ("Lamb", dict(learning_rate=0.01, weight_decay=0.01, global_clipnorm=0.5)),
 }
 
 
@@ -103,7 +104,8 @@ def load(model, opt, x, path, how):
 @pytest.mark.parametrize("name,kind", [("adam", "embedding"), ("adam_amsgrad_ema", "dense"),
                                        ("sgd_momentum", "embedding"), ("adamw_accumulate", "dense"),
                                        ("nadam", "dense"), ("rmsprop_centered_momentum", "embedding"),
-                                       ("ftrl", "embedding"), ("adamax", "embedding")])
+                                       ("ftrl", "embedding"), ("adamax", "embedding"),
+                                       ("lamb", "embedding")])
 def test_checkpoints_resume_across_stock_and_tfclip(tmp_path, name, kind, direction, how):
     src_mod, dst_mod = ((keras.optimizers, tfclip.keras) if direction == "stock_to_tfclip"
                         else (tfclip.keras, keras.optimizers))

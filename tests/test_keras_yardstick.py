@@ -11,7 +11,7 @@ import pytest
 import keras
 import tfclip
 
-CLASSES = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl"]
+CLASSES = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb"]
 TFCLIP = {**{c: getattr(tfclip.keras, c) for c in CLASSES}, "get": tfclip.keras.get}
 # module: the names in its namespace that are the stock classes (optimizer_test imports the
 # whole `optimizers` package and reaches SGD/Adam/AdamW through it).
@@ -19,7 +19,7 @@ MODULES = {**{f"{c.lower()}_test": [c] for c in CLASSES}, "optimizer_test": ["op
 
 
 # Cases that may build no tfclip class: the parameterized tests' cases 3-10 (Adagrad, RMSprop, ...,
-# and Lamb, Adafactor, which tfclip has not).
+# Lamb, and Adafactor, which tfclip has not).
 NO_OPTIMIZER = {f"{t}{i}" for t in ("test_gradient_accumulation_with_weigth_decay", "test_pickleable_optimizers")
                 for i in range(3, 11)}
 

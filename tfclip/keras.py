@@ -5,8 +5,8 @@ Change one line::
     optimizer = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)   # before
     optimizer = tfclip.keras.Adam(1e-3, global_clipnorm=1.0)        # after
 
-`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion` and `Ftrl`
-subclass the stock Keras classes and take the same constructor arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
+`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion`, `Ftrl` and
+`Lamb` subclass the stock Keras classes and take the same constructor arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
 `weight_decay`, `use_ema`, `loss_scale_factor`, `gradient_accumulation_steps`, ...), create the
 same slot variables, and follow the same trajectories step by step. `optimizer.variables` is the
 stock list (tfclip's `global_norm` and `skipped_steps` are attributes outside it), so checkpoints
@@ -40,7 +40,7 @@ from tfclip import _loader, _opcall
 from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
-           "get"]
+           "Lamb", "get"]
 
 
 def _in_xla_context():
@@ -401,9 +401,23 @@ class Ftrl(_Generic, keras.optimizers.Ftrl):
                  "beta": self.beta}, {})
 
 
+class Lamb(_Generic, keras.optimizers.Lamb):
+    """keras.optimizers.Lamb as fused ops: its per-tensor trust ratio |w| / |u| needs every
+    update before any variable moves, so a step is three passes over memory (the norm; the
+    slots with each tensor's sums of w^2 and u^2; the variables), not two. Extra: `nonfinite`."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+
+    def _op_inputs(self, keras_vars):
+        return ("lamb", [self._slot_handles(self._momentums, keras_vars),
+                         self._slot_handles(self._velocities, keras_vars)],
+                {"beta_1": self._hp("beta_1"), "beta_2": self._hp("beta_2"), "epsilon": self.epsilon,
+                 "step": self._step()}, {})
+
+
 def get(identifier):
     """keras.optimizers.get, giving tfclip's class where tfclip has one: `get("adam")` is a
-    `tfclip.keras.Adam`, `get("lamb")` the stock Lamb; configs and instances as Keras."""
+    `tfclip.keras.Adam`, `get("lion")` a `tfclip.keras.Lion`; configs and instances as Keras."""
     if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
         return _BY_NAME[identifier.lower()]()
     if isinstance(identifier, dict) and str(identifier.get("class_name", "")).lower() in _BY_NAME \
@@ -412,7 +426,7 @@ def get(identifier):
     return keras.optimizers.get(identifier)
 
 
-_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl)
+_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb)
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 # Registered so model.save / keras.models.load_model find them without custom_objects.

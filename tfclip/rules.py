@@ -27,6 +27,7 @@ The rules match TF's own training ops and the Keras 3 optimizers:
 `Lion`             keras.optimizers.Lion
 `Nadam`            keras.optimizers.Nadam (its momentum-cache product carried across steps)
 `Ftrl`             keras.optimizers.Ftrl / ResourceApplyFtrlV2
+`Lamb`             keras.optimizers.Lamb (a per-tensor trust ratio: three passes, not two)
 =================  ==========================================================================
 
 Adagrad, RMSprop, Adadelta, Adamax and Lion match stock Keras bit for bit on dense gradients
@@ -551,3 +552,25 @@ class Ftrl(Rule):
         return {**super()._op_hparams(has_counter), **_opcall.ftrl_variant(self.learning_rate_power)[1],
                 "l1": self.l1_regularization_strength, "l2": self.l2_regularization_strength,
                 "l2_shrinkage": self.l2_shrinkage_regularization_strength, "beta": self.beta}
+
+
+class Lamb(Rule):
+    """Keras Lamb: Adam's moments, the update `u = m_hat / (sqrt(v_hat) + epsilon)` scaled per
+    tensor by `|w| / |u|` (1 if either is 0), bias correction from `iterations + 1`. Slots `m`,
+    `v`. The ratio needs every update before a variable moves: a third pass over memory."""
+
+    kind = "lamb"
+    slot_names = ("m", "v")
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 weight_decay=0.0, name=None):
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "epsilon": self.epsilon, "weight_decay": self.weight_decay}
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "epsilon": self.epsilon, "step": self._step(has_counter)}

@@ -10,6 +10,7 @@
 //   RowGrads<...>     an IndexedSlices row's slices for this column (csrc/core/sparse.h)
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -38,11 +39,21 @@ struct RuleStep {
   TFCLIP_HD void operator()(M g, M gsq) const { Rule::Update(c, g, gsq, v, s); }
 };
 
+// What one element adds to its tensor's sums in a trust-ratio rule's slot pass: the variable
+// after weight decay, w, and its update u (Rule::Direction of the stored slots). Zeros for the
+// other rules, whose ApplyElem finishes the element.
+template <typename M>
+struct ElemNorms {
+  M w, u;
+};
+
 // var[i] and slot k's s_k[i] (k < kSlots; the others are never touched and may be null), in
-// storage type V, updated in place.
+// storage type V, updated in place. A trust-ratio rule (rules.h) updates the slots only, and
+// returns the element's w and u: its variable is written by TrustElem, a pass later.
 template <typename Rule, int kSlots, typename V, typename Grads>
-TFCLIP_HD void ApplyElem(const StepConsts<typename Elem<V>::Math>& c, const Grads& grads, V* var,
-                         V* s0, V* s1, V* s2, int64_t i) {
+TFCLIP_HD ElemNorms<typename Elem<V>::Math> ApplyElem(const StepConsts<typename Elem<V>::Math>& c,
+                                                      const Grads& grads, V* var, V* s0, V* s1,
+                                                      V* s2, int64_t i) {
   using M = typename Elem<V>::Math;
   static_assert(kSlots >= Rule::kMinSlots && kSlots <= Rule::kMaxSlots, "slot count of the rule");
   M s[kMaxSlots] = {M(0), M(0), M(0)};
@@ -51,10 +62,44 @@ TFCLIP_HD void ApplyElem(const StepConsts<typename Elem<V>::Math>& c, const Grad
   if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
   M v = DecayVar(c, Elem<V>::Load(var[i]));
   grads.template Feed<Rule>(c, RuleStep<Rule, M>{c, v, s});
-  var[i] = Elem<V>::Store(v);
+  if constexpr (!Rule::kTrustRatio) var[i] = Elem<V>::Store(v);
   if (kSlots > 0) s0[i] = Elem<V>::Store(s[0]);
   if (kSlots > 1) s1[i] = Elem<V>::Store(s[1]);
   if (kSlots > 2) s2[i] = Elem<V>::Store(s[2]);
+  if constexpr (Rule::kTrustRatio) {
+    // u from the slots as stored (rounded to V), as TrustElem reads them back: the sums and
+    // the step see the same u, as in keras, whose update is computed from the slot variables.
+    M sr[kMaxSlots] = {M(0), M(0), M(0)};
+    for (int k = 0; k < kSlots; ++k) sr[k] = Elem<V>::Load(Elem<V>::Store(s[k]));
+    return ElemNorms<M>{v, Rule::Direction(c, sr)};
+  } else {
+    return ElemNorms<M>{M(0), M(0)};
+  }
+}
+
+// A tensor's trust ratio times the learning rate, from its sums of w^2 and u^2 (fp64, in a
+// fixed order), as keras computes it in the variable's dtype: |w| / |u| when both are > 0
+// (a NaN norm compares false: 1), else 1; then ratio * lr.
+template <typename M>
+TFCLIP_HD M TrustRatioLr(const StepConsts<M>& c, double w2, double u2) {
+  const M w = static_cast<M>(std::sqrt(w2)), u = static_cast<M>(std::sqrt(u2));
+  const M ratio = w > M(0) ? (u > M(0) ? w / u : M(1)) : M(1);
+  return ratio * c.lr;
+}
+
+// The last pass of a trust-ratio rule: var[i] after weight decay, stepped by ratio_lr * u.
+template <typename Rule, int kSlots, typename V>
+TFCLIP_HD void TrustElem(const StepConsts<typename Elem<V>::Math>& c,
+                         typename Elem<V>::Math ratio_lr, V* var, const V* s0, const V* s1,
+                         const V* s2, int64_t i) {
+  using M = typename Elem<V>::Math;
+  M s[kMaxSlots] = {M(0), M(0), M(0)};
+  if (kSlots > 0) s[0] = Elem<V>::Load(s0[i]);
+  if (kSlots > 1) s[1] = Elem<V>::Load(s1[i]);
+  if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
+  M v = DecayVar(c, Elem<V>::Load(var[i]));
+  Rule::Trust(c, ratio_lr, v, s);
+  var[i] = Elem<V>::Store(v);
 }
 
 // Calls fn(std::integral_constant<int, k>{}) for the runtime slot count k of `Rule`, from the

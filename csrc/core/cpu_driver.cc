@@ -24,13 +24,35 @@ void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan
 }
 
 void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
-              const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec) {
-  ActiveCpuKernels().apply(rule, hp, ts, plan, factors, exec);
+              const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec,
+              double* trust) {
+  ActiveCpuKernels().apply(rule, hp, ts, plan, factors, trust, exec);
 }
 
 void SparseApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const SparsePlan& sp,
-                    const ClipFactor* factors, const CpuExecutor& exec) {
-  ActiveCpuKernels().sparse_apply(rule, hp, ts, sp, factors, exec);
+                    const ClipFactor* factors, const CpuExecutor& exec, double* trust) {
+  ActiveCpuKernels().sparse_apply(rule, hp, ts, sp, factors, trust, exec);
+}
+
+void TrustCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const ChunkPlan& plan,
+              const SparsePlan& sp, const double* sums, const CpuExecutor& exec) {
+  ActiveCpuKernels().trust(rule, hp, ts, plan, sp, sums, exec);
+}
+
+void ReduceTrustSums(const ChunkPlan& plan, const SparsePlan& sp, const double* trust, int n,
+                     double* sums) {
+  for (int i = 0; i < 2 * n; ++i) sums[i] = 0.0;
+  const size_t nchunks = plan.chunks.size();
+  for (size_t c = 0; c < nchunks; ++c) {
+    const int i = plan.chunks[c].tensor;
+    sums[2 * i] += trust[2 * c];
+    sums[2 * i + 1] += trust[2 * c + 1];
+  }
+  for (size_t x = 0; x < sp.units.size(); ++x) {
+    const int i = sp.units[x].tensor;
+    sums[2 * i] += trust[2 * (nchunks + x)];
+    sums[2 * i + 1] += trust[2 * (nchunks + x) + 1];
+  }
 }
 
 double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec) {
@@ -108,8 +130,19 @@ StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& ex
     if (a.cfg.policy == NonFinitePolicy::kRaise) r.error = NonFiniteError(r.global_norm);
     return r;
   }
-  ApplyCpu(a.rule, hp, ts, s->plan, s->factors.data(), exec);
-  SparseApplyCpu(a.rule, hp, ts, s->sparse, s->factors.data(), exec);
+  if (!RuleTrustRatio(a.rule)) {
+    ApplyCpu(a.rule, hp, ts, s->plan, s->factors.data(), exec);
+    SparseApplyCpu(a.rule, hp, ts, s->sparse, s->factors.data(), exec);
+  } else {
+    // Slots and per-tensor sums, then the variables with each tensor's ratio.
+    const size_t nchunks = s->plan.chunks.size();
+    s->trust.assign(2 * (nchunks + s->sparse.units.size()), 0.0);
+    s->trust_sums.resize(2 * static_cast<size_t>(n));
+    ApplyCpu(a.rule, hp, ts, s->plan, s->factors.data(), exec, s->trust.data());
+    SparseApplyCpu(a.rule, hp, ts, s->sparse, s->factors.data(), exec, s->trust.data() + 2 * nchunks);
+    ReduceTrustSums(s->plan, s->sparse, s->trust.data(), n, s->trust_sums.data());
+    TrustCpu(a.rule, hp, ts, s->plan, s->sparse, s->trust_sums.data(), exec);
+  }
   r.applied = true;
   if (a.iterations != nullptr) ++*a.iterations;
   return r;

@@ -40,13 +40,27 @@ void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan
               double scale, const CpuExecutor& exec);
 
 // Apply pass: for each element, the clip factor of its tensor, decoupled weight decay, then
-// the rule; reads grad, var and slots once and writes var and slots once.
+// the rule; reads grad, var and slots once and writes var and slots once. A trust-ratio rule
+// (rules.h) writes the slots only, and chunk c's sums of w^2 and u^2 into trust[2c], trust[2c+1]
+// (trust is null for the other rules).
 void ApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
-              const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec);
+              const ChunkPlan& plan, const ClipFactor* factors, const CpuExecutor& exec,
+              double* trust = nullptr);
 
-// The apply pass of the IndexedSlices gradients of `ts` (planned by PlanSparse).
+// The apply pass of the IndexedSlices gradients of `ts` (planned by PlanSparse); a trust-ratio
+// rule's sums of unit x into trust[2x], trust[2x+1].
 void SparseApplyCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const SparsePlan& sp,
-                    const ClipFactor* factors, const CpuExecutor& exec);
+                    const ClipFactor* factors, const CpuExecutor& exec, double* trust = nullptr);
+
+// A trust-ratio rule's last pass: every variable element, dense and sparse, stepped with its
+// tensor's ratio from sums[2i] (w^2) and sums[2i+1] (u^2).
+void TrustCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const ChunkPlan& plan,
+              const SparsePlan& sp, const double* sums, const CpuExecutor& exec);
+
+// The per-tensor sums of a trust-ratio rule's slot pass: the chunks' (trust[2c..]) then the
+// sparse units' (trust[2 (nchunks + x)..]), each tensor's in plan order, into sums[2n].
+void ReduceTrustSums(const ChunkPlan& plan, const SparsePlan& sp, const double* trust, int n,
+                     double* sums);
 
 // A clip-and-apply step as every adapter hands it to the core.
 struct StepArgs {
@@ -74,6 +88,7 @@ struct StepResult {
 struct StepScratch {
   ChunkPlan plan;
   std::vector<double> partials, per_tensor;
+  std::vector<double> trust, trust_sums;  // trust-ratio rules (ReduceTrustSums)
   std::vector<ClipFactor> factors;
   std::vector<TensorView> grads;
   SparsePlan sparse;

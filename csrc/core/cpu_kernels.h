@@ -20,9 +20,12 @@ struct CpuKernels {
   void (*scale)(const TensorView* in, const TensorView* out, const ChunkPlan& plan, double scale,
                 const CpuExecutor& exec);
   void (*apply)(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const ChunkPlan& plan,
-                const ClipFactor* factors, const CpuExecutor& exec);
+                const ClipFactor* factors, double* trust, const CpuExecutor& exec);
   void (*sparse_apply)(RuleKind rule, const HParams& hp, const ApplyTensor* ts,
-                       const SparsePlan& sp, const ClipFactor* factors, const CpuExecutor& exec);
+                       const SparsePlan& sp, const ClipFactor* factors, double* trust,
+                       const CpuExecutor& exec);
+  void (*trust)(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const ChunkPlan& plan,
+                const SparsePlan& sp, const double* sums, const CpuExecutor& exec);
 };
 
 // The variant in use: the best the CPU supports, or TFCLIP_CPU_ISA (avx512 | avx2 | baseline)

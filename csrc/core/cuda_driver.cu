@@ -41,6 +41,8 @@ struct DevTensor {
   int32_t grad_dtype;
   int32_t sparse;     // 1: applied by the sparse kernel; its chunks are the norm's only
   int32_t pad;
+  int64_t first_unit;  // sparse: its units of the sparse plan (consecutive)
+  int64_t num_units;
 };
 
 // The sparse apply pass's table (csrc/core/sparse.h), uploaded with the tensor table.
@@ -81,6 +83,10 @@ struct Table {
   const DevChunk* chunks;
   const int64_t* block_begin;
   double* partials;
+  // A trust-ratio rule (rules.h): the slot pass's sums of w^2 and u^2, two per chunk then two
+  // per sparse unit, and per tensor (two each); null for the other rules.
+  double* trust;
+  double* trust_sums;
   ClipFactor* factors;
   DevStatus* status;
   DevConsts* consts;
@@ -96,7 +102,8 @@ struct CudaPlan {
   const SparsePlan* sparse = nullptr;
   size_t host_bytes = 0;    // the table: consts, hparams, tensors, chunks, block starts, sparse plan
   size_t device_bytes = 0;  // the table's device copy, then partials, clip factors, status
-  size_t off_partials = 0, off_factors = 0, off_status = 0;
+  size_t off_partials = 0, off_factors = 0, off_status = 0, off_trust = 0, off_trust_sums = 0;
+  bool trust = false;
 };
 
 size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
@@ -130,9 +137,10 @@ HostLayout Layout(const CudaPlan& p) {
   return l;
 }
 
-void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse) {
+void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust) {
   p->n = n;
   p->sparse = sparse;
+  p->trust = trust;
   PlanChunks(sizes, n, kCudaChunkElems, &p->plan);
   const size_t nchunks = p->plan.chunks.size();
   p->host_bytes = Layout(*p).bytes;
@@ -140,6 +148,12 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
   p->off_factors = p->off_partials + Align256(sizeof(double) * nchunks);
   p->off_status = p->off_factors + Align256(sizeof(ClipFactor) * static_cast<size_t>(n));
   p->device_bytes = p->off_status + Align256(sizeof(DevStatus));
+  p->off_trust = p->off_trust_sums = p->device_bytes;
+  if (trust) {
+    const size_t nunits = sparse != nullptr ? sparse->units.size() : 0;
+    p->off_trust_sums = p->off_trust + Align256(2 * sizeof(double) * (nchunks + nunits));
+    p->device_bytes = p->off_trust_sums + Align256(2 * sizeof(double) * static_cast<size_t>(n));
+  }
 }
 
 thread_local int g_last_launches = 0;
@@ -328,20 +342,36 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
 }
 
 // ---------------------------------------------------------------- kernel 3: apply
+// This thread's share of a trust-ratio rule's sums (w^2, u^2) over the elements it applied.
+struct TrustAcc {
+  double w = 0.0, u = 0.0;
+  template <typename M>
+  __device__ void Add(const ElemNorms<M>& e) {
+    const double w_ = static_cast<double>(e.w), u_ = static_cast<double>(e.u);
+    w += w_ * w_;
+    u += u_ * u_;
+  }
+};
+
 // A range of a dense tensor: each element's gradient clipped (GradReader) and ApplyElem, four
-// elements per thread with vector loads when every array is aligned for them.
+// elements per thread with vector loads when every array is aligned for them. A trust-ratio
+// rule's elements go to threads the same way whether aligned or not (groups of four from b,
+// then the tail), so its sums depend on the values only, never on where a buffer starts.
 template <typename Rule, typename V, typename G, int kSlots>
-__device__ void ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
-                           const ClipFactor& f, int64_t b, int64_t e) {
+__device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
+                               const ClipFactor& f, int64_t b, int64_t e) {
   using M = typename Elem<V>::Math;
+  constexpr int kV = 4;
+  TrustAcc acc;
   V* var = static_cast<V*>(t.var);
   V* s0 = static_cast<V*>(t.slots[0]);
   V* s1 = static_cast<V*>(t.slots[1]);
   V* s2 = static_cast<V*>(t.slots[2]);
   const GradReader<V, G> grad(t.grad, static_cast<DType>(t.grad_dtype), f);
+  const int64_t nvec = (e - b) / kV;
   int64_t i0 = b;
+  bool grouped = false;
   if constexpr (!std::is_same<G, AnyGrad>::value) {
-    constexpr int kV = 4;
     V* sp[kMaxSlots] = {s0, s1, s2};
     const G* graw = static_cast<const G*>(t.grad);
     bool aligned = reinterpret_cast<uintptr_t>(var + b) % (sizeof(V) * kV) == 0 &&
@@ -351,7 +381,6 @@ __device__ void ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const De
       aligned = aligned && reinterpret_cast<uintptr_t>(sp[k] + b) % (sizeof(V) * kV) == 0;
     }
     if (aligned) {
-      const int64_t nvec = (e - b) / kV;
       for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
         const int64_t i = b + j * kV;
         Vec<V, kV> vv = *reinterpret_cast<const Vec<V, kV>*>(var + i);
@@ -362,18 +391,29 @@ __device__ void ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const De
 #pragma unroll
         for (int q = 0; q < kV; ++q) {
           const M g = ClipGrad<G, M>(gv.v[q], grad.scale, grad.lo, grad.hi);
-          ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, vv.v, sv[0].v, sv[1].v, sv[2].v, q);
+          acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, vv.v, sv[0].v, sv[1].v, sv[2].v, q));
         }
-        *reinterpret_cast<Vec<V, kV>*>(var + i) = vv;
+        if constexpr (!Rule::kTrustRatio) *reinterpret_cast<Vec<V, kV>*>(var + i) = vv;
 #pragma unroll
         for (int k = 0; k < kSlots; ++k) *reinterpret_cast<Vec<V, kV>*>(sp[k] + i) = sv[k];
       }
-      i0 = b + nvec * kV;
+      grouped = true;
     }
   }
-  for (int64_t i = i0 + threadIdx.x; i < e; i += kThreads) {
-    ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i);
+  if (Rule::kTrustRatio && !grouped) {  // the same groups, element by element
+    for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
+      for (int q = 0; q < kV; ++q) {
+        const int64_t i = b + j * kV + q;
+        acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
+      }
+    }
+    grouped = true;
   }
+  if (grouped) i0 = b + nvec * kV;
+  for (int64_t i = i0 + threadIdx.x; i < e; i += kThreads) {
+    acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
+  }
+  return acc;
 }
 
 template <typename Rule, int kSlots>
@@ -384,14 +424,26 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
   for (int64_t c = cb; c < ce; ++c) {
     const DevChunk ch = t.chunks[c];
     const DevTensor& ten = t.tensors[ch.tensor];
-    if (ten.sparse) continue;  // the sparse kernel applies it
+    if (ten.sparse) {  // the sparse kernel applies it
+      if (Rule::kTrustRatio && threadIdx.x == 0) t.trust[2 * c] = t.trust[2 * c + 1] = 0.0;
+      continue;
+    }
     const ClipFactor f = t.factors[ch.tensor];
+    TrustAcc acc;
     DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
                  [&](auto vtag, auto gtag) {
                    using V = decltype(vtag);
-                   ApplyRange<Rule, V, decltype(gtag), kSlots>(ConstsFor<V>(consts.f, consts.d),
-                                                               ten, f, ch.begin, ch.end);
+                   acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
+                       ConstsFor<V>(consts.f, consts.d), ten, f, ch.begin, ch.end);
                  });
+    if constexpr (Rule::kTrustRatio) {
+      const double w = BlockSum<kThreads>(acc.w);
+      const double u = BlockSum<kThreads>(acc.u);
+      if (threadIdx.x == 0) {
+        t.trust[2 * c] = w;
+        t.trust[2 * c + 1] = u;
+      }
+    }
   }
 }
 
@@ -399,9 +451,10 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
 // One block per unit of the sparse plan; a thread per (row, column) element. In an all-rows
 // unit a row finds its slices by binary search over the unit's touched rows.
 template <typename Rule, typename V, typename G, int kSlots>
-__device__ void SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
-                              const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
+__device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
+                                  const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
   using M = typename Elem<V>::Math;
+  TrustAcc acc;
   V* var = static_cast<V*>(ten.var);
   const GradReader<V, G> grad(ten.grad, static_cast<DType>(ten.grad_dtype), f);
   V* s0 = static_cast<V*>(ten.slots[0]);
@@ -431,8 +484,9 @@ __device__ void SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const
       je = sp.ustart[x + 1];
     }
     const RowGrads<M, GradReader<V, G>> rg{grad, w, col, sp.order, jb, je};
-    ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col);
+    acc.Add(ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col));
   }
+  return acc;
 }
 
 template <typename Rule, int kSlots>
@@ -442,12 +496,82 @@ __global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse
   const SparseUnit u = sp.units[blockIdx.x];
   const DevTensor& ten = t.tensors[u.tensor];
   const ClipFactor f = t.factors[u.tensor];
+  TrustAcc acc;
   DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
                [&](auto vtag, auto gtag) {
                  using V = decltype(vtag);
-                 SparseUnitDev<Rule, V, decltype(gtag), kSlots>(ConstsFor<V>(consts.f, consts.d),
-                                                                ten, f, sp, u);
+                 acc = SparseUnitDev<Rule, V, decltype(gtag), kSlots>(
+                     ConstsFor<V>(consts.f, consts.d), ten, f, sp, u);
                });
+  if constexpr (Rule::kTrustRatio) {
+    const double w = BlockSum<kThreads>(acc.w);
+    const double uu = BlockSum<kThreads>(acc.u);
+    if (threadIdx.x == 0) {
+      const int64_t x = t.nchunks + blockIdx.x;
+      t.trust[2 * x] = w;
+      t.trust[2 * x + 1] = uu;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- kernels 5, 6: trust ratio
+// A trust-ratio rule's per-tensor sums: one block per tensor, over its chunks' then its sparse
+// units' sums (thread k takes entries k, k + kThreads, ...; BlockSum's fixed order).
+__global__ void __launch_bounds__(kThreads) TrustSumKernel(Table t) {
+  if (!t.status->apply) return;
+  const DevTensor& ten = t.tensors[blockIdx.x];
+  double w = 0.0, u = 0.0;
+  for (int64_t k = threadIdx.x; k < ten.num_chunks + ten.num_units; k += kThreads) {
+    const int64_t x = k < ten.num_chunks ? ten.first_chunk + k : t.nchunks + ten.first_unit + (k - ten.num_chunks);
+    w += t.trust[2 * x];
+    u += t.trust[2 * x + 1];
+  }
+  w = BlockSum<kThreads>(w);
+  u = BlockSum<kThreads>(u);
+  if (threadIdx.x == 0) {
+    t.trust_sums[2 * blockIdx.x] = w;
+    t.trust_sums[2 * blockIdx.x + 1] = u;
+  }
+}
+
+// The variables: blocks [0, nblocks) the dense chunks' blocks, then one per sparse unit.
+template <typename Rule, int kSlots>
+__global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, int64_t nblocks) {
+  if (!t.status->apply) return;
+  if constexpr (Rule::kTrustRatio) {
+    const DevConsts consts = *t.consts;
+    auto range = [&](const DevTensor& ten, int tensor, int64_t b, int64_t e) {
+      DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
+        using V = decltype(vtag);
+        const auto& c = ConstsFor<V>(consts.f, consts.d);
+        const auto ratio_lr = TrustRatioLr(c, t.trust_sums[2 * tensor], t.trust_sums[2 * tensor + 1]);
+        V* var = static_cast<V*>(ten.var);
+        const V* s0 = static_cast<const V*>(ten.slots[0]);
+        const V* s1 = static_cast<const V*>(ten.slots[1]);
+        const V* s2 = static_cast<const V*>(ten.slots[2]);
+        for (int64_t i = b + threadIdx.x; i < e; i += kThreads) {
+          TrustElem<Rule, kSlots>(c, ratio_lr, var, s0, s1, s2, i);
+        }
+      });
+    };
+    if (static_cast<int64_t>(blockIdx.x) < nblocks) {
+      const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
+      for (int64_t c = cb; c < ce; ++c) {
+        const DevChunk ch = t.chunks[c];
+        const DevTensor& ten = t.tensors[ch.tensor];
+        if (!ten.sparse) range(ten, ch.tensor, ch.begin, ch.end);
+      }
+    } else {
+      const SparseUnit u = sp.units[blockIdx.x - nblocks];
+      const DevTensor& ten = t.tensors[u.tensor];
+      const int64_t w = ten.width;
+      if (u.all_rows) {
+        range(ten, u.tensor, u.begin * w, u.end * w);
+      } else {
+        for (int64_t x = u.begin; x < u.end; ++x) range(ten, u.tensor, sp.urows[x] * w, sp.urows[x] * w + w);
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- the clip op's scale pass
@@ -514,6 +638,8 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
   t->partials = reinterpret_cast<double*>(d + p.off_partials);
   t->factors = reinterpret_cast<ClipFactor*>(d + p.off_factors);
   t->status = reinterpret_cast<DevStatus*>(d + p.off_status);
+  t->trust = p.trust ? reinterpret_cast<double*>(d + p.off_trust) : nullptr;
+  t->trust_sums = p.trust ? reinterpret_cast<double*>(d + p.off_trust_sums) : nullptr;
   t->n = p.n;
   t->nchunks = static_cast<int64_t>(p.plan.chunks.size());
   return "";
@@ -529,6 +655,14 @@ void ChunkRanges(const CudaPlan& p, DevTensor* ts) {
   for (size_t c = ch.size(); c-- > 0;) {
     ts[ch[c].tensor].first_chunk = static_cast<int64_t>(c);
     ts[ch[c].tensor].num_chunks++;
+  }
+  for (int i = 0; i < p.n; ++i) ts[i].first_unit = ts[i].num_units = 0;
+  if (p.sparse != nullptr) {
+    const auto& un = p.sparse->units;
+    for (size_t x = un.size(); x-- > 0;) {
+      ts[un[x].tensor].first_unit = static_cast<int64_t>(x);
+      ts[un[x].tensor].num_units++;
+    }
   }
 }
 
@@ -570,12 +704,12 @@ std::vector<DevTensor> TensorsFromViews(const TensorView* in, const TensorView* 
 // Plans a step, acquires its memory, runs fn(plan, host, device) and releases the memory on
 // every path: the one place a step's workspace is handed back (in stream order).
 template <typename Fn>
-std::string WithStepMemory(const int64_t* sizes, int n, const SparsePlan* sparse,
+std::string WithStepMemory(const int64_t* sizes, int n, const SparsePlan* sparse, bool trust,
                            CudaStepMemory* mem, void* stream, Fn&& fn) {
   g_last_launches = 0;
   g_last_stream = stream;
   CudaPlan p;
-  PlanCudaStep(sizes, n, &p, sparse);
+  PlanCudaStep(sizes, n, &p, sparse, trust);
   void* host = nullptr;
   void* dev = nullptr;
   std::string e = mem->Acquire(p.host_bytes, p.device_bytes, &host, &dev);
@@ -596,7 +730,7 @@ std::string ViewStep(const TensorView* in, const TensorView* out, int n, const F
                      CudaStepMemory* mem, void* stream_v, bool scale) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_v);
   const std::vector<int64_t> sizes = ViewSizes(in, n);
-  return WithStepMemory(sizes.data(), n, nullptr, mem, stream_v,
+  return WithStepMemory(sizes.data(), n, nullptr, false, mem, stream_v,
                         [&](const CudaPlan& p, void* h, void* d) -> std::string {
     std::vector<DevTensor> dts = TensorsFromViews(in, out, n);
     ChunkRanges(p, dts.data());
@@ -678,7 +812,8 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
   std::vector<int64_t> sizes(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) sizes[i] = ts[i].grad_size();
   DevStatus status{};
-  const std::string e = WithStepMemory(sizes.data(), n, &sparse, mem, stream_v,
+  const bool trust = RuleTrustRatio(args.rule);
+  const std::string e = WithStepMemory(sizes.data(), n, &sparse, trust, mem, stream_v,
                                        [&](const CudaPlan& p, void* h, void* d) -> std::string {
     std::vector<DevTensor> dts(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
@@ -736,6 +871,19 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
                         stream)(t, dsp);
           ++g_last_launches;
           err = Launched("the sparse apply kernel");
+        }
+        if (err.empty() && trust && n > 0) {  // per-tensor sums, then the variables
+          TFCLIP_LAUNCH(TrustSumKernel, static_cast<unsigned>(n), kThreads, 0, stream)(t);
+          ++g_last_launches;
+          err = Launched("the trust-ratio sum kernel");
+          const int64_t tblocks = static_cast<int64_t>(nblocks) + dsp.nunits;
+          if (err.empty() && tblocks > 0) {
+            auto* trust_kernel = &TrustKernel<Rule, kS>;
+            TFCLIP_LAUNCH(trust_kernel, static_cast<unsigned>(tblocks), kThreads, 0, stream)(
+                t, dsp, static_cast<int64_t>(nblocks));
+            ++g_last_launches;
+            err = Launched("the trust-ratio apply kernel");
+          }
         }
       });
       if (!ok) err = "internal: no kernel for this rule's slot count";

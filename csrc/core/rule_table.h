@@ -56,7 +56,11 @@ namespace tfclip {
     0u)                                                                                        \
   X(kTfRmsProp, TfRmsPropRule, "TfRmsProp", "tf_rmsprop", "rms,mom,mg",                   \
     0u TFCLIP_H(lr) TFCLIP_H(rho) TFCLIP_H(momentum) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), \
-    0u TFCLIP_F(centered))
+    0u TFCLIP_F(centered))                                                                     \
+  X(kLamb, LambRule, "Lamb", "lamb", "m,v",                                                    \
+    0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
+        TFCLIP_H(step),                                                                        \
+    0u)
 
 enum class RuleKind : int {
 #define TFCLIP_RULE_ENUM(kind, ...) kind,
@@ -138,6 +142,13 @@ TFCLIP_HD int NumSlots(RuleKind rule, const HParams& hp) {
   int n = 0;
   DispatchRule(rule, [&](auto r) { n = decltype(r)::NumSlots(hp); });
   return n;
+}
+
+// Whether a rule scales its step by a per-tensor trust ratio (rules.h): a third pass.
+TFCLIP_HD bool RuleTrustRatio(RuleKind rule) {
+  bool t = false;
+  DispatchRule(rule, [&](auto r) { t = decltype(r)::kTrustRatio; });
+  return t;
 }
 
 // The hyper-parameters a rule takes (HPBit mask). Host and device.

@@ -13,7 +13,8 @@
 //   MomentumRule       ResourceApplyMomentum (tf.compat.v1.train.MomentumOptimizer)
 //   KerasMomentumRule  ResourceApplyKerasMomentum / keras SGD(momentum>0)
 //   AdamRule           ResourceApplyAdam / keras Adam, AdamW (decoupled weight decay), amsgrad
-//   AdagradRule, RmsPropRule, AdadeltaRule, AdamaxRule, LionRule, NadamRule, FtrlRule: keras's
+//   AdagradRule, RmsPropRule, AdadeltaRule, AdamaxRule, LionRule, NadamRule, FtrlRule, LambRule: keras's
+//                      optimizers of the same names (LambRule: a per-tensor trust ratio)
 #pragma once
 
 #include <cmath>
@@ -99,7 +100,14 @@ TFCLIP_HD M DecayVar(const StepConsts<M>& c, M var) {
 // The gradient's second input a rule reads (Update's g2): g*g for most. For an IndexedSlices row
 // with duplicates Keras densifies after this transform (sum of the duplicates' squares; Adamax:
 // of their |g|), so the sparse pass sums Second(g_j) over the duplicates (HParams::sum_of_squares).
+//
+// A rule with kTrustRatio (Lamb) scales its step per tensor by a ratio of norms, which needs
+// every element's update before any variable is written: its Update advances the slots only
+// (var untouched), Direction(c, slots) is the element's update u from the stored slots, and
+// after the per-tensor sums of var^2 and u^2 (ApplyElem's return, csrc/core/apply_elem.h) Trust(c, ratio * lr, var,
+// slots) writes the variable.
 struct RuleBase {
+  static constexpr bool kTrustRatio = false;
   template <typename M>
   static TFCLIP_HD M Second(M g) { return g * g; }
 };
@@ -321,6 +329,31 @@ struct FtrlRule : RuleBase {
 };
 
 using FtrlPowRule = FtrlRule<false>;
+
+struct LambRule : RuleBase {
+  // keras Lamb: m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2) (1 - b the Python float);
+  // u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps); per tensor, ratio = |w| / |u| (1 when
+  // either is 0); var -= ratio * lr * u. |w| is the norm of the variable after weight decay.
+  // Slots: m, v.
+  static constexpr bool kScatter = false;
+  static constexpr bool kTrustRatio = true;
+  static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& /*var*/, M* s) {
+    s[0] = s[0] + (g - s[0]) * c.one_minus_beta_1;
+    s[1] = s[1] + (gsq - s[1]) * c.one_minus_beta_2;
+  }
+  template <typename M>
+  static TFCLIP_HD M Direction(const StepConsts<M>& c, const M* s) {
+    return (s[0] / c.one_minus_beta_1_power) /
+           (std::sqrt(s[1] / c.one_minus_beta_2_power) + c.epsilon);
+  }
+  template <typename M>
+  static TFCLIP_HD void Trust(const StepConsts<M>& c, M ratio_lr, M& var, const M* s) {
+    var = var - ratio_lr * Direction(c, s);
+  }
+};
 using FtrlSqrtRule = FtrlRule<true>;
 
 struct TfRmsPropRule : RuleBase {
