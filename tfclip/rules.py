@@ -427,11 +427,8 @@ class Adadelta(Rule):
         return {**super()._op_hparams(has_counter), "rho": self.rho, "epsilon": self.epsilon}
 
 
-class Adamax(Rule):
-    """Keras Adamax, bias correction from `iterations + 1`. Slots `m`, `u`."""
-
-    kind = "adamax"
-    slot_names = ("m", "u")
+class _BetasEpsilonStep(Rule):
+    """A rule taking beta_1, beta_2 and epsilon, its bias correction from `iterations + 1`."""
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  weight_decay=0.0, name=None):
@@ -445,6 +442,13 @@ class Adamax(Rule):
     def _op_hparams(self, has_counter):
         return {**super()._op_hparams(has_counter), "beta_1": self.beta_1, "beta_2": self.beta_2,
                 "epsilon": self.epsilon, "step": self._step(has_counter)}
+
+
+class Adamax(_BetasEpsilonStep):
+    """Keras Adamax, bias correction from `iterations + 1`. Slots `m`, `u`."""
+
+    kind = "adamax"
+    slot_names = ("m", "u")
 
 
 class Lion(Rule):
@@ -554,23 +558,10 @@ class Ftrl(Rule):
                 "l2_shrinkage": self.l2_shrinkage_regularization_strength, "beta": self.beta}
 
 
-class Lamb(Rule):
+class Lamb(_BetasEpsilonStep):
     """Keras Lamb: Adam's moments, the update `u = m_hat / (sqrt(v_hat) + epsilon)` scaled per
     tensor by `|w| / |u|` (1 if either is 0), bias correction from `iterations + 1`. Slots `m`,
     `v`. The ratio needs every update before a variable moves: a third pass over memory."""
 
     kind = "lamb"
     slot_names = ("m", "v")
-
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 weight_decay=0.0, name=None):
-        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        super().__init__(learning_rate, weight_decay, name)
-
-    def _config_numbers(self):
-        return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
-                "epsilon": self.epsilon, "weight_decay": self.weight_decay}
-
-    def _op_hparams(self, has_counter):
-        return {**super()._op_hparams(has_counter), "beta_1": self.beta_1, "beta_2": self.beta_2,
-                "epsilon": self.epsilon, "step": self._step(has_counter)}
