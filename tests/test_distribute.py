@@ -51,12 +51,18 @@ def test_mirrored_two_replicas(single, tmp_path):
     _wait(_run("mirrored", out))
     m = np.load(out)
     assert int(m["replicas"]) == 2
-    tfclip_delta, stock_delta = m["two_replica_clip"]
+    tfclip_delta, tfclip_tensor_norm, stock_delta = m["two_replica_clip"]
     assert tfclip_delta == pytest.approx(-1.0)  # clip(3 + 3) to 1
+    assert tfclip_tensor_norm == pytest.approx(6.0)  # the norm of the all-reduced gradient
     assert stock_delta == pytest.approx(-2.0)   # stock Keras: clip(3) + clip(3)
     _same_weights(m, single, "fit")
     _same_weights(m, single, "custom")
     np.testing.assert_allclose(m["fit_norm"], single["fit_norm"], rtol=1e-5)
+    # Per-tensor norms of the all-reduced gradient: those of the one-device run's.
+    assert m["tnorms_fit"].shape == (4,) and np.all(m["tnorms_fit"] > 0)
+    np.testing.assert_allclose(m["tnorms_fit"], single["tnorms_fit"], rtol=1e-5)
+    np.testing.assert_allclose(np.sqrt(np.sum(m["tnorms_fit"].astype(np.float64) ** 2)), m["fit_norm"],
+                               rtol=1e-5)
 
 
 def _free_ports(n):

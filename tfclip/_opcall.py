@@ -20,12 +20,17 @@ from tfclip import _core, _loader
 RULES = _core.rule_table()
 HPARAMS = _core.hparam_table()
 
-ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied"])
-ClipApplyResult.__doc__ = """What `fused_clip_apply` returns.
+ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied", "tensor_norms"])
+ClipApplyResult.__doc__ = """What `fused_clip_apply` returns (a namedtuple: it can be returned from a
+`tf.function` and fetched with `Session.run` whole).
 
 global_norm: float32 scalar, the global norm of the gradients before clipping (or `use_norm`).
 applied: bool scalar; False only when `nonfinite="skip"` met a non-finite norm and nothing was
     written.
+tensor_norms: float32 vector, each gradient's own pre-clip L2 norm (an IndexedSlices': its
+    values'), aligned with the pairs whose gradient is not None, from the same norm pass (no
+    extra pass over memory; float64 sums in a fixed order). Given also for a skipped step, to
+    tell which tensor was not finite. NaN when `use_norm` replaced the norm pass.
 """
 
 CLIP_ARGS = ("global_clipnorm", "clipnorm", "clipvalue")

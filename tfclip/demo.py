@@ -1,6 +1,6 @@
 """tfclip demo: train a small LSTM on a synthetic sequence task with exploding gradients.
 
-    python -m tfclip.demo [--steps 40] [--clip 1.0]
+    python -m tfclip.demo [--steps 40] [--clip 1.0] [--plot tfclip-demo.png]
     python -m tfclip.demo --workers 2     # the same training on 2 local worker processes
 
 The data is generated here (the "adding problem": sum the two marked values of a long noisy
@@ -8,6 +8,11 @@ sequence). The LSTM starts with a large recurrent gain, so early gradients are l
 clips them by their global norm and applies Adam in one fused op. It prints loss and the pre-clip
 global norm per step, then times the update (clip + apply) and the whole training step against
 `tf.clip_by_global_norm` + Keras Adam, both in `tf.function`.
+
+It saves a picture (`--plot`, a PNG; `--plot ""` for none) of the global norm per step against the
+clip threshold, the loss, and the five variables with the largest gradient norms, each from the
+fused step's own norm pass (`result.tensor_norms`). The picture needs matplotlib
+(`pip install "tfclip[plot]"`); without it the demo runs and says so.
 
 With `--workers N` it starts N worker processes on localhost (`TF_CONFIG`,
 `MultiWorkerMirroredStrategy`), each with its shard of every global batch, training with
@@ -73,6 +78,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="train on N local worker processes")
+    p.add_argument("--plot", default="tfclip-demo.png",
+                   help="where to save the PNG of norms and loss ('' for none; needs matplotlib)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.workers < 1:
@@ -95,19 +102,26 @@ def main(argv=None):
         grads = tape.gradient(loss, model.trainable_variables)
         res = tfclip.fused_clip_apply(zip(grads, model.trainable_variables), rule,
                                       global_clipnorm=args.clip)
-        return loss, res.global_norm, res.applied
+        return loss, res.global_norm, res.applied, res.tensor_norms
 
     print(f"tfclip {tfclip.__version__} on TensorFlow {tf.__version__}: LSTM({args.units}) on the "
           f"adding problem, length {args.length}, batch {args.batch}, global_clipnorm={args.clip}")
     print(f"{'step':>5} {'loss':>10} {'global norm':>12}  clipped")
     first_loss = None
+    history = {"loss": [], "norm": [], "tensor_norms": []}
     for step in range(args.steps):
         sl = slice(step * args.batch, (step + 1) * args.batch)
-        loss, norm, applied = fused_step(x[sl], y[sl])
+        loss, norm, applied, tensor_norms = fused_step(x[sl], y[sl])
         first_loss = first_loss if first_loss is not None else float(loss)
+        history["loss"].append(float(loss))
+        history["norm"].append(float(norm))
+        history["tensor_norms"].append(tensor_norms.numpy())
         print(f"{step:5d} {float(loss):10.4f} {float(norm):12.4f}  "
               f"{'yes' if float(norm) > args.clip else 'no'}{'' if bool(applied) else ' (skipped: non-finite)'}")
     print(f"loss {first_loss:.4f} -> {float(loss):.4f} over {args.steps} steps")
+    names = [v.path for v in model.trainable_variables]  # every variable gets a gradient here
+    if args.plot:
+        print(save_plot(args.plot, history, names, args.clip))
 
     # --- timing: the same model and gradients, fused vs TF's unfused recipe -------------------
     xb, yb = tf.constant(x[: args.batch]), tf.constant(y[: args.batch])
@@ -148,6 +162,41 @@ def main(argv=None):
           f"{t_ut * 1e3:8.3f} ms   ratio {t_ut / t_uf:5.2f}x")
     print(f"  whole training step: tfclip {t_sf * 1e3:8.3f} ms   tf.clip_by_global_norm + Keras Adam "
           f"{t_st * 1e3:8.3f} ms   ratio {t_st / t_sf:5.2f}x")
+
+
+def save_plot(path, history, names, clip, top=5):
+    """Saves the demo's picture; returns the line to print (where it is, or how to get it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return ("(no plot: matplotlib is not installed; pip install \"tfclip[plot]\" or "
+                "pip install matplotlib, then run again)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.arange(len(history["norm"]))
+    per = np.stack(history["tensor_norms"])  # [steps, tensors]
+    biggest = np.argsort(-np.nanmax(per, axis=0))[:top]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    ax = axes[0]
+    ax.semilogy(steps, history["norm"], marker=".", label="global norm (before the clip)")
+    ax.axhline(clip, color="tab:red", linestyle="--", label=f"global_clipnorm = {clip:g}")
+    ax.set_ylabel("gradient norm")
+    ax.set_title("tfclip demo: LSTM on the adding problem, clip + Adam fused")
+    ax.legend()
+    axes[1].plot(steps, history["loss"], color="tab:green")
+    axes[1].set_ylabel("loss (MSE)")
+    ax = axes[2]
+    for i in biggest:
+        ax.semilogy(steps, per[:, i], label=names[i])
+    ax.set_ylabel("gradient norm")
+    ax.set_title(f"the {len(biggest)} variables with the largest gradient norms (result.tensor_norms)")
+    ax.set_xlabel("step")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return f"saved the plot of norms and loss to {os.path.abspath(path)}"
 
 
 def launch_workers(args, argv):

@@ -9,8 +9,8 @@ at start-up, so the tests and the demo run this as a subprocess).
 Each mode trains the same small model on the same global batches with `tfclip.keras.Adam(...,
 global_clipnorm=...)` and saves the weights, so the caller can compare them with `single`.
 `mirrored` also runs the two-replica clip example: each replica's gradient is 3,
-`global_clipnorm=1`, SGD with lr 1: tfclip moves the variable by -1 (clip of the summed 6),
-stock Keras by -2 (each replica clipped to 1 before the sum).
+`global_clipnorm=1`, SGD with lr 1: tfclip moves the variable by -1 (clip of the summed 6, the
+norm its `tensor_norms` reports), stock Keras by -2 (each replica clipped to 1 before the sum).
 """
 import json
 import os
@@ -57,7 +57,8 @@ def _fit(strategy):
     opts = tf.data.Options()
     opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     model.fit(ds.with_options(opts), epochs=1, verbose=0, shuffle=False)
-    return [w for w in model.get_weights()], float(model.optimizer.global_norm.numpy())
+    return ([w for w in model.get_weights()], float(model.optimizer.global_norm.numpy()),
+            model.optimizer.tensor_norms.numpy())
 
 
 def _custom_loop(strategy):
@@ -111,6 +112,8 @@ def _two_replica_clip(strategy):
 
         step()
         out.append(float(v.numpy()))
+        if isinstance(opt, tfclip.keras.SGD):  # the norm of the all-reduced gradient: 3 + 3
+            out.append(float(opt.tensor_norms.numpy()[0]))
     return out
 
 
@@ -124,13 +127,13 @@ def main(argv=None):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        result["fit"], result["fit_norm"] = _fit(strategy)
+        result["fit"], result["fit_norm"], result["tnorms_fit"] = _fit(strategy)
         result["custom"] = _custom_loop(strategy)
         result["two_replica_clip"] = _two_replica_clip(strategy)
         result["replicas"] = strategy.num_replicas_in_sync
     elif mode == "single":
         strategy = tf.distribute.get_strategy()
-        result["fit"], result["fit_norm"] = _fit(strategy)
+        result["fit"], result["fit_norm"], result["tnorms_fit"] = _fit(strategy)
         result["custom"] = _custom_loop(strategy)
     elif mode == "worker":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()

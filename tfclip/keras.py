@@ -9,8 +9,9 @@ Change one line::
 `Lamb` subclass the stock Keras classes and take the same constructor arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
 `weight_decay`, `use_ema`, `loss_scale_factor`, `gradient_accumulation_steps`, ...), create the
 same slot variables, and follow the same trajectories step by step. `optimizer.variables` is the
-stock list (tfclip's `global_norm` and `skipped_steps` are attributes outside it), so checkpoints
-move both ways between stock Keras and tfclip. Differences, on purpose:
+stock list (tfclip's `global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and
+`clip_scale_sum` are attributes outside it), so checkpoints move both ways between stock Keras and
+tfclip. `GradientNormLogger` writes them to TensorBoard. Differences, on purpose:
 
 - **Clipping under `tf.distribute` uses the summed gradient.** Stock Keras clips each replica's
   gradient before the cross-replica all-reduce, so two replicas with gradient 3 and
@@ -19,7 +20,9 @@ move both ways between stock Keras and tfclip. Differences, on purpose:
 - **`nonfinite="skip"` by default**: a step whose global norm is inf/NaN writes no variable or
   slot and counts in `skipped_steps` (the step counter `iterations` still advances, as in
   stock Keras). `"propagate"` gives stock behaviour (NaN spreads); `"raise"` fails the step.
-- **`global_norm`** (a variable) holds the pre-clip global norm of the last step, for logging.
+- **`global_norm`** (a variable) holds the pre-clip global norm of the last step, for logging,
+  and **`tensor_norms`** each variable's gradient norm (by `tensor_norm_names`), from the same
+  norm pass.
 - **`lazy_sparse=True`** (off by default) updates only the embedding rows an `IndexedSlices`
   gradient touches, and only their slots: stock Keras decays every row's slots. By default
   IndexedSlices are applied without densifying them, with stock Keras's results.
@@ -40,7 +43,7 @@ from tfclip import _loader, _opcall
 from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
-           "Lamb", "get"]
+           "Lamb", "GradientNormLogger", "get"]
 
 
 def _in_xla_context():
@@ -69,6 +72,12 @@ def _fused_step(opt):
 
 def _in_fused_step(opt):
     return id(opt) in getattr(_IN_FUSED_STEP, "ids", ())
+
+
+def _state_variable(value, name, dtype):
+    """One of tfclip's own optimizer variables: not trainable, one value for all replicas."""
+    return keras.Variable(value, name=name, dtype=dtype, trainable=False,
+                          aggregation="only_first_replica")
 
 
 def _check_betas(opt, names=("beta_1", "beta_2", "epsilon")):
@@ -104,9 +113,16 @@ class _FusedMixin:
         # (both hook the optimizer's __setattr__) see them.
         with keras.name_scope(self.name):
             for attr, name, value, dtype in (("_global_norm", "global_norm", 0.0, "float32"),
-                                             ("_skipped_steps", "skipped_steps", 0, "int64")):
-                object.__setattr__(self, attr, keras.Variable(
-                    value, name=name, dtype=dtype, trainable=False, aggregation="only_first_replica"))
+                                             ("_skipped_steps", "skipped_steps", 0, "int64"),
+                                             ("_clipped_steps", "clipped_steps", 0, "int64"),
+                                             ("_clip_scale_sum", "clip_scale_sum", 0.0, "float64")):
+                object.__setattr__(self, attr, _state_variable(value, name, dtype))
+        object.__setattr__(self, "_tensor_norms", None)  # made by build (one per variable)
+
+    def build(self, var_list):
+        super().build(var_list)
+        object.__setattr__(self, "_tensor_norms", _state_variable(
+            [0.0] * len(var_list), "tensor_norms", "float32"))
 
     @property
     def global_norm(self):
@@ -117,6 +133,53 @@ class _FusedMixin:
     def skipped_steps(self):
         """How many steps were skipped for a non-finite global norm (a variable)."""
         return self._skipped_steps
+
+    @property
+    def tensor_norms(self):
+        """Each trainable variable's pre-clip gradient norm at the last step (a float32 variable
+        aligned with `tensor_norm_names`; 0 for a variable that got no gradient), from the fused
+        step's norm pass: no extra pass over memory. Not saved in checkpoints. None until the
+        optimizer is built (its first step, or `build(variables)`)."""
+        return self._tensor_norms
+
+    @property
+    def tensor_norm_names(self):
+        """The variables' paths (`variable.path`), in the order of `tensor_norms`."""
+        return [getattr(v, "path", v.name) for v in self._trainable_variables]
+
+    @property
+    def clipped_steps(self):
+        """How many applied steps the clip scaled down (global_clipnorm: the global norm above
+        it; clipnorm: some tensor's norm above it). Not counted for clipvalue, whose firing would
+        take another pass to see."""
+        return self._clipped_steps
+
+    @property
+    def clip_scale_sum(self):
+        """The sum over steps of the clip's scale (1 for a step it left alone, else
+        clip / norm; clipnorm: the smallest tensor's): its change over N steps / N is how hard
+        the clip fired on average (tfclip.keras.GradientNormLogger logs it)."""
+        return self._clip_scale_sum
+
+    def _record_norms(self, norm, applied, tensor_norms, keras_vars, mode, clip):
+        """The step's norms and clip counts into the optimizer's state variables: a few scalar
+        ops, no pass over the gradients."""
+        self._global_norm.assign(norm)
+        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+        if self._tensor_norms is not None:
+            tn = tf.cast(tensor_norms, tf.float32)
+            idx = [self._get_variable_index(v) for v in keras_vars]
+            total = len(self._trainable_variables)
+            if idx != list(range(total)):  # some variable got no gradient: its norm is 0
+                tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
+            self._tensor_norms.assign(tn)
+        if mode not in ("global_norm", "norm"):
+            return
+        clip = tf.cast(clip, tf.float64)
+        measure = tf.cast(norm if mode == "global_norm" else tf.reduce_max(tensor_norms), tf.float64)
+        fired = tf.logical_and(tf.logical_and(applied, clip > 0), measure > clip)
+        self._clipped_steps.assign_add(tf.cast(fired, tf.int64))
+        self._clip_scale_sum.assign_add(tf.where(fired, clip / measure, tf.constant(1.0, tf.float64)))
 
     def get_config(self):
         # tfclip's own arguments only when they differ from their defaults: a default config is
@@ -175,9 +238,10 @@ class _FusedMixin:
             groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
         lr = _opcall.scalar(learning_rate, "learning_rate")
         use_norm, given = tf.constant(0.0, tf.float64), False
-        if len(groups) > 1:
+        tensor_norms = None
+        if len(groups) > 1:  # both groups' ops take the global norm (and the tensors' norms) of one pass
             values, _ = _opcall.op_grads(grads)
-            use_norm = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
+            use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
         norm = applied = None
         for with_decay, idx in sorted(groups.items()):
@@ -185,15 +249,15 @@ class _FusedMixin:
             group = [keras_vars[i] for i in idx]
             kind, slots, hparams, flags = self._op_inputs(group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            n, a = _opcall.apply(
+            n, a, tn = _opcall.apply(
                 kind, [_tf_var(v).handle for v in group], slots, values, hparams, flags,
                 clip=tf.constant(clip, tf.float64), use_norm=use_norm, iterations=[],
                 clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
                 sum_of_squares=mode != "global_norm", **sparse_kw)
             norm = n if norm is None else norm
             applied = a if applied is None else applied
-        self._global_norm.assign(norm)
-        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+            tensor_norms = tn if tensor_norms is None else tensor_norms
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip)
         return applied
 
     def _hp(self, name):
@@ -212,7 +276,9 @@ class _FusedMixin:
             raise ValueError("nonfinite='raise' needs tfclip's fused op, which cannot run inside an "
                              "XLA-compiled function (jit_compile=True); use 'skip' or 'propagate', "
                              "or compile the model with jit_compile=False")
-        norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in grads])
+        values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        tensor_norms = tf.stack([tf.norm(tf.cast(g, tf.float32)) for g in values])
+        norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in values])
         base = super(_FusedMixin, self)
 
         def update():
@@ -229,8 +295,8 @@ class _FusedMixin:
         else:
             update()
             applied = tf.constant(True)
-        self._global_norm.assign(norm)
-        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+        mode, clip = self._clip_mode()
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip)
 
 
 class SGD(_FusedMixin, keras.optimizers.SGD):
@@ -432,3 +498,113 @@ _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 # Registered so model.save / keras.models.load_model find them without custom_objects.
 for _cls in _CLASSES:
     keras.saving.register_keras_serializable(package="tfclip")(_cls)
+
+
+class GradientNormLogger(keras.callbacks.Callback):
+    """Logs where the gradients are large, from a tfclip optimizer's fused step, to TensorBoard.
+
+    Every `every_n_steps` training steps it writes, with `tf.summary`, under `log_dir`:
+
+    - `{prefix}/global_norm`: the pre-clip global norm of the step;
+    - `{prefix}/clip_fraction` and `{prefix}/clip_scale_mean` (with `global_clipnorm` or
+      `clipnorm`): the share of the steps since the last write that the clip scaled down, and
+      their mean clip scale (1 for a step left alone, clip / norm for a clipped one);
+    - `{prefix}/skipped_steps`: steps skipped for a non-finite norm since the last write (and
+      `{prefix}/skipped_steps_total`);
+    - `{prefix}/{by}/<name>`: the norms of the `top_k` largest layers (`by="layer"`: the norm of
+      all the layer's gradients together; `by="variable"`: one per variable), and
+      `{prefix}/{by}_norms`, a histogram of all of them.
+
+    The norms come from the optimizer's norm pass (`optimizer.tensor_norms`): logging costs no
+    pass over the gradients, only a read of a few small variables every `every_n_steps` steps.
+
+    ```python
+    model.compile(optimizer=tfclip.keras.Adam(1e-3, global_clipnorm=1.0), loss="mse")
+    model.fit(x, y, callbacks=[tfclip.keras.GradientNormLogger("logs/grads", every_n_steps=50)])
+    ```
+    """
+
+    def __init__(self, log_dir, every_n_steps=100, top_k=5, by="layer", prefix="gradients"):
+        super().__init__()
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+        if by not in ("layer", "variable"):
+            raise ValueError(f"by must be 'layer' or 'variable', got {by!r}")
+        try:
+            import tensorboard  # noqa: F401  (tf.summary.scalar and histogram live there)
+        except ImportError:
+            raise ImportError("GradientNormLogger writes with tf.summary, which needs the tensorboard "
+                              "package: pip install tensorboard") from None
+        self.log_dir = log_dir
+        self.every_n_steps = every_n_steps
+        self.top_k = top_k
+        self.by = by
+        self.prefix = prefix
+        self._writer = None
+
+    def _optimizer(self):
+        opt = self.model.optimizer
+        if not isinstance(opt, _FusedMixin):
+            raise TypeError("GradientNormLogger needs a tfclip.keras optimizer (e.g. "
+                            f"tfclip.keras.Adam), got {type(opt).__name__}")
+        return opt
+
+    def on_train_begin(self, logs=None):
+        opt = self._optimizer()
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        self._last = self._counters(opt)
+        self._next = (self._last[0] // self.every_n_steps + 1) * self.every_n_steps
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_base = int(self._optimizer().iterations.numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self._epoch_base + batch + 1  # (batch: the last step of this call, as Keras counts)
+        if step >= self._next:
+            self._write(self._optimizer())
+            self._next = (step // self.every_n_steps + 1) * self.every_n_steps
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()
+
+    @staticmethod
+    def _counters(opt):
+        return (int(opt.iterations.numpy()), int(opt.skipped_steps.numpy()),
+                int(opt.clipped_steps.numpy()), float(opt.clip_scale_sum.numpy()))
+
+    def group_norms(self, opt):
+        """The logged norms, by layer or variable: (names, norms), largest first."""
+        norms = opt.tensor_norms.numpy().astype("float64")
+        names = opt.tensor_norm_names
+        if self.by == "layer":
+            sums = {}
+            for name, n in zip(names, norms):
+                key = name.rsplit("/", 1)[0] if "/" in name else name
+                sums[key] = sums.get(key, 0.0) + n * n
+            names, norms = list(sums), [s ** 0.5 for s in sums.values()]
+        order = sorted(range(len(names)), key=lambda i: -norms[i] if norms[i] == norms[i] else float("-inf"))
+        return [names[i] for i in order], [float(norms[i]) for i in order]
+
+    def _write(self, opt):
+        now = self._counters(opt)
+        steps, skipped, clipped, scale_sum = (a - b for a, b in zip(now, self._last))
+        self._last = now
+        p, step = self.prefix, now[0]
+        mode, _ = opt._clip_mode()
+        with self._writer.as_default(step=step):
+            tf.summary.scalar(f"{p}/global_norm", float(opt.global_norm.numpy()))
+            tf.summary.scalar(f"{p}/skipped_steps", skipped)
+            tf.summary.scalar(f"{p}/skipped_steps_total", now[1])
+            if mode in ("global_norm", "norm") and steps > 0:
+                tf.summary.scalar(f"{p}/clip_fraction", clipped / steps)
+                tf.summary.scalar(f"{p}/clip_scale_mean", scale_sum / steps)
+            if opt.tensor_norms is not None:
+                names, norms = self.group_norms(opt)
+                for name, n in list(zip(names, norms))[:self.top_k]:
+                    tf.summary.scalar(f"{p}/{self.by}/{name}", n)
+                if norms:
+                    tf.summary.histogram(f"{p}/{self.by}_norms", norms)

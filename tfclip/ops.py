@@ -64,15 +64,19 @@ def global_norm(t_list, name=None):
     with tf.name_scope(name or "global_norm"):
         _, values = _float_values(t_list, "t_list")
         nd = _norm_dtype(values)
-        norm = _loader.ops().tfclip_global_norm(t=values, Tnorm=nd)
+        norm, _ = _loader.ops().tfclip_global_norm(t=values, Tnorm=nd)
         return tf.cast(norm, _result_dtype(values, nd))
 
 
 @tf.autograph.experimental.do_not_convert
-def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
+def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None, *,
+                              return_tensor_norms=False):
     """Drop-in for `tf.clip_by_global_norm`: one norm pass, one scale pass, whatever the list length.
 
-    Returns `(list_clipped, global_norm)`. Each tensor becomes
+    Returns `(list_clipped, global_norm)`, or with `return_tensor_norms=True`
+    `(list_clipped, global_norm, tensor_norms)`: a vector of each tensor's own pre-clip norm,
+    aligned with the non-None entries, summed by the same norm pass (no extra pass; the global
+    norm's dtype). Each tensor becomes
     `t * clip_norm / max(global_norm, clip_norm)`; `None` entries pass through; `IndexedSlices`
     keep their indices and dense shape; when the norm is inf or NaN every output is NaN, as in
     TF. With `use_norm` the norm pass is skipped and `use_norm` is returned. The op has a
@@ -86,6 +90,9 @@ def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
     """
     t_list = _check_sequence(t_list, "t_list")
     _opcall.check_clip_norm(clip_norm, "clip_norm")
+    if return_tensor_norms and use_norm is not None:
+        raise ValueError("return_tensor_norms=True needs the norm pass, which use_norm replaces; "
+                         "pass one or the other (or take the norms from tfclip.global_norm's pass)")
     with tf.name_scope(name or "clip_by_global_norm"):
         idx, values = _float_values(t_list, "t_list")
         nd = _norm_dtype(values)
@@ -94,7 +101,7 @@ def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
             use_t, given = tf.zeros([], nd), False
         else:
             use_t, given = tf.cast(use_norm, nd), True
-        clipped, norm = _loader.ops().tfclip_clip_by_global_norm(
+        clipped, norm, tensor_norms = _loader.ops().tfclip_clip_by_global_norm(
             t=values, clip_norm=clip_t, use_norm=use_t, use_given_norm=given
         )
         out = list(t_list)
@@ -103,7 +110,10 @@ def fused_clip_by_global_norm(t_list, clip_norm, use_norm=None, name=None):
             out[i] = tf.IndexedSlices(c, t.indices, t.dense_shape) if isinstance(t, tf.IndexedSlices) else c
         if given:
             return out, use_norm
-        return out, tf.cast(norm, _result_dtype(values, nd))
+        rd = _result_dtype(values, nd)
+        if return_tensor_norms:
+            return out, tf.cast(norm, rd), tf.cast(tensor_norms, rd)
+        return out, tf.cast(norm, rd)
 
 
 @tf.RegisterGradient("TfclipClipByGlobalNorm")
@@ -112,12 +122,13 @@ def _clip_by_global_norm_grad(op, *out_grads):
 
     scale = c * min(1/n, 1/c) + (n - n); out_i = t_i * cast(scale); n = sqrt(2 * sum l2_loss(t_i)).
     Ties in the min go to 1/n (TF's Minimum gradient), and n = 0 gives NaN as TF's SqrtGrad does.
+    The per-tensor norms n_i (the last output) add t_i * g_i / n_i, as tf.norm's gradient.
     """
-    k = len(op.outputs) - 1
+    k = len(op.outputs) - 2
     ts, c, given = op.inputs[:k], op.inputs[k], op.get_attr("use_given_norm")
     n = op.outputs[k]
     nd = n.dtype
-    g_out, g_norm = out_grads[:k], out_grads[k]
+    g_out, g_norm, g_tn = out_grads[:k], out_grads[k], out_grads[k + 1]
     inv_n = 1.0 / n
     inv_c = tf.constant(1.0, nd) / c
     mn = tf.minimum(inv_n, inv_c)
@@ -141,8 +152,10 @@ def _clip_by_global_norm_grad(op, *out_grads):
         return grads_t + [d_c, d_n]
     d_half_sq = 2.0 * (d_n * 0.5 / n)  # sqrt(2h): SqrtGrad, then the constant 2
     out = []
-    for t, g in zip(ts, grads_t):
+    for i, (t, g) in enumerate(zip(ts, grads_t)):
         via_norm = t * tf.cast(d_half_sq, t.dtype)  # L2LossGrad
+        if g_tn is not None:
+            via_norm += t * tf.cast(g_tn[i] / op.outputs[k + 1][i], t.dtype)
         out.append(via_norm if g is None else g + via_norm)
     return out + [d_c, None]
 
@@ -193,7 +206,10 @@ def fused_clip_apply(
         weight decay skips them).
 
     Returns:
-      `ClipApplyResult(global_norm, applied)`. In graph mode, running either runs the step.
+      `ClipApplyResult(global_norm, applied, tensor_norms)`: the pre-clip global norm, whether
+      the step was applied, and each gradient's own pre-clip norm (aligned with the pairs whose
+      gradient is not None; NaN with `use_norm`), all from the one norm pass. In graph mode,
+      running any of them runs the step.
 
     ```python
     rule = tfclip.rules.Adam(learning_rate=1e-3)
@@ -203,6 +219,7 @@ def fused_clip_apply(
     result = tfclip.fused_clip_apply(zip(grads, model.trainable_variables), rule,
                                      global_clipnorm=1.0)
     tf.summary.scalar("grad_norm", result.global_norm)
+    tf.summary.histogram("tensor_norms", result.tensor_norms)
     ```
     """
     if not isinstance(rule, Rule):

@@ -181,7 +181,7 @@ class Rule:
         given = use_norm is not None
         # (all_dense: the caller checked that every gradient is an eager tensor.)
         values, sparse_kw = (grads, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(grads)
-        norm, applied = _opcall.apply(
+        norm, applied, tensor_norms = _opcall.apply(
             self.kind,
             var_handles,
             self._op_slots(slot_lists),
@@ -198,12 +198,12 @@ class Rule:
             use_given_norm=given,
         )
         if counter is not None:
-            return ClipApplyResult(norm, applied)
+            return ClipApplyResult(norm, applied, tensor_norms)
         bump = self.iterations.assign_add(tf.cast(applied, tf.int64), read_value=False)
         if tf.executing_eagerly():
-            return ClipApplyResult(norm, applied)
+            return ClipApplyResult(norm, applied, tensor_norms)
         with tf.control_dependencies([bump]):
-            return ClipApplyResult(tf.identity(norm), tf.identity(applied))
+            return ClipApplyResult(tf.identity(norm), tf.identity(applied), tf.identity(tensor_norms))
 
     def _host_counter(self):
         """The step counter's handle where the op may own the count: outside tf.distribute
@@ -515,7 +515,7 @@ class Nadam(Rule):
         if tf.executing_eagerly():
             return result
         with tf.control_dependencies([bump]):
-            return ClipApplyResult(tf.identity(result.global_norm), tf.identity(result.applied))
+            return ClipApplyResult(*[tf.identity(t) for t in result])
 
 
 class Ftrl(Rule):

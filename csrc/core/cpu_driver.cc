@@ -55,13 +55,20 @@ void ReduceTrustSums(const ChunkPlan& plan, const SparsePlan& sp, const double* 
   }
 }
 
-double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec) {
+double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec, double* tensor_norms) {
   ChunkPlan plan;
   PlanList(ts, n, &plan);
   std::vector<double> partials(plan.chunks.size());
+  std::vector<double> per_tensor(tensor_norms != nullptr ? n : 0);
   double total = 0.0;
-  SumSquaresCpu(ts, n, plan, partials.data(), nullptr, &total, exec);
+  SumSquaresCpu(ts, n, plan, partials.data(), tensor_norms != nullptr ? per_tensor.data() : nullptr,
+                &total, exec);
+  if (tensor_norms != nullptr) TensorNorms(per_tensor.data(), n, tensor_norms);
   return std::sqrt(total);
+}
+
+void TensorNorms(const double* per_tensor_sumsq, int n, double* out) {
+  for (int i = 0; i < n; ++i) out[i] = per_tensor_sumsq != nullptr ? std::sqrt(per_tensor_sumsq[i]) : NAN;
 }
 
 void ScaleListCpu(const TensorView* in, const TensorView* out, int n, double scale,
@@ -124,6 +131,9 @@ StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& ex
                   exec);
   }
   const ClipOutcome oc = ComputeClipFactors(a.cfg, s->per_tensor.data(), total, n, s->factors.data());
+  if (a.tensor_norms != nullptr) {
+    TensorNorms(NeedsNormPass(a.cfg) ? s->per_tensor.data() : nullptr, n, a.tensor_norms);
+  }
   r.global_norm = oc.global_norm;
   r.nonfinite = !oc.finite;
   if (!oc.finite && a.cfg.policy != NonFinitePolicy::kPropagate) {  // nothing written

@@ -29,7 +29,13 @@ void SumSquaresCpu(const TensorView* ts, int n, const ChunkPlan& plan, double* p
                    double* per_tensor, double* total, const CpuExecutor& exec);
 
 // The global L2 norm of a list: plan, norm pass, sqrt. What every adapter's norm op calls.
-double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec);
+// tensor_norms (may be null): each tensor's own norm, from the same pass (TensorNorms).
+double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec,
+                     double* tensor_norms = nullptr);
+
+// Each tensor's L2 norm from the norm pass's per-tensor fp64 sums of squares (reduced in chunk
+// order: the same bits for any thread count), or NaN for all when no norm pass ran.
+void TensorNorms(const double* per_tensor_sumsq, int n, double* out);
 
 // Clip op's second pass over a whole list: out[i] = in[i] * cast<T>(scale).
 void ScaleListCpu(const TensorView* in, const TensorView* out, int n, double scale,
@@ -73,6 +79,10 @@ struct StepArgs {
   // A step counter (CPU: host memory) or null: the rule's step is then *iterations + hp.step,
   // and the counter advances by one when the step is applied, under the caller's locks.
   int64_t* iterations = nullptr;
+  // Out (may be null): each tensor's pre-clip gradient norm (IndexedSlices: its values'), from
+  // the norm pass at no extra pass; NaN when none ran (use_norm). Written before the non-finite
+  // policy acts, so a skipped step still tells which tensor was not finite.
+  double* tensor_norms = nullptr;
 };
 
 // Both passes of a clip-and-apply step, with the non-finite policy. Everything is checked before

@@ -329,15 +329,22 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
     s_mode = static_cast<int>(mode);
   }
   __syncthreads();
-  if (t.factors == nullptr) return;
+  void* norms_out = a.out.tensor_norms;
+  if (t.factors == nullptr && norms_out == nullptr) return;
   const ClipMode mode = static_cast<ClipMode>(s_mode);
   for (int i = threadIdx.x; i < t.n; i += kFinalizeThreads) {
     const DevTensor& ten = t.tensors[i];
     double sumsq = 0.0;
-    if (mode == ClipMode::kNorm) {  // in chunk order, as the CPU driver sums
+    if (a.have_partials && (mode == ClipMode::kNorm || norms_out != nullptr)) {
+      // in chunk order, as the CPU driver sums
       for (int64_t c = ten.first_chunk; c < ten.first_chunk + ten.num_chunks; ++c) sumsq += t.partials[c];
     }
-    t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq);
+    if (t.factors != nullptr) t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq);
+    if (norms_out != nullptr) {
+      const double nt = a.have_partials ? sqrt(sumsq) : NAN;
+      if (a.out.tensor_norms_dtype == DType::kDouble) static_cast<double*>(norms_out)[i] = nt;
+      else static_cast<float*>(norms_out)[i] = static_cast<float>(nt);
+    }
   }
 }
 

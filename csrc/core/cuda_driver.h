@@ -62,6 +62,11 @@ struct CudaOutputs {
   void* norm = nullptr;  // scalar of norm_dtype
   DType norm_dtype = DType::kFloat;
   bool* applied = nullptr;  // scalar bool
+  // Each tensor's pre-clip norm (n of tensor_norms_dtype): the finalize kernel sums each
+  // tensor's norm-pass partials in chunk order, as the CPU driver does; NaN when no norm pass
+  // ran. Written whatever the non-finite policy decides.
+  void* tensor_norms = nullptr;
+  DType tensor_norms_dtype = DType::kFloat;
 };
 
 // The global norm of `ts` into out.norm. Two launches.

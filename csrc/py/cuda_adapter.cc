@@ -167,6 +167,27 @@ void* ScalarOut(py::object o, const char* what, DType* dtype, bool is_bool) {
   return reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
 }
 
+// An optional per-tensor norms output: a C-contiguous float32 or float64 device array of n
+// elements, or None (null).
+void* NormsOut(py::object o, size_t n, DType* dtype) {
+  if (o.is_none()) return nullptr;
+  const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
+  const std::string ts = cai["typestr"].cast<std::string>();
+  const std::string code = ts.size() >= 2 ? ts.substr(1) : ts;
+  int64_t size = 1;
+  for (auto d : cai["shape"].cast<py::tuple>()) size *= d.cast<int64_t>();
+  const bool strided = cai.contains("strides") && !cai["strides"].is_none() &&
+                       py::len(cai["strides"]) > 0 && size > 1 &&
+                       cai["strides"].cast<py::tuple>()[0].cast<int64_t>() != (code == "f8" ? 8 : 4);
+  if ((code != "f4" && code != "f8") || static_cast<size_t>(size) != n || strided) {
+    Fail("tensor_norms_out must be a contiguous float32 or float64 device array of " +
+         std::to_string(n) + " elements (one per tensor), got typestr " + ts + " with " +
+         std::to_string(size));
+  }
+  *dtype = code == "f8" ? DType::kDouble : DType::kFloat;
+  return reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+}
+
 // A step's memory from the module's OwnedWorkspace (the core releases it on every path).
 class OwnedMemory : public cuda::CudaStepMemory {
  public:
@@ -215,11 +236,13 @@ std::unique_ptr<Scratch8> NormOutOrScratch(py::object given, const char* what, c
   return tmp;
 }
 
-py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object stream_o) {
+py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object stream_o,
+                            py::object tensor_norms_out) {
   std::vector<uintptr_t> streams;
   const auto in = CudaViews(t_list, "t_list", false, &streams);
   void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
+  o.tensor_norms = NormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
   const auto tmp = NormOutOrScratch(out, "out", &o, DType::kDouble);
   OwnedMemory mem(stream);
   Check(cuda::CudaGlobalNorm(in.data(), static_cast<int>(in.size()), &mem, o, stream));
@@ -252,7 +275,7 @@ void* DeviceScalarPtr(const py::object& o, const std::string& what, const char* 
 // that the step reads on the device.
 py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_list,
                                   py::object clip_norm, py::object use_norm, py::object norm_out,
-                                  py::object stream_o) {
+                                  py::object stream_o, py::object tensor_norms_out) {
   std::vector<uintptr_t> streams;
   const auto in = CudaViews(t_list, "t_list", false, &streams);
   const auto outs = CudaViews(out_list, "out", true, &streams);
@@ -291,6 +314,7 @@ py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_li
   }
   void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
+  o.tensor_norms = NormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
   const auto tmp = NormOutOrScratch(norm_out, "norm_out", &o, DType::kFloat);  // as the TF op's default Tnorm
   OwnedMemory mem(stream);
   Check(cuda::CudaClipByGlobalNorm(in.data(), outs.data(), static_cast<int>(in.size()), clip, has,
@@ -304,7 +328,7 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
                            const std::string& clip_mode, py::object clip, py::object use_norm,
                            const std::string& nonfinite, py::object indices, bool lazy,
                            py::object iterations, py::object norm_out, py::object applied_out,
-                           py::object stream_o) {
+                           py::object stream_o, py::object tensor_norms_out) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromCuda);
   cuda::DeviceScalars ds;
@@ -328,6 +352,7 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   DType unused;
   o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
   o.applied = static_cast<bool*>(ScalarOut(applied_out, "applied_out", &unused, true));
+  o.tensor_norms = NormsOut(tensor_norms_out, static_cast<size_t>(args.n), &o.tensor_norms_dtype);
   std::unique_ptr<Scratch8> tmp;
   const bool sync = o.norm == nullptr && o.applied == nullptr;
   if (sync) {
@@ -399,12 +424,14 @@ void DefineCuda(py::module_& m) {
   m.attr("cuda") = true;
   m.attr("cuda_chunk_elems") = cuda::kCudaChunkElems;
   m.def("cuda_global_norm", &CudaGlobalNormPy, py::arg("t_list"), py::arg("out") = py::none(),
-        py::arg("stream") = py::none(),
+        py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
         "Global norm of CUDA arrays (__cuda_array_interface__). With `out` (a 1-element float32 "
-        "or float64 device array) it is written there without waiting; else returned as a float.");
+        "or float64 device array) it is written there without waiting; else returned as a float. "
+        "tensor_norms_out: None or a float32/float64 device array of len(t_list), given each "
+        "array's own norm from the same pass.");
   m.def("cuda_clip_by_global_norm", &CudaClipByGlobalNormPy, py::arg("t_list"), py::arg("out"),
         py::arg("clip_norm"), py::arg("use_norm") = py::none(), py::arg("norm_out") = py::none(),
-        py::arg("stream") = py::none(),
+        py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
         "out[i] = t_list[i] * clip scale (tf.clip_by_global_norm). The norm goes to norm_out, "
         "or is returned (after a wait) when norm_out is None. clip_norm and use_norm may be "
         "1-element float32/float64 device arrays, read by the step on the device (a clip_norm "
@@ -415,7 +442,7 @@ void DefineCuda(py::module_& m) {
         py::arg("indices") = py::none(), py::arg("lazy") = false,
         py::arg("iterations") = py::none(),
         py::arg("norm_out") = py::none(), py::arg("applied_out") = py::none(),
-        py::arg("stream") = py::none(),
+        py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
         "clip_apply on CUDA arrays. With norm_out/applied_out (device scalars) nothing waits "
         "and None is returned; else (global_norm, applied) after a wait. nonfinite='raise' "
         "always waits. bfloat16 arrays are passed as uint16 views. indices (host NumPy arrays, "
@@ -423,7 +450,9 @@ void DefineCuda(py::module_& m) {
         "parameter, clip and use_norm may be a 1-element float64 device array, and iterations a "
         "1-element int64 device array (a step counter): the step reads them on the device, "
         "without a host wait; a bad value there writes nothing (applied False), and with "
-        "nonfinite='raise' is an error.");
+        "nonfinite='raise' is an error. tensor_norms_out: None or a float32/float64 device "
+        "array of len(grads), given each gradient's pre-clip norm from the norm pass (NaN with "
+        "use_norm), also when the step is skipped.");
   m.def("cuda_workspace_held", [] { return Workspace().Held(); },
         "Whether a step's workspace is acquired and not yet released (tests: the core releases "
         "it on every path, errors included).");

@@ -49,13 +49,29 @@ CpuExecutor PyExecutor() {
   }};
 }
 
-double Norm(const std::vector<TensorView>& ts) {
-  py::gil_scoped_release nogil;
-  return GlobalNormCpu(ts.data(), static_cast<int>(ts.size()), PyExecutor());
+// An optional output of one float64 per tensor: a writable C-contiguous NumPy float64 array of
+// n elements, or None (null).
+double* NormsOut(py::object o, size_t n) {
+  if (o.is_none()) return nullptr;
+  if (!py::isinstance<py::array>(o)) Fail("tensor_norms_out must be a NumPy float64 array");
+  py::array a = py::reinterpret_borrow<py::array>(o);
+  if (std::string(py::str(a.dtype().attr("name"))) != "float64" || !a.writeable() ||
+      !(a.flags() & py::array::c_style) || static_cast<size_t>(a.size()) != n) {
+    Fail("tensor_norms_out must be a writable C-contiguous NumPy float64 array of " +
+         std::to_string(n) + " elements (one per tensor), got " +
+         std::string(py::str(a.dtype().attr("name"))) + " with " + std::to_string(a.size()));
+  }
+  return static_cast<double*>(a.mutable_data());
 }
 
-double GlobalNorm(const py::list& t_list) {
-  return Norm(Views(Arrays(t_list, "t_list", false, &FromNumpy), "t_list"));
+double Norm(const std::vector<TensorView>& ts, double* tensor_norms = nullptr) {
+  py::gil_scoped_release nogil;
+  return GlobalNormCpu(ts.data(), static_cast<int>(ts.size()), PyExecutor(), tensor_norms);
+}
+
+double GlobalNorm(const py::list& t_list, py::object tensor_norms_out) {
+  const auto views = Views(Arrays(t_list, "t_list", false, &FromNumpy), "t_list");
+  return Norm(views, NormsOut(tensor_norms_out, views.size()));
 }
 
 py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object use_norm) {
@@ -83,7 +99,8 @@ py::tuple ClipByGlobalNorm(const py::list& t_list, double clip_norm, py::object 
 py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
                     const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
                     py::object clip, py::object use_norm, const std::string& nonfinite,
-                    py::object indices, bool lazy, py::object iterations) {
+                    py::object indices, bool lazy, py::object iterations,
+                    py::object tensor_norms_out) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromNumpy);
   if (!c.device_scalars.empty()) Fail("clip_apply takes numbers; device arrays go to cuda_clip_apply");
@@ -99,6 +116,7 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
     counter = static_cast<int64_t*>(a.mutable_data());
   }
   args.iterations = counter;
+  args.tensor_norms = NormsOut(tensor_norms_out, static_cast<size_t>(args.n));
   StepScratch scratch;
   StepResult r;
   {
@@ -112,8 +130,10 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
 }  // namespace
 
 void DefineNumpy(py::module_& m) {
-  m.def("global_norm", &GlobalNorm, py::arg("t_list"),
-        "Global L2 norm of a list of float arrays (fp64 accumulation, deterministic).");
+  m.def("global_norm", &GlobalNorm, py::arg("t_list"), py::arg("tensor_norms_out") = py::none(),
+        "Global L2 norm of a list of float arrays (fp64 accumulation, deterministic). "
+        "tensor_norms_out: None or a float64 array of len(t_list), given each array's own norm "
+        "from the same pass.");
   m.def("clip_by_global_norm", &ClipByGlobalNorm, py::arg("t_list"), py::arg("clip_norm"),
         py::arg("use_norm") = py::none(),
         "(clipped arrays, norm) with tf.clip_by_global_norm semantics.");
@@ -121,14 +141,16 @@ void DefineNumpy(py::module_& m) {
         py::arg("slots"), py::arg("hparams"), py::arg("clip_mode") = "none",
         py::arg("clip") = 0.0, py::arg("use_norm") = py::none(), py::arg("nonfinite") = "skip",
         py::arg("indices") = py::none(), py::arg("lazy") = false,
-        py::arg("iterations") = py::none(),
+        py::arg("iterations") = py::none(), py::arg("tensor_norms_out") = py::none(),
         "Clip and apply in place. rule: a name of rule_table(). slots: one list of arrays per "
         "slot the step uses (momentum: [accum]; adam: [m, v] or [m, v, vhat]). hparams: the "
         "rule's hyper-parameters and flags by name (rule_table(); missing ones take the table's "
         "default). clip 0: no clip. indices: None, or per variable None (dense) or an "
         "int32/int64 array of rows, grads[i] then holding the slices (IndexedSlices); lazy: "
         "sparse updates touch only those rows. iterations: None or a 1-element int64 array, a "
-        "step counter: t = iterations + step, advanced when applied. Returns (global_norm, applied).");
+        "step counter: t = iterations + step, advanced when applied. tensor_norms_out: None or a "
+        "float64 array of len(grads), given each gradient's pre-clip norm from the norm pass (NaN "
+        "with use_norm), also when the step is skipped. Returns (global_norm, applied).");
   m.def("set_num_threads", [](int n) { g_num_threads = n; }, py::arg("n"),
         "Threads for the CPU passes (0: all cores). Results do not depend on it.");
   m.def("num_threads", &NumThreads);

@@ -148,11 +148,13 @@ class GpuMemory : public cuda::CudaStepMemory {
   Tensor host_, dev_;
 };
 
-// The op's scalar norm output, in device memory.
-cuda::CudaOutputs NormOutput(Tensor* norm, DType dtype) {
+// The op's scalar norm output and its tensor_norms vector (of the same dtype), in device memory.
+cuda::CudaOutputs NormOutput(Tensor* norm, DType dtype, Tensor* tensor_norms) {
   cuda::CudaOutputs o;
   o.norm = const_cast<char*>(norm->tensor_data().data());
   o.norm_dtype = dtype;
+  o.tensor_norms = const_cast<char*>(tensor_norms->tensor_data().data());
+  o.tensor_norms_dtype = dtype;
   return o;
 }
 
@@ -161,6 +163,13 @@ DType NormDType() {
   return std::is_same_v<Tnorm, double> ? DType::kDouble : DType::kFloat;
 }
 #endif  // TFCLIP_WITH_CUDA
+
+// A tensor_norms output from the core's fp64 norms, rounded as the global norm is.
+template <typename Tnorm>
+void WriteNorms(const std::vector<double>& norms, Tensor* out) {
+  auto f = out->flat<Tnorm>();
+  for (size_t i = 0; i < norms.size(); ++i) f(static_cast<int64_t>(i)) = RoundNorm<Tnorm>(norms[i]);
+}
 
 // ---------------------------------------------------------------- TfclipGlobalNorm
 template <typename Tnorm, typename D>
@@ -175,14 +184,18 @@ class GlobalNormOp : public OpKernel {
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
     const int n = static_cast<int>(views.size());
+    Tensor* per;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({n}), &per));
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
       GpuMemory mem(ctx);
-      const cuda::CudaOutputs o = NormOutput(out, NormDType<Tnorm>());
+      const cuda::CudaOutputs o = NormOutput(out, NormDType<Tnorm>(), per);
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaGlobalNorm(views.data(), n, &mem, o, GpuStream(ctx))));
 #endif
     } else {
-      out->scalar<Tnorm>()() = RoundNorm<Tnorm>(GlobalNormCpu(views.data(), n, TfExecutor(ctx)));
+      std::vector<double> norms(n);
+      out->scalar<Tnorm>()() = RoundNorm<Tnorm>(GlobalNormCpu(views.data(), n, TfExecutor(ctx), norms.data()));
+      WriteNorms<Tnorm>(norms, per);
     }
   }
 };
@@ -219,6 +232,8 @@ class ClipByGlobalNormOp : public OpKernel {
     }
     Tensor* norm_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(n, tf::TensorShape({}), &norm_out));
+    Tensor* per_out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(n + 1, tf::TensorShape({n}), &per_out));
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
       cuda::ClipOpScalars dev;
@@ -226,14 +241,18 @@ class ClipByGlobalNormOp : public OpKernel {
       if (use_given_norm_) dev.use_norm = ctx->input(n + 1).tensor_data().data();
       dev.dtype = NormDType<Tnorm>();
       GpuMemory mem(ctx);
-      const cuda::CudaOutputs o = NormOutput(norm_out, NormDType<Tnorm>());
+      const cuda::CudaOutputs o = NormOutput(norm_out, NormDType<Tnorm>(), per_out);
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipByGlobalNorm(in.data(), out.data(), n, clip_norm,
                                                                 use_given_norm_, use_norm, dev, &mem,
                                                                 o, GpuStream(ctx))));
 #endif
     } else {
       const CpuExecutor exec = TfExecutor(ctx);
-      const double norm = use_given_norm_ ? use_norm : GlobalNormCpu(in.data(), n, exec);
+      std::vector<double> norms(n);
+      double norm = use_norm;
+      if (use_given_norm_) TensorNorms(nullptr, n, norms.data());  // no norm pass: NaN
+      else norm = GlobalNormCpu(in.data(), n, exec, norms.data());
+      WriteNorms<Tnorm>(norms, per_out);
       // The norm the caller sees is in Tnorm; TF computes the scale from that value.
       const Tnorm norm_t = RoundNorm<Tnorm>(norm);
       ScaleListCpu(in.data(), out.data(), n, GlobalClipScale(clip_norm, static_cast<double>(norm_t)),
@@ -377,12 +396,14 @@ class ClipApplyOp : public OpKernel {
     Tensor* applied_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &norm_out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
+    Tensor* per_out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({n_}), &per_out));
     StepResult r;
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
       ds.iterations = counter;
       GpuMemory mem(ctx);
-      cuda::CudaOutputs o = NormOutput(norm_out, DType::kFloat);
+      cuda::CudaOutputs o = NormOutput(norm_out, DType::kFloat, per_out);
       o.applied = reinterpret_cast<bool*>(const_cast<char*>(applied_out->tensor_data().data()));
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipApply(args, ds, &mem, o, gpu_stream, &r)));
       OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
@@ -392,10 +413,13 @@ class ClipApplyOp : public OpKernel {
       // The plan and partials' buffers are kept across steps (nothing allocated per step once
       // they have grown); a concurrent call of the same kernel waits for them.
       tf::mutex_lock scratch_lock(scratch_mu_);
+      scratch_norms_.resize(static_cast<size_t>(n_));
+      args.tensor_norms = scratch_norms_.data();
       r = ClipApplyCpu(args, &scratch_, TfExecutor(ctx));
       OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
       norm_out->scalar<float>()() = RoundNorm<float>(r.global_norm);
       applied_out->scalar<bool>()() = r.applied;
+      WriteNorms<float>(scratch_norms_, per_out);
     }
   }
 
@@ -559,6 +583,7 @@ class ClipApplyOp : public OpKernel {
   LockOrder lock_order_;
   tf::mutex scratch_mu_;
   StepScratch scratch_ TF_GUARDED_BY(scratch_mu_);
+  std::vector<double> scratch_norms_ TF_GUARDED_BY(scratch_mu_);
 };
 
 template <typename D>

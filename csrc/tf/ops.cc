@@ -24,37 +24,56 @@ std::string TypeAttr(const char* name, const char* suffix) {
   return std::string(name) + ": list({" + list + "})" + suffix;
 }
 
-absl::Status ScalarOutputs(InferenceContext* c) {
-  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
-  return absl::OkStatus();
+// The global norm (output `norm`) a scalar, tensor_norms a vector of one norm per tensor of the
+// input list `list`.
+absl::Status NormShapes(InferenceContext* c, const char* list, const char* norm_name) {
+  std::vector<::tensorflow::shape_inference::ShapeHandle> shapes;
+  TF_RETURN_IF_ERROR(c->input(list, &shapes));
+  std::vector<::tensorflow::shape_inference::ShapeHandle> norm{c->Scalar()};
+  TF_RETURN_IF_ERROR(c->set_output(norm_name, norm));
+  std::vector<::tensorflow::shape_inference::ShapeHandle> per{
+      c->Vector(static_cast<int64_t>(shapes.size()))};
+  return c->set_output("tensor_norms", per);
 }
 
-// clipped[i] has the shape of t[i]; the norm is a scalar.
+absl::Status GlobalNormShapes(InferenceContext* c) { return NormShapes(c, "t", "norm"); }
+
+// clipped[i] has the shape of t[i]; the norm is a scalar, tensor_norms [N].
 absl::Status ClipShapes(InferenceContext* c) {
   std::vector<::tensorflow::shape_inference::ShapeHandle> shapes;
   TF_RETURN_IF_ERROR(c->input("t", &shapes));
   TF_RETURN_IF_ERROR(c->set_output("clipped", shapes));
-  std::vector<::tensorflow::shape_inference::ShapeHandle> norm{c->Scalar()};
-  return c->set_output("norm", norm);
+  return NormShapes(c, "t", "norm");
+}
+
+// The apply ops: global_norm and applied scalars, tensor_norms [N].
+absl::Status ApplyShapes(InferenceContext* c) {
+  TF_RETURN_IF_ERROR(NormShapes(c, "grad", "global_norm"));
+  std::vector<::tensorflow::shape_inference::ShapeHandle> applied{c->Scalar()};
+  return c->set_output("applied", applied);
 }
 
 }  // namespace
 
-// Global L2 norm of a list of tensors (tf.linalg.global_norm), fp64-accumulated, deterministic.
+// Global L2 norm of a list of tensors (tf.linalg.global_norm), fp64-accumulated, deterministic;
+// tensor_norms: each tensor's own norm, from the same pass (the same fp64 sums).
 REGISTER_OP("TfclipGlobalNorm")
     .Input("t: T")
     .Output("norm: Tnorm")
+    .Output("tensor_norms: Tnorm")
     .Attr(TypeAttr("T", " >= 1"))
     .Attr("Tnorm: {float, double} = DT_FLOAT")
-    .SetShapeFn(ScalarOutputs);
+    .SetShapeFn(GlobalNormShapes);
 
 // tf.clip_by_global_norm in two passes: norm (unless use_given_norm), then t * scale.
+// tensor_norms: each input's pre-clip norm from the norm pass (NaN with use_given_norm).
 REGISTER_OP("TfclipClipByGlobalNorm")
     .Input("t: T")
     .Input("clip_norm: Tnorm")
     .Input("use_norm: Tnorm")
     .Output("clipped: T")
     .Output("norm: Tnorm")
+    .Output("tensor_norms: Tnorm")
     .Attr(TypeAttr("T", " >= 1"))
     .Attr("Tnorm: {float, double} = DT_FLOAT")
     .Attr("use_given_norm: bool = false")
@@ -67,7 +86,10 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // leave unused, e.g. Adam's vhat without amsgrad), then the rule's hyper-parameters as scalar
 // double inputs (csrc/core/hparams.h; on GPU read in device memory) and its flags as bool attrs.
 // Outputs the pre-clip global norm and whether the update was applied (false when
-// nonfinite='skip' met a non-finite norm, or a hyper-parameter read on the GPU is out of range).
+// nonfinite='skip' met a non-finite norm, or a hyper-parameter read on the GPU is out of range),
+// and tensor_norms: each gradient's pre-clip norm (IndexedSlices: its values'), summed by the same
+// norm pass (no extra pass), written even for a skipped step; NaN when no norm pass ran
+// (use_given_norm).
 // IndexedSlices gradients: `sparse` lists their positions in `grad` (ascending); for each,
 // grad holds the slices (`.values`, shape [k] + var.shape[1:]) and `indices` one int32/int64
 // vector of k rows. `lazy`: only touched rows (and their slots) update; else stock Keras
@@ -104,6 +126,7 @@ bool RegisterApplyOps() {
         .Input("iterations: Niterations * resource")
         .Output("global_norm: float")
         .Output("applied: bool")
+        .Output("tensor_norms: float")
         .Attr("N: int >= 1")
         .Attr("Niterations: int >= 0 = 0")
         .Attr(TypeAttr("Tgrad", " >= 1"))
@@ -114,7 +137,7 @@ bool RegisterApplyOps() {
         .Attr("sparse: list(int) = []")
         .Attr("lazy: bool = false")
         .Attr("sum_of_squares: bool = false")
-        .SetShapeFn(ScalarOutputs);
+        .SetShapeFn(ApplyShapes);
     w();
   }
   return true;

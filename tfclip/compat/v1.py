@@ -126,7 +126,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             norm_var = self._norm_var(var_list)
         with tf.name_scope(name or self._name):
             self._prepare()
-            norm, applied = self._fused(var_list, grads)
+            norm, applied, _ = self._fused(var_list, grads)
             updates = [norm_var.assign(norm, read_value=False), *self._finish_step(applied)]
             with tf.control_dependencies(updates):
                 if global_step is None:
