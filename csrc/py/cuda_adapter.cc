@@ -146,46 +146,57 @@ void* StepStream(py::object stream, const std::vector<uintptr_t>& streams) {
   return s;
 }
 
+// What an output array's __cuda_array_interface__ says: its pointer, typestr ("<f4"), the code
+// after the byte order ("f4"), element count and whether it is packed (no gaps between elements).
+struct DeviceOut {
+  void* ptr;
+  std::string typestr, code;
+  int64_t size;
+  bool packed;
+};
+DeviceOut ReadDeviceOut(const py::object& o) {
+  const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
+  DeviceOut d;
+  d.typestr = cai["typestr"].cast<std::string>();
+  d.code = d.typestr.size() >= 2 ? d.typestr.substr(1) : d.typestr;
+  d.size = 1;
+  for (auto dim : cai["shape"].cast<py::tuple>()) d.size *= dim.cast<int64_t>();
+  const int64_t item = d.code == "f8" ? 8 : d.code == "f4" ? 4 : 1;
+  d.packed = !(cai.contains("strides") && !cai["strides"].is_none() && py::len(cai["strides"]) > 0 &&
+               d.size > 1 && cai["strides"].cast<py::tuple>()[0].cast<int64_t>() != item);
+  d.ptr = reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+  return d;
+}
+
 // Optional device scalar outputs: (pointer, dtype) or null.
 void* ScalarOut(py::object o, const char* what, DType* dtype, bool is_bool) {
   if (o.is_none()) return nullptr;
-  const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
-  const std::string ts = cai["typestr"].cast<std::string>();
-  const std::string code = ts.size() >= 2 ? ts.substr(1) : ts;
-  int64_t size = 1;
-  for (auto d : cai["shape"].cast<py::tuple>()) size *= d.cast<int64_t>();
-  if (size != 1) Fail(std::string(what) + " must hold exactly one element");
+  const DeviceOut d = ReadDeviceOut(o);
+  if (d.size != 1) Fail(std::string(what) + " must hold exactly one element");
   if (is_bool) {
-    if (code != "b1") Fail(std::string(what) + " must be a bool array");
-  } else if (code == "f4") {
+    if (d.code != "b1") Fail(std::string(what) + " must be a bool array");
+  } else if (d.code == "f4") {
     *dtype = DType::kFloat;
-  } else if (code == "f8") {
+  } else if (d.code == "f8") {
     *dtype = DType::kDouble;
   } else {
     Fail(std::string(what) + " must be float32 or float64");
   }
-  return reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+  return d.ptr;
 }
 
-// An optional per-tensor norms output: a C-contiguous float32 or float64 device array of n
-// elements, or None (null).
+// An optional per-tensor norms output: a packed float32 or float64 device array of n elements,
+// or None (null).
 void* NormsOut(py::object o, size_t n, DType* dtype) {
   if (o.is_none()) return nullptr;
-  const py::dict cai = o.attr("__cuda_array_interface__").cast<py::dict>();
-  const std::string ts = cai["typestr"].cast<std::string>();
-  const std::string code = ts.size() >= 2 ? ts.substr(1) : ts;
-  int64_t size = 1;
-  for (auto d : cai["shape"].cast<py::tuple>()) size *= d.cast<int64_t>();
-  const bool strided = cai.contains("strides") && !cai["strides"].is_none() &&
-                       py::len(cai["strides"]) > 0 && size > 1 &&
-                       cai["strides"].cast<py::tuple>()[0].cast<int64_t>() != (code == "f8" ? 8 : 4);
-  if ((code != "f4" && code != "f8") || static_cast<size_t>(size) != n || strided) {
+  const DeviceOut d = ReadDeviceOut(o);
+  if ((d.code != "f4" && d.code != "f8") || static_cast<size_t>(d.size) != n || !d.packed) {
     Fail("tensor_norms_out must be a contiguous float32 or float64 device array of " +
-         std::to_string(n) + " elements (one per tensor), got typestr " + ts + " with " +
-         std::to_string(size));
+         std::to_string(n) + " elements (one per tensor), got typestr " + d.typestr + " with " +
+         std::to_string(d.size));
   }
-  *dtype = code == "f8" ? DType::kDouble : DType::kFloat;
-  return reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+  *dtype = d.code == "f8" ? DType::kDouble : DType::kFloat;
+  return d.ptr;
 }
 
 // A step's memory from the module's OwnedWorkspace (the core releases it on every path).
