@@ -273,3 +273,16 @@ def test_keras_fit_tensor_norms_and_not_in_checkpoints(rng, tmp_path):
     stock.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     stock.optimizer.build(stock.trainable_variables)
     stock.load_weights(str(tmp_path / "w.weights.h5"))  # the same variable lists both ways
+
+
+def test_keras_xla_fallback_records_tensor_norms(rng):
+    """Inside jit_compile the step falls back to stock ops; the norms are still recorded."""
+    model = _model()
+    opt = tfclip.keras.Adam(0.01, global_clipnorm=0.1)
+    model.compile(optimizer=opt, loss="mse", jit_compile=True)
+    x = rng.normal(size=(4, 6)).astype(np.float32)
+    y = rng.normal(size=(4, 1)).astype(np.float32)
+    want = np_norms([g.numpy() for g in _grads(model, x, y)])
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    np.testing.assert_allclose(opt.tensor_norms.numpy(), want, rtol=1e-5)
+    assert int(opt.clipped_steps.numpy()) == int(np.sqrt(np.sum(want ** 2)) > 0.1)
