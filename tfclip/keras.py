@@ -276,9 +276,11 @@ class _FusedMixin:
             raise ValueError("nonfinite='raise' needs tfclip's fused op, which cannot run inside an "
                              "XLA-compiled function (jit_compile=True); use 'skip' or 'propagate', "
                              "or compile the model with jit_compile=False")
-        values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        tensor_norms = tf.stack([tf.norm(tf.cast(g, tf.float32)) for g in values])
-        norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in values])
+        # One reduction per gradient gives both its norm and the global one (as the fused pass).
+        sumsq = tf.stack([tf.reduce_sum(tf.square(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
+                                                          tf.float32))) for g in grads])
+        tensor_norms = tf.sqrt(sumsq)
+        norm = tf.sqrt(tf.reduce_sum(sumsq))
         base = super(_FusedMixin, self)
 
         def update():
