@@ -162,6 +162,5 @@ def test_demo_without_matplotlib_says_how_to_get_the_plot(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     msg = tfclip.demo.save_plot(str(tmp_path / "x.png"), {"norm": [1.0], "loss": [1.0],
                                                           "tensor_norms": [np.ones(2)]}, ["a", "b"], 1.0)
-    assert "matplotlib is not installed" in msg and 'pip install \\"tfclip[plot]\\"' not in msg
-    assert 'tfclip[plot]' in msg
+    assert "matplotlib is not installed" in msg and 'pip install "tfclip[plot]"' in msg
     assert not (tmp_path / "x.png").exists()

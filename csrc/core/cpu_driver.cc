@@ -59,11 +59,10 @@ double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec, doubl
   ChunkPlan plan;
   PlanList(ts, n, &plan);
   std::vector<double> partials(plan.chunks.size());
-  std::vector<double> per_tensor(tensor_norms != nullptr ? n : 0);
   double total = 0.0;
-  SumSquaresCpu(ts, n, plan, partials.data(), tensor_norms != nullptr ? per_tensor.data() : nullptr,
-                &total, exec);
-  if (tensor_norms != nullptr) TensorNorms(per_tensor.data(), n, tensor_norms);
+  // The per-tensor sums go straight to the caller's buffer, then become norms in place.
+  SumSquaresCpu(ts, n, plan, partials.data(), tensor_norms, &total, exec);
+  if (tensor_norms != nullptr) TensorNorms(tensor_norms, n, tensor_norms);
   return std::sqrt(total);
 }
 
