@@ -142,6 +142,7 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
   p->sparse = sparse;
   p->trust = trust;
   PlanChunks(sizes, n, kCudaChunkElems, &p->plan);
+  PackCudaBlocks(&p->plan);
   const size_t nchunks = p->plan.chunks.size();
   p->host_bytes = Layout(*p).bytes;
   p->off_partials = p->host_bytes;
@@ -158,25 +159,53 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
 
 thread_local int g_last_launches = 0;
 thread_local void* g_last_stream = nullptr;
+thread_local int64_t g_last_blocks = 0;
 
 // ---------------------------------------------------------------- device helpers
+// Sum over the warp in a fixed order (butterflies): the same bits on every run, in every lane.
+__device__ __forceinline__ double WarpSum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums):
 // the same bits on every run. The result is valid in thread 0.
 template <int kBlock>
 __device__ double BlockSum(double v) {
   static_assert(kBlock % 32 == 0 && kBlock <= 1024, "block size");
   __shared__ double warp_sums[kBlock / 32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = WarpSum(v);
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   __syncthreads();  // warp_sums may still be read from the previous call
   if (lane == 0) warp_sums[w] = v;
   __syncthreads();
   double r = 0.0;
-  if (w == 0) {
-    r = lane < kBlock / 32 ? warp_sums[lane] : 0.0;
-    for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
-  }
+  if (w == 0) r = WarpSum(lane < kBlock / 32 ? warp_sums[lane] : 0.0);
   return r;
+}
+
+// The threads that work on one chunk: the whole block for a chunk over kWarpChunkElems, one
+// warp for a smaller one (PackCudaBlocks gives such chunks a block of their own, or packs them
+// one per warp). `rank` is this thread's index among them, `size` their count.
+struct Crew {
+  int rank;
+  int size;
+  bool warp;
+  // The crew's sum of v, valid in rank 0 (every thread of a block crew must call it).
+  __device__ double Sum(double v) const { return warp ? WarpSum(v) : BlockSum<kThreads>(v); }
+};
+
+// Calls f(c, crew) for each chunk c of this block with the threads that work on it: one call
+// per warp (its own chunk), or one per chunk with the whole block.
+template <typename F>
+__device__ void ForEachChunk(const Table& t, F&& f) {
+  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
+  if (cb < ce && t.chunks[cb].end - t.chunks[cb].begin <= kWarpChunkElems) {
+    const int64_t c = cb + (threadIdx.x >> 5);
+    if (c < ce) f(c, Crew{static_cast<int>(threadIdx.x & 31), 32, true});
+    return;
+  }
+  for (int64_t c = cb; c < ce; ++c) f(c, Crew{static_cast<int>(threadIdx.x), kThreads, false});
 }
 
 template <typename T, int kN>
@@ -191,13 +220,13 @@ __device__ __forceinline__ double Sq(T x) {
 }
 
 // This thread's share of a chunk's sum of squares. The elements are taken in groups of kV (16
-// bytes) counted from the chunk's first element: thread t sums groups t, t + kThreads, ..., each
-// group's elements in order. Which thread sums which element, and in what order, depends only on
-// the chunk, never on where the buffer starts: the same values give the same bits in an aligned
-// buffer and in a view such as x[1:]. An aligned chunk reads a group with one 16-byte load, a
-// misaligned one with kV scalar loads (the same elements, the same order).
+// bytes) counted from the chunk's first element: crew thread r sums groups r, r + size, ...,
+// each group's elements in order. Which thread sums which element, and in what order, depends
+// only on the chunk, never on where the buffer starts: the same values give the same bits in an
+// aligned buffer and in a view such as x[1:]. An aligned chunk reads a group with one 16-byte
+// load, a misaligned one with kV scalar loads (the same elements, the same order).
 template <typename T>
-__device__ double ThreadSumSquares(const T* p, int64_t b, int64_t e) {
+__device__ double ThreadSumSquares(const T* p, int64_t b, int64_t e, Crew crew) {
   constexpr int kV = 16 / sizeof(T);
   double acc = 0.0;
   const int64_t n = e - b;
@@ -205,37 +234,36 @@ __device__ double ThreadSumSquares(const T* p, int64_t b, int64_t e) {
   const bool aligned = reinterpret_cast<uintptr_t>(p + b) % 16 == 0;
   if (aligned) {
     const Vec<T, kV>* vp = reinterpret_cast<const Vec<T, kV>*>(p + b);
-    for (int64_t g = threadIdx.x; g < ngroups; g += kThreads) {
+    for (int64_t g = crew.rank; g < ngroups; g += crew.size) {
       const Vec<T, kV> x = vp[g];
 #pragma unroll
       for (int k = 0; k < kV; ++k) acc += Sq(x.v[k]);
     }
   } else {
-    for (int64_t g = threadIdx.x; g < ngroups; g += kThreads) {
+    for (int64_t g = crew.rank; g < ngroups; g += crew.size) {
       const T* q = p + b + g * kV;
 #pragma unroll
       for (int k = 0; k < kV; ++k) acc += Sq(q[k]);
     }
   }
   // The last, partial group: its elements one per thread, after the full groups.
-  for (int64_t i = b + ngroups * kV + threadIdx.x; i < e; i += kThreads) acc += Sq(p[i]);
+  for (int64_t i = b + ngroups * kV + crew.rank; i < e; i += crew.size) acc += Sq(p[i]);
   return acc;
 }
 
 // ---------------------------------------------------------------- kernel 1: norm
 __global__ void __launch_bounds__(kThreads) NormKernel(Table t) {
-  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
-  for (int64_t c = cb; c < ce; ++c) {
+  ForEachChunk(t, [&](int64_t c, Crew crew) {
     const DevChunk ch = t.chunks[c];
     const DevTensor& ten = t.tensors[ch.tensor];
     double acc = 0.0;
     DispatchDType(static_cast<DType>(ten.grad_dtype), [&](auto tag) {
       using T = decltype(tag);
-      acc = ThreadSumSquares(static_cast<const T*>(ten.grad), ch.begin, ch.end);
+      acc = ThreadSumSquares(static_cast<const T*>(ten.grad), ch.begin, ch.end, crew);
     });
-    const double s = BlockSum<kThreads>(acc);
-    if (threadIdx.x == 0) t.partials[c] = s;
-  }
+    const double s = crew.Sum(acc);
+    if (crew.rank == 0) t.partials[c] = s;
+  });
 }
 
 // ---------------------------------------------------------------- kernel 2: finalize
@@ -366,7 +394,7 @@ struct TrustAcc {
 // then the tail), so its sums depend on the values only, never on where a buffer starts.
 template <typename Rule, typename V, typename G, int kSlots>
 __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
-                               const ClipFactor& f, int64_t b, int64_t e) {
+                               const ClipFactor& f, int64_t b, int64_t e, Crew crew) {
   using M = typename Elem<V>::Math;
   constexpr int kV = 4;
   TrustAcc acc;
@@ -388,7 +416,7 @@ __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, cons
       aligned = aligned && reinterpret_cast<uintptr_t>(sp[k] + b) % (sizeof(V) * kV) == 0;
     }
     if (aligned) {
-      for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
+      for (int64_t j = crew.rank; j < nvec; j += crew.size) {
         const int64_t i = b + j * kV;
         Vec<V, kV> vv = *reinterpret_cast<const Vec<V, kV>*>(var + i);
         const Vec<G, kV> gv = *reinterpret_cast<const Vec<G, kV>*>(graw + i);
@@ -408,7 +436,7 @@ __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, cons
     }
   }
   if (Rule::kTrustRatio && !grouped) {  // the same groups, element by element
-    for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
+    for (int64_t j = crew.rank; j < nvec; j += crew.size) {
       for (int q = 0; q < kV; ++q) {
         const int64_t i = b + j * kV + q;
         acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
@@ -417,7 +445,7 @@ __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, cons
     grouped = true;
   }
   if (grouped) i0 = b + nvec * kV;
-  for (int64_t i = i0 + threadIdx.x; i < e; i += kThreads) {
+  for (int64_t i = i0 + crew.rank; i < e; i += crew.size) {
     acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
   }
   return acc;
@@ -427,13 +455,12 @@ template <typename Rule, int kSlots>
 __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
   if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
   const DevConsts consts = *t.consts;
-  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
-  for (int64_t c = cb; c < ce; ++c) {
+  ForEachChunk(t, [&](int64_t c, Crew crew) {
     const DevChunk ch = t.chunks[c];
     const DevTensor& ten = t.tensors[ch.tensor];
     if (ten.sparse) {  // the sparse kernel applies it
-      if (Rule::kTrustRatio && threadIdx.x == 0) t.trust[2 * c] = t.trust[2 * c + 1] = 0.0;
-      continue;
+      if (Rule::kTrustRatio && crew.rank == 0) t.trust[2 * c] = t.trust[2 * c + 1] = 0.0;
+      return;
     }
     const ClipFactor f = t.factors[ch.tensor];
     TrustAcc acc;
@@ -441,22 +468,23 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
                  [&](auto vtag, auto gtag) {
                    using V = decltype(vtag);
                    acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
-                       ConstsFor<V>(consts.f, consts.d), ten, f, ch.begin, ch.end);
+                       ConstsFor<V>(consts.f, consts.d), ten, f, ch.begin, ch.end, crew);
                  });
     if constexpr (Rule::kTrustRatio) {
-      const double w = BlockSum<kThreads>(acc.w);
-      const double u = BlockSum<kThreads>(acc.u);
-      if (threadIdx.x == 0) {
+      const double w = crew.Sum(acc.w);
+      const double u = crew.Sum(acc.u);
+      if (crew.rank == 0) {
         t.trust[2 * c] = w;
         t.trust[2 * c + 1] = u;
       }
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------- kernel 4: sparse apply
 // One block per unit of the sparse plan; a thread per (row, column) element. In an all-rows
-// unit a row finds its slices by binary search over the unit's touched rows.
+// unit a row finds its slices by binary search over the unit's touched rows (once per row a
+// thread visits, not per element).
 template <typename Rule, typename V, typename G, int kSlots>
 __device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
                                   const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
@@ -469,29 +497,43 @@ __device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, c
   V* s2 = static_cast<V*>(ten.slots[2]);
   const int64_t w = ten.width;
   const int64_t total = (u.end - u.begin) * w;
+  if (total == 0) return acc;
+  // This thread's elements e = threadIdx.x + k * kThreads, walked as (r, col) = divmod(e, w)
+  // with the divisions done once: each step moves r by kThreads / w and col by kThreads % w.
+  const int64_t dr = kThreads / w, dc = kThreads % w;
+  int64_t r = threadIdx.x / w, col = threadIdx.x % w;
+  // The row's slices [jb, je), looked up when r changes. In an all-rows unit rows only grow,
+  // so each binary search over the touched rows starts where the last one ended.
+  int64_t looked_up = -1, row = 0, jb = 0, je = 0, lo = u.u_begin;
   for (int64_t e = threadIdx.x; e < total; e += kThreads) {
-    const int64_t r = e / w, col = e - r * w;
-    int64_t row, jb = 0, je = 0;
-    if (u.all_rows) {
-      row = u.begin + r;
-      int64_t a = u.u_begin, b = u.u_end;
-      while (a < b) {
-        const int64_t mid = a + (b - a) / 2;
-        if (sp.urows[mid] < row) a = mid + 1;
-        else b = mid;
+    if (r != looked_up) {
+      looked_up = r;
+      if (u.all_rows) {
+        row = u.begin + r;
+        int64_t hi = u.u_end;
+        while (lo < hi) {
+          const int64_t mid = lo + (hi - lo) / 2;
+          if (sp.urows[mid] < row) lo = mid + 1;
+          else hi = mid;
+        }
+        const bool touched = lo < u.u_end && sp.urows[lo] == row;
+        jb = touched ? sp.ustart[lo] : 0;
+        je = touched ? sp.ustart[lo + 1] : 0;
+      } else {
+        const int64_t x = u.begin + r;
+        row = sp.urows[x];
+        jb = sp.ustart[x];
+        je = sp.ustart[x + 1];
       }
-      if (a < u.u_end && sp.urows[a] == row) {
-        jb = sp.ustart[a];
-        je = sp.ustart[a + 1];
-      }
-    } else {
-      const int64_t x = u.begin + r;
-      row = sp.urows[x];
-      jb = sp.ustart[x];
-      je = sp.ustart[x + 1];
     }
     const RowGrads<M, GradReader<V, G>> rg{grad, w, col, sp.order, jb, je};
     acc.Add(ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col));
+    r += dr;
+    col += dc;
+    if (col >= w) {
+      col -= w;
+      ++r;
+    }
   }
   return acc;
 }
@@ -547,7 +589,7 @@ __global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, i
   if (!t.status->apply) return;
   if constexpr (Rule::kTrustRatio) {
     const DevConsts consts = *t.consts;
-    auto range = [&](const DevTensor& ten, int tensor, int64_t b, int64_t e) {
+    auto range = [&](const DevTensor& ten, int tensor, int64_t b, int64_t e, Crew crew) {
       DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
         using V = decltype(vtag);
         const auto& c = ConstsFor<V>(consts.f, consts.d);
@@ -556,26 +598,28 @@ __global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, i
         const V* s0 = static_cast<const V*>(ten.slots[0]);
         const V* s1 = static_cast<const V*>(ten.slots[1]);
         const V* s2 = static_cast<const V*>(ten.slots[2]);
-        for (int64_t i = b + threadIdx.x; i < e; i += kThreads) {
+        for (int64_t i = b + crew.rank; i < e; i += crew.size) {
           TrustElem<Rule, kSlots>(c, ratio_lr, var, s0, s1, s2, i);
         }
       });
     };
     if (static_cast<int64_t>(blockIdx.x) < nblocks) {
-      const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
-      for (int64_t c = cb; c < ce; ++c) {
+      ForEachChunk(t, [&](int64_t c, Crew crew) {
         const DevChunk ch = t.chunks[c];
         const DevTensor& ten = t.tensors[ch.tensor];
-        if (!ten.sparse) range(ten, ch.tensor, ch.begin, ch.end);
-      }
+        if (!ten.sparse) range(ten, ch.tensor, ch.begin, ch.end, crew);
+      });
     } else {
       const SparseUnit u = sp.units[blockIdx.x - nblocks];
       const DevTensor& ten = t.tensors[u.tensor];
       const int64_t w = ten.width;
+      const Crew block{static_cast<int>(threadIdx.x), kThreads, false};
       if (u.all_rows) {
-        range(ten, u.tensor, u.begin * w, u.end * w);
+        range(ten, u.tensor, u.begin * w, u.end * w, block);
       } else {
-        for (int64_t x = u.begin; x < u.end; ++x) range(ten, u.tensor, sp.urows[x] * w, sp.urows[x] * w + w);
+        for (int64_t x = u.begin; x < u.end; ++x) {
+          range(ten, u.tensor, sp.urows[x] * w, sp.urows[x] * w + w, block);
+        }
       }
     }
   }
@@ -584,8 +628,7 @@ __global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, i
 // ---------------------------------------------------------------- the clip op's scale pass
 __global__ void __launch_bounds__(kThreads) ScaleKernel(Table t) {
   const double scale = t.status->scale;
-  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
-  for (int64_t c = cb; c < ce; ++c) {
+  ForEachChunk(t, [&](int64_t c, Crew crew) {
     const DevChunk ch = t.chunks[c];
     const DevTensor& ten = t.tensors[ch.tensor];
     DispatchDType(static_cast<DType>(ten.grad_dtype), [&](auto tag) {
@@ -594,11 +637,11 @@ __global__ void __launch_bounds__(kThreads) ScaleKernel(Table t) {
       const M s = RoundTo<T>(static_cast<M>(scale));
       const T* in = static_cast<const T*>(ten.grad);
       T* out = static_cast<T*>(ten.var);
-      for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += kThreads) {
+      for (int64_t i = ch.begin + crew.rank; i < ch.end; i += crew.size) {
         out[i] = Elem<T>::Store(Elem<T>::Load(in[i]) * s);
       }
     });
-  }
+  });
 }
 
 // ---------------------------------------------------------------- host side
@@ -717,6 +760,7 @@ std::string WithStepMemory(const int64_t* sizes, int n, const SparsePlan* sparse
   g_last_stream = stream;
   CudaPlan p;
   PlanCudaStep(sizes, n, &p, sparse, trust);
+  g_last_blocks = p.plan.num_blocks();
   void* host = nullptr;
   void* dev = nullptr;
   std::string e = mem->Acquire(p.host_bytes, p.device_bytes, &host, &dev);
@@ -767,6 +811,26 @@ bool DeviceScalars::any() const {
 }
 
 int LastStepLaunches() { return g_last_launches; }
+
+int64_t LastStepBlocks() { return g_last_blocks; }
+
+void PackCudaBlocks(ChunkPlan* plan) {
+  plan->block_begin.assign(1, 0);
+  int in_block = 0;  // small chunks in the open block
+  const int64_t nchunks = static_cast<int64_t>(plan->chunks.size());
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const Chunk& ch = plan->chunks[c];
+    if (ch.end - ch.begin > kWarpChunkElems) {
+      if (in_block > 0) plan->block_begin.push_back(c);
+      plan->block_begin.push_back(c + 1);
+      in_block = 0;
+    } else if (++in_block == kWarpsPerBlock) {
+      plan->block_begin.push_back(c + 1);
+      in_block = 0;
+    }
+  }
+  if (in_block > 0) plan->block_begin.push_back(nchunks);
+}
 
 void* LastStepStream() { return g_last_stream; }
 

@@ -30,6 +30,13 @@ namespace cuda {
 // GPU chunks are smaller than the CPU's: a chunk is one CUDA block's share of a tensor.
 constexpr int64_t kCudaChunkElems = int64_t{1} << 15;
 constexpr int kThreads = 512;  // per block, norm and apply kernels
+// A chunk of at most kWarpChunkElems elements is summed and applied by one warp, and up to
+// kThreads / 32 such chunks share a block (one per warp); a larger chunk has a block to itself.
+// Which threads sum a chunk, in what order, depends on its size alone, so a tensor's partial
+// sums are the same bits whatever tensors are beside it. Without this, 10,000 tensors of a few
+// elements were two blocks, each paying a 512-thread reduction per chunk, one chunk after another.
+constexpr int64_t kWarpChunkElems = 2048;
+constexpr int kWarpsPerBlock = kThreads / 32;
 
 // Where a step's memory comes from: TF's allocators in the op, an OwnedWorkspace in _core.
 // Acquire gives pinned host memory (the tensor table) and device memory, both 256-byte
@@ -103,6 +110,12 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
 // step"), and the stream it was issued on.
 int LastStepLaunches();
 void* LastStepStream();
+// The blocks of the last step's norm and dense apply launches (the packing above).
+int64_t LastStepBlocks();
+
+// Groups a plan's chunks into CUDA blocks (plan->block_begin): each chunk over kWarpChunkElems
+// alone, the others kWarpsPerBlock at a time in list order.
+void PackCudaBlocks(ChunkPlan* plan);
 
 }  // namespace cuda
 }  // namespace tfclip

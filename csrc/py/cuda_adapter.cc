@@ -434,6 +434,8 @@ py::dict CudaDevice() {
 void DefineCuda(py::module_& m) {
   m.attr("cuda") = true;
   m.attr("cuda_chunk_elems") = cuda::kCudaChunkElems;
+  m.attr("cuda_warp_chunk_elems") = cuda::kWarpChunkElems;
+  m.attr("cuda_warps_per_block") = cuda::kWarpsPerBlock;
   m.def("cuda_global_norm", &CudaGlobalNormPy, py::arg("t_list"), py::arg("out") = py::none(),
         py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
         "Global norm of CUDA arrays (__cuda_array_interface__). With `out` (a 1-element float32 "
@@ -469,6 +471,9 @@ void DefineCuda(py::module_& m) {
         "it on every path, errors included).");
   m.def("cuda_last_launches", &cuda::LastStepLaunches,
         "Kernel launches of the last CUDA step issued from this thread.");
+  m.def("cuda_last_blocks", &cuda::LastStepBlocks,
+        "CUDA blocks of the last step's norm and dense apply launches (a chunk over "
+        "kWarpChunkElems elements alone, smaller ones one per warp, 16 to a block).");
   m.def("cuda_last_stream", [] { return reinterpret_cast<uintptr_t>(cuda::LastStepStream()); },
         "The stream (as an integer; 0: the legacy default) of the last CUDA step issued from this thread.");
   m.def("cuda_device", &CudaDevice, "Name and compute capability of the current CUDA device.");

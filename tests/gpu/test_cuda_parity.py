@@ -545,6 +545,26 @@ def test_sparse_apply_parity(rng, rule, mode, lazy, var_dtype, grad_dtype):
             close_ulps(g, want, var_dtype, ulps=4)
 
 
+@pytest.mark.parametrize("width", [1, 2, 511, 512, 513, 1030])
+@pytest.mark.parametrize("lazy", [False, True], ids=["stock", "lazy"])
+def test_sparse_row_widths_around_the_block(rng, width, lazy):
+    """The sparse kernel walks each thread's (row, column) pairs by steps of the block size,
+    without a division per element: widths that divide it, are one off it, or exceed it, with
+    touched rows in runs and gaps, against the CPU to the bit."""
+    rows = 3000 // width + 7
+    var = rand(rng, (rows, width), np.float32)
+    m, v = small_pos(rng, (rows, width), np.float32), small_pos(rng, (rows, width), np.float32)
+    idx = np.concatenate([np.arange(2, 9), rng.integers(0, rows, size=20), [rows - 1, 2]]).astype(np.int64)
+    vals = rand(rng, (len(idx), width), np.float32)
+    hp = {"learning_rate": 0.01, "step": 2}
+    dv, dm, dvv = to_dev(var), to_dev(m), to_dev(v)
+    core.cuda_clip_apply("adam", [dv], [to_dev(vals)], [[dm], [dvv]], hp, "none", 0.0, None, "skip",
+                         indices=[idx], lazy=lazy)
+    core.clip_apply("adam", [var], [vals], [[m], [v]], hp, "none", 0.0, None, "skip", indices=[idx], lazy=lazy)
+    for got, want in zip([dv, dm, dvv], [var, m, v]):
+        same_bits(to_host(got, np.float32), want)
+
+
 @pytest.mark.parametrize("nonfinite", ["skip", "raise"])
 def test_nonfinite_sparse_gradient_writes_nothing(rng, nonfinite):
     """A NaN in an IndexedSlices gradient's values: neither the dense nor the sparse kernel
