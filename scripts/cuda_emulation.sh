@@ -6,7 +6,7 @@
 #   scripts/cuda_emulation.sh            (uses `python` on PATH: numpy, ml_dtypes, pytest, pybind11, cmake)
 #   scripts/cuda_emulation.sh --tsan     (under ThreadSanitizer, not in CI: by default the subset
 #                                        below, which reaches every kernel, the streams and the
-#                                        workspace ring: 56 tests, about 2 minutes; the whole suite
+#                                        workspace ring: ~120 tests, a few minutes; the whole suite
 #                                        takes about an hour there. Pytest args replace the subset.)
 #   PYTHON=/path/python scripts/cuda_emulation.sh [pytest args]
 set -euo pipefail
@@ -26,6 +26,6 @@ if [ "$TSAN" = ON ]; then
   export LD_PRELOAD="$("${CC:-gcc}" -print-file-name=libtsan.so)"
   export TSAN_OPTIONS="halt_on_error=1:abort_on_error=1:report_signal_unsafe=0"
 fi
-TSAN_SUBSET='test_global_norm_parity or test_clip_by_global_norm_parity or test_clip_in_place or (test_apply_parity and float32-float32) or (test_sparse_apply_parity and float32-float32 and adam) or misaligned or nonfinite or stream or ring or no_wait or bad_inputs or host_memory or out_of_range or 16bit'
+TSAN_SUBSET='test_global_norm_parity or test_clip_by_global_norm_parity or test_clip_in_place or (test_apply_parity and float32-float32) or (test_sparse_apply_parity and float32-float32 and adam) or misaligned or nonfinite or stream or ring or no_wait or bad_inputs or host_memory or out_of_range or 16bit or blocks or allocate'
 if [ "$TSAN" = ON ] && [ $# -eq 0 ]; then set -- -k "$TSAN_SUBSET"; fi
 TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE" "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"

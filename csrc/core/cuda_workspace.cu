@@ -3,11 +3,14 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <sstream>
 
 namespace tfclip {
 namespace cuda {
 namespace {
+std::atomic<int64_t> g_allocations{0};
+
 std::string Err(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return "";
   std::ostringstream os;
@@ -24,6 +27,7 @@ OwnedWorkspace::~OwnedWorkspace() {
       cudaEventDestroy(static_cast<cudaEvent_t>(event_[i]));
     }
     if (host_[i] != nullptr) cudaFreeHost(host_[i]);
+    if (dev_[i] != nullptr) cudaFree(dev_[i]);
   }
 }
 
@@ -46,26 +50,37 @@ std::string OwnedWorkspace::Acquire(size_t host_bytes, size_t device_bytes, void
     if (host_[i] != nullptr) cudaFreeHost(host_[i]);
     host_[i] = nullptr;
     host_cap_[i] = 0;
+    ++g_allocations;
     e = Err(cudaMallocHost(&host_[i], host_bytes), "cudaMallocHost (the tensor table)");
     if (!e.empty()) return e;
     host_cap_[i] = host_bytes;
   }
-  e = Err(cudaMallocAsync(&device_, device_bytes, static_cast<cudaStream_t>(stream)),
-          "cudaMallocAsync (the step workspace)");
+  int dev = 0;
+  e = Err(cudaGetDevice(&dev), "cudaGetDevice");
   if (!e.empty()) return e;
+  if (dev_cap_[i] < device_bytes || dev_id_[i] != dev) {
+    // Growth (or another device): rare, and the slot's last step has run (the event above).
+    if (dev_[i] != nullptr) cudaFree(dev_[i]);
+    dev_[i] = nullptr;
+    dev_cap_[i] = 0;
+    const size_t bytes = device_bytes < 4096 ? 4096 : device_bytes;
+    ++g_allocations;
+    e = Err(cudaMalloc(&dev_[i], bytes), "cudaMalloc (the step workspace)");
+    if (!e.empty()) return e;
+    dev_cap_[i] = bytes;
+    dev_id_[i] = dev;
+  }
   cur_ = i;
   *host = host_[i];
-  *device = device_;
+  *device = dev_[i];
   return "";
 }
 
 std::string OwnedWorkspace::Release(void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   std::string e;
-  if (device_ != nullptr) e = Err(cudaFreeAsync(device_, s), "cudaFreeAsync");
-  device_ = nullptr;
-  if (cur_ >= 0 && e.empty()) {
-    e = Err(cudaEventRecord(static_cast<cudaEvent_t>(event_[cur_]), s), "cudaEventRecord");
+  if (cur_ >= 0) {
+    e = Err(cudaEventRecord(static_cast<cudaEvent_t>(event_[cur_]), static_cast<cudaStream_t>(stream)),
+            "cudaEventRecord");
   }
   cur_ = -1;
   return e;
@@ -84,7 +99,12 @@ std::string CopyToHostSync(void* host, const void* device, size_t bytes, void* s
   return CopySync(host, device, bytes, cudaMemcpyDeviceToHost, stream);
 }
 
-std::string DeviceAlloc(void** p, size_t bytes) { return Err(cudaMalloc(p, bytes), "cudaMalloc"); }
+std::string DeviceAlloc(void** p, size_t bytes) {
+  ++g_allocations;
+  return Err(cudaMalloc(p, bytes), "cudaMalloc");
+}
+
+int64_t Allocations() { return g_allocations.load(); }
 
 void DeviceFree(void* p) {
   if (p != nullptr) cudaFree(p);

@@ -4,14 +4,19 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace tfclip {
 namespace cuda {
 
-// Pinned host buffers in a small ring, each guarded by an event recorded after the step that
-// used it, so a table is never overwritten while its upload is still queued; device memory
-// from the stream-ordered allocator (cudaMallocAsync / cudaFreeAsync), so nothing waits.
+// A small ring of buffer pairs (pinned host table, device workspace), each guarded by an event
+// recorded after the step that used it: a slot is reused only once its step has run, so a table
+// is never overwritten while its upload is still queued, and a workspace never while a kernel
+// reads it. The buffers are kept and grow when a step needs more (on the current device), so a
+// step allocates nothing; cudaMallocAsync per step would ask the stream-ordered pool each time,
+// and the pool hands its memory back to the system at every synchronize (release threshold 0),
+// so _core's waiting calls would map it again every call.
 class OwnedWorkspace {
  public:
   OwnedWorkspace() = default;
@@ -22,18 +27,20 @@ class OwnedWorkspace {
   // Buffers of at least these sizes for one step on `stream`.
   std::string Acquire(size_t host_bytes, size_t device_bytes, void* stream, void** host,
                       void** device);
-  // After the step's launches: frees the device buffer in stream order, marks the host one.
+  // After the step's launches: marks the slot busy until the stream has passed this point.
   std::string Release(void* stream);
   // Whether a step's buffers are acquired and not yet released.
-  bool Held() const { return cur_ >= 0 || device_ != nullptr; }
+  bool Held() const { return cur_ >= 0; }
 
  private:
   static constexpr int kRing = 4;
   void* host_[kRing] = {};
   size_t host_cap_[kRing] = {};
+  void* dev_[kRing] = {};
+  size_t dev_cap_[kRing] = {};
+  int dev_id_[kRing] = {};  // the device dev_[i] lives on
   void* event_[kRing] = {};
   int cur_ = -1, next_ = 0;
-  void* device_ = nullptr;
 };
 
 // Copies `bytes` from device memory to host memory and waits for the stream.
@@ -42,6 +49,10 @@ std::string CopyToHostSync(void* host, const void* device, size_t bytes, void* s
 // Plain device memory for a few bytes (cudaMalloc / cudaFree).
 std::string DeviceAlloc(void** p, size_t bytes);
 void DeviceFree(void* p);
+
+// Device and pinned-host allocations made here so far (the workspace ring, DeviceAlloc): tests
+// check that repeated steps allocate nothing.
+int64_t Allocations();
 
 // Device-to-device copy queued on `stream`.
 std::string CopyDeviceAsync(void* dst, const void* src, size_t bytes, void* stream);

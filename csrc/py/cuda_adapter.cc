@@ -220,7 +220,7 @@ std::vector<TensorView> CudaViews(const py::list& l, const char* what, bool writ
 }
 
 
-// Reads back a device scalar the step wrote to its workspace-free temporary.
+// Reads back a device scalar the step wrote to the scratch buffer, waiting for the stream.
 double SyncNorm(void* dev_norm, DType dt, void* stream) {
   double d = 0;
   float f = 0;
@@ -229,22 +229,28 @@ double SyncNorm(void* dev_norm, DType dt, void* stream) {
   return d;
 }
 
-// A small device buffer for outputs the caller did not give (then read back, with a wait).
-struct Scratch8 {
-  void* p = nullptr;
-  Scratch8() { Check(cuda::DeviceAlloc(&p, 16)); }
-  ~Scratch8() { cuda::DeviceFree(p); }
-};
+// 16 bytes of device memory on the current device for the outputs a caller did not give (the
+// norm, the applied flag), read back before the call returns. Allocated once per device and
+// kept: cudaMalloc and cudaFree per call would each synchronize the whole device. One buffer is
+// enough: the calls hold the GIL, and a call that uses it has waited for its stream before it
+// returns, so no step still writes there when the next begins.
+void* Scratch() {
+  static std::vector<void*> per_device;
+  int d = 0;
+  Check(cuda::CurrentDevice(&d));
+  if (per_device.size() <= static_cast<size_t>(d)) per_device.resize(static_cast<size_t>(d) + 1);
+  if (per_device[d] == nullptr) Check(cuda::DeviceAlloc(&per_device[d], 16));
+  return per_device[d];
+}
 
-// When the caller gave no norm output: a scratch one of `dtype`, to read back after the step.
-std::unique_ptr<Scratch8> NormOutOrScratch(py::object given, const char* what, cuda::CudaOutputs* o,
-                                           DType dtype) {
+// When the caller gave no norm output: the scratch, as `dtype`. Returns whether it is used
+// (then the norm is read back after the step).
+bool NormOutOrScratch(py::object given, const char* what, cuda::CudaOutputs* o, DType dtype) {
   o->norm = ScalarOut(given, what, &o->norm_dtype, false);
-  if (o->norm != nullptr) return nullptr;
-  auto tmp = std::make_unique<Scratch8>();
-  o->norm = tmp->p;
+  if (o->norm != nullptr) return false;
+  o->norm = Scratch();
   o->norm_dtype = dtype;
-  return tmp;
+  return true;
 }
 
 py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object stream_o,
@@ -254,10 +260,10 @@ py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object s
   void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
   o.tensor_norms = NormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
-  const auto tmp = NormOutOrScratch(out, "out", &o, DType::kDouble);
+  const bool scratch = NormOutOrScratch(out, "out", &o, DType::kDouble);
   OwnedMemory mem(stream);
   Check(cuda::CudaGlobalNorm(in.data(), static_cast<int>(in.size()), &mem, o, stream));
-  if (tmp) return py::float_(SyncNorm(o.norm, o.norm_dtype, stream));
+  if (scratch) return py::float_(SyncNorm(o.norm, o.norm_dtype, stream));
   return py::none();
 }
 
@@ -326,11 +332,11 @@ py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_li
   void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
   o.tensor_norms = NormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
-  const auto tmp = NormOutOrScratch(norm_out, "norm_out", &o, DType::kFloat);  // as the TF op's default Tnorm
+  const bool scratch = NormOutOrScratch(norm_out, "norm_out", &o, DType::kFloat);  // as the TF op's default Tnorm
   OwnedMemory mem(stream);
   Check(cuda::CudaClipByGlobalNorm(in.data(), outs.data(), static_cast<int>(in.size()), clip, has,
                                    un, dev, &mem, o, stream));
-  if (tmp) return py::float_(SyncNorm(o.norm, o.norm_dtype, stream));
+  if (scratch) return py::float_(SyncNorm(o.norm, o.norm_dtype, stream));
   return py::none();
 }
 
@@ -364,13 +370,11 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
   o.applied = static_cast<bool*>(ScalarOut(applied_out, "applied_out", &unused, true));
   o.tensor_norms = NormsOut(tensor_norms_out, static_cast<size_t>(args.n), &o.tensor_norms_dtype);
-  std::unique_ptr<Scratch8> tmp;
   const bool sync = o.norm == nullptr && o.applied == nullptr;
   if (sync) {
-    tmp = std::make_unique<Scratch8>();
-    o.norm = tmp->p;
+    o.norm = Scratch();
     o.norm_dtype = DType::kDouble;
-    o.applied = reinterpret_cast<bool*>(static_cast<char*>(tmp->p) + 8);
+    o.applied = reinterpret_cast<bool*>(static_cast<char*>(o.norm) + 8);
   }
   OwnedMemory mem(stream);
   StepResult r;
@@ -378,7 +382,7 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   if (!r.error.empty()) Fail(r.error);
   if (!sync) return py::none();
   double res[2] = {0, 0};
-  Check(cuda::CopyToHostSync(res, tmp->p, 16, stream));
+  Check(cuda::CopyToHostSync(res, o.norm, 16, stream));
   bool applied = false;
   std::memcpy(&applied, reinterpret_cast<char*>(res) + 8, sizeof(bool));
   return py::make_tuple(res[0], applied);
@@ -466,6 +470,9 @@ void DefineCuda(py::module_& m) {
         "nonfinite='raise' is an error. tensor_norms_out: None or a float32/float64 device "
         "array of len(grads), given each gradient's pre-clip norm from the norm pass (NaN with "
         "use_norm), also when the step is skipped.");
+  m.def("cuda_allocations", &cuda::Allocations,
+        "Device and pinned-host allocations _core has made so far (its workspace ring, scratch "
+        "and cuda_malloc): a step of a size seen before allocates nothing.");
   m.def("cuda_workspace_held", [] { return Workspace().Held(); },
         "Whether a step's workspace is acquired and not yet released (tests: the core releases "
         "it on every path, errors included).");

@@ -20,6 +20,7 @@
 #if TFCLIP_WITH_CUDA
 #include "csrc/core/cuda_driver.h"
 #include "csrc/core/cuda_workspace.h"
+#include "tensorflow/core/common_runtime/device/device_event_mgr.h"
 #include "xla/stream_executor/stream.h"
 #endif
 
@@ -118,7 +119,10 @@ void* GpuStream(OpKernelContext* ctx) {
 // A step's memory from TF's allocators: the tensor table in pinned host memory and the device
 // workspace. The device buffer may be freed when Compute returns (TF's GPU allocator is ordered
 // on the compute stream); the host table is held until the stream has passed its upload, as
-// TF's own GpuDeviceArrayOnHost does. The core calls Release on every path (cuda_driver.h).
+// TF's own GpuDeviceArrayOnHost does: through the device's EventMgr, which records an event and
+// lets go of the table from its polling thread, so the stream never waits. (A host function,
+// cudaLaunchHostFunc, holds the stream until a CUDA host thread has run it: only where the
+// device has no EventMgr.) The core calls Release on every path (cuda_driver.h).
 class GpuMemory : public cuda::CudaStepMemory {
  public:
   explicit GpuMemory(OpKernelContext* ctx) : ctx_(ctx) {}
@@ -138,6 +142,11 @@ class GpuMemory : public cuda::CudaStepMemory {
     return "";
   }
   std::string Release() override {
+    const auto* info = ctx_->device()->tensorflow_accelerator_device_info();
+    if (info != nullptr && info->event_mgr != nullptr) {
+      info->event_mgr->ThenExecute(ctx_->op_device_context()->stream(), [keep = host_]() {});
+      return "";
+    }
     auto* keep = new Tensor(host_);
     return cuda::ThenRunOnHost(
         GpuStream(ctx_), [](void* t) { delete static_cast<Tensor*>(t); }, keep);

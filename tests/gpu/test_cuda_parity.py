@@ -408,6 +408,36 @@ def test_repeated_steps_without_waiting_go_through_the_workspace_ring(rng):
         close_ulps(to_host(d, np.float32), c, "float32", ulps=4)
 
 
+def test_steps_of_a_size_seen_before_allocate_nothing(rng):
+    """The workspace ring keeps its pinned tables and device workspaces, and the waiting calls'
+    outputs go to one kept scratch buffer: once every ring slot has seen a step this size, steps
+    allocate nothing (a cudaMalloc/cudaFree pair per call would synchronize the whole device)."""
+    shapes = [(CHUNK + 1,), (40,), (3,)]
+    vs = [to_dev(rand(rng, s, np.float32)) for s in shapes]
+    gs = [to_dev(rand(rng, s, np.float32)) for s in shapes]
+    m = [to_dev(np.zeros(s, np.float32)) for s in shapes]
+    outs = [to_dev(np.zeros(s, np.float32)) for s in shapes]
+    norm_out, applied_out = full((1,), np.nan, np.float64), to_dev(np.zeros(1, np.bool_))
+    hp = {"learning_rate": 0.01, "momentum": 0.9}
+    want = np.sqrt(sum(np.sum(to_host(g, np.float32).astype(np.float64) ** 2) for g in gs))
+
+    def steps():
+        for _ in range(5):  # more than the ring's slots
+            assert core.cuda_global_norm(gs) == pytest.approx(want, rel=1e-12)
+            core.cuda_clip_by_global_norm(gs, outs, 1.0)
+            norm, applied = core.cuda_clip_apply("keras_momentum", vs, gs, [m], hp, "global_norm", 1.0)
+            assert applied and norm == pytest.approx(want, rel=1e-12)
+            core.cuda_clip_apply("keras_momentum", vs, gs, [m], hp, "global_norm", 1.0,
+                                 norm_out=norm_out, applied_out=applied_out)
+        dev.synchronize()
+
+    steps()
+    before = core.cuda_allocations()
+    steps()
+    assert core.cuda_allocations() == before
+    assert float(to_host(norm_out, np.float64)[0]) == pytest.approx(want, rel=1e-12)
+
+
 def _raw(cai, keep):
     class Raw:
         __cuda_array_interface__ = cai
