@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_bench.py [--sets bert_base,bert_large,small2000,one_tensor]
                                    [--rules adam,adamw,sgdm] [--grad-dtypes float32,bfloat16]
-                                   [--iters 50]
+                                   [--iters 50] [--profile]
 
 Needs PyTorch (CUDA) and a tfclip._core built with CUDA; no TensorFlow. Tensors are PyTorch
 CUDA tensors; tfclip reads them through __cuda_array_interface__ on PyTorch's current stream,
@@ -12,7 +12,8 @@ For each set it reports, in one run:
   - the device-to-device copy bandwidth (bytes read + written), measured now;
   - tfclip's step time, its achieved bandwidth at the floor's byte count (4 B/param to read the
     gradient for the norm + read grad/var/slots + write var/slots) and that as % of the copy;
-  - kernel launches per step (tfclip counts its own);
+  - kernel launches per step (tfclip counts its own; with --profile also as PyTorch's profiler
+    (CUPTI) sees them on the device, with their names, for tfclip's step and PyTorch's);
   - PyTorch's clip_grad_norm_(foreach=True) + optimizer(fused=True) on the same tensors, and the
     ratio torch_time / tfclip_time (> 1: tfclip is faster).
 Times are medians of CUDA-event-timed loops of --iters steps. Compare ratios within one run.
@@ -69,6 +70,27 @@ def time_loop(fn, iters, repeats=5):
     return statistics.median(times)
 
 
+def profiled_kernels(fn):
+    """The kernels one call of fn runs on the device, as CUPTI records them (copies and memsets
+    left out): an independent count of launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [n for n in names if not n.lower().startswith(("memcpy", "memset"))]
+
+
+def short(names):
+    counts = {}
+    for n in names:
+        k = n.split("(")[0].split("<")[0].split("::")[-1][:40]
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.items())
+
+
 def copy_bandwidth(nbytes=2 << 30, iters=20):
     a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
@@ -81,7 +103,7 @@ def as_cai(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def bench_set(name, rule_name, grad_dtype, iters, copy_bw):
+def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False):
     shapes = SETS[name]()
     core_rule, nslots, hp = RULES[rule_name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -124,12 +146,19 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw):
         opt.step()
 
     t_torch = time_loop(torch_step, iters)
+    prof = ""
+    if profile_kernels:
+        try:
+            kt, kp = profiled_kernels(tfclip_step), profiled_kernels(torch_step)
+            prof = f"\n    profile: tfclip {len(kt)} kernels [{short(kt)}]; torch {len(kp)} kernels [{short(kp)}]"
+        except Exception as e:  # the timing above stands without it
+            prof = f"\n    profile failed: {type(e).__name__}: {e}"
     fb = floor_bytes(nparams, nslots, torch.tensor([], dtype=TORCH_DTYPE[grad_dtype]).element_size())
     bw = fb / t_tfclip
     note = "" if grad_dtype == "float32" else " (torch: grads upcast to fp32 first, not timed)"
     return (f"{name:<11} {rule_name:<6} {grad_dtype:<8} {nparams / 1e6:8.1f}M {len(shapes):6d}  "
             f"{t_tfclip * 1e3:8.3f} ms  {bw / 1e9:7.0f} GB/s  {100 * bw / copy_bw:5.1f}% of copy  "
-            f"{launches} launches  torch {t_torch * 1e3:8.3f} ms  torch/tfclip {t_torch / t_tfclip:5.2f}x{note}")
+            f"{launches} launches  torch {t_torch * 1e3:8.3f} ms  torch/tfclip {t_torch / t_tfclip:5.2f}x{note}{prof}")
 
 
 def main(argv=None):
@@ -138,6 +167,8 @@ def main(argv=None):
     ap.add_argument("--rules", default="adam")
     ap.add_argument("--grad-dtypes", default="float32")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--profile", action="store_true",
+                    help="also count each step's kernels with PyTorch's profiler (CUPTI)")
     args = ap.parse_args(argv)
     if not _core.cuda:
         sys.exit("tfclip._core was built without CUDA")
@@ -149,7 +180,7 @@ def main(argv=None):
     for rule in args.rules.split(","):
         for gd in args.grad_dtypes.split(","):
             for s in args.sets.split(","):
-                print(bench_set(s, rule, gd, args.iters, copy_bw), flush=True)
+                print(bench_set(s, rule, gd, args.iters, copy_bw, args.profile), flush=True)
                 torch.cuda.empty_cache()
 
 
