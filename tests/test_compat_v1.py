@@ -176,3 +176,68 @@ def test_skipped_step_leaves_adam_beta_powers_alone():
     after = [p.numpy() for p in opt._beta_powers()] + [v.numpy()]
     for a, b in zip(before, after):
         np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("name", ["gd", "momentum", "adam", "rmsprop_centered"])
+def test_tensor_norms_in_a_session(name):
+    """opt.tensor_norms(): each pair's pre-clip gradient norm, against NumPy on the gradients
+    fetched at the same weights; 0 for the stop_gradient pair; the global norm is their 2-norm.
+    A local variable written by the step (only the global variables are initialized here)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.constant(np.random.default_rng(1).normal(size=(8, 4)).astype("float32"))
+        w = tf.compat.v1.get_variable("w", initializer=np.ones((4, 3), "float32"), use_resource=True)
+        b = tf.compat.v1.get_variable("b", initializer=np.full(3, 0.5, "float32"), use_resource=True)
+        frozen = tf.compat.v1.get_variable("f", initializer=np.ones(3, "float32"), use_resource=True)
+        loss = tf.reduce_sum((tf.matmul(x, w) + b + tf.stop_gradient(frozen)) ** 2)
+        opt = MAKERS[name](tfclip.compat.v1, {"global_clipnorm": 1.0})
+        assert opt.tensor_norms() is None
+        gv = opt.compute_gradients(loss, var_list=[w, b, frozen])
+        assert gv[2][0] is None
+        grads = [gr for gr, _ in gv[:2]]
+        train = opt.apply_gradients(gv)
+        tn = opt.tensor_norms()
+        assert opt.tensor_norm_names() == [w.name, b.name, frozen.name]
+        assert tn in tf.compat.v1.local_variables() and tn not in tf.compat.v1.global_variables()
+        assert tn not in opt.variables()
+        with tf.compat.v1.Session() as s:
+            s.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(3):
+                gw, gb = s.run(grads)
+                s.run(train)
+                want = [np.linalg.norm(gw.astype(np.float64)), np.linalg.norm(gb.astype(np.float64)), 0.0]
+                np.testing.assert_allclose(s.run(tn), want, rtol=1e-6)
+                np.testing.assert_allclose(s.run(opt.global_norm()), np.linalg.norm(want), rtol=1e-6)
+            before = s.run(w)
+            s.run(tn)  # reading the norms runs no step
+            np.testing.assert_array_equal(s.run(w), before)
+
+
+def test_tensor_norms_name_the_nonfinite_gradient_of_a_skipped_step():
+    g = tf.Graph()
+    with g.as_default():
+        y = tf.compat.v1.placeholder(tf.float32, [3])
+        w = tf.compat.v1.get_variable("w", initializer=np.ones(3, "float32"), use_resource=True)
+        b = tf.compat.v1.get_variable("b", initializer=np.zeros(3, "float32"), use_resource=True)
+        loss = tf.reduce_sum(w ** 2) + tf.reduce_sum((b - y) ** 2)
+        opt = tfclip.compat.v1.AdamOptimizer(0.1, global_clipnorm=1.0)
+        train = opt.minimize(loss)
+        with tf.compat.v1.Session() as s:
+            s.run(tf.compat.v1.global_variables_initializer())
+            s.run(train, {y: [np.nan, 1.0, 1.0]})
+            tn = s.run(opt.tensor_norms())
+            np.testing.assert_allclose(tn[0], 2 * np.sqrt(3), rtol=1e-6)  # d/dw sum(w^2) = 2w
+            assert np.isnan(tn[1])
+            np.testing.assert_array_equal(s.run([w, b]), [np.ones(3), np.zeros(3)])  # skipped
+
+
+def test_tensor_norms_eagerly_and_per_var_list():
+    v1, v2 = tf.Variable([3.0, 4.0]), tf.Variable([1.0])
+    opt = tfclip.compat.v1.GradientDescentOptimizer(0.1, global_clipnorm=100.0)
+    opt.apply_gradients([(tf.constant([0.6, 0.8]), v1), (None, v2)])
+    np.testing.assert_allclose(opt.tensor_norms().numpy(), [1.0, 0.0], rtol=1e-6)
+    first = opt.tensor_norms()
+    opt.apply_gradients([(tf.constant([2.0]), v2)])  # another list: its own variable
+    np.testing.assert_allclose(opt.tensor_norms().numpy(), [2.0], rtol=1e-6)
+    assert opt.tensor_norm_names() == [v2.name]
+    np.testing.assert_allclose(first.numpy(), [1.0, 0.0], rtol=1e-6)  # left as it was

@@ -15,9 +15,12 @@ The optimizer state is the stock class's, variable for variable: the slots (`mom
 `v`, so `get_slot` works) and Adam's `beta1_power` / `beta2_power` accumulators, with the stock
 names, so `opt.variables()` is the stock list and a `tf.compat.v1.train.Saver` (or
 `tf.train.Checkpoint`) checkpoint moves both ways between the stock classes and these.
-tfclip's one extra, the pre-clip global norm of the last step (`opt.global_norm()`), is a local
-variable: outside `tf.compat.v1.global_variables()`, never saved, and only written by the step
-(so code that initializes just the model's variables works, as with the stock classes).
+tfclip's extras, the pre-clip global norm of the last step (`opt.global_norm()`) and each
+gradient's pre-clip norm in it (`opt.tensor_norms()`, aligned with `opt.tensor_norm_names()`),
+are local variables: outside `tf.compat.v1.global_variables()`, never saved, and only written
+by the step (so code that initializes just the model's variables works, as with the stock
+classes). Both come from the op's norm pass, no extra reduction; both are written also when a
+non-finite norm skips the step, so the norms say which gradient was inf/NaN.
 
 Differences from the stock classes, on purpose: `nonfinite="skip"` by default (a step whose
 global norm is inf/NaN writes nothing, Adam's beta powers included; `global_step` still
@@ -60,6 +63,8 @@ class _Fused(tf.compat.v1.train.Optimizer):
         _opcall.check_policy(nonfinite)
         self._nonfinite = nonfinite
         self._tfclip_norms = {}  # graph (None: eager) -> its global-norm variable; not tracked
+        self._tfclip_tnorms = {}  # (graph, the step's variables) -> (tensor-norms variable, names)
+        self._tfclip_last_tnorms = {}  # graph -> the last step's (tensor-norms variable, names)
 
     def _create_slots(self, var_list):
         for v in var_list:
@@ -85,6 +90,37 @@ class _Fused(tf.compat.v1.train.Optimizer):
         with tf.init_scope():
             return self._tfclip_norms.get(self._graph_key())
 
+    def tensor_norms(self):
+        """Each gradient's pre-clip norm in the last step built (a float32 local variable, one
+        entry per (gradient, variable) pair given to `apply_gradients`, in that order; 0 for a
+        pair whose gradient is None), or None before a step was built. Fetch it with the train
+        op or after it: `sess.run(opt.tensor_norms())` reads the variable, it runs no step.
+        Outside `variables()` and checkpoints; the step writes it, a skipped one too."""
+        with tf.init_scope():
+            entry = self._tfclip_last_tnorms.get(self._graph_key())
+        return None if entry is None else entry[0]
+
+    def tensor_norm_names(self):
+        """The variable names `tensor_norms()` is aligned with (those of the last step built)."""
+        with tf.init_scope():
+            entry = self._tfclip_last_tnorms.get(self._graph_key())
+        return None if entry is None else list(entry[1])
+
+    def _tnorm_var(self, all_vars):
+        # One per graph and list of variables (a second train op over other variables gets its
+        # own); created like the global-norm variable.
+        graph = self._graph_key()
+        key = (graph, tuple(id(v) for v in all_vars))
+        if key not in self._tfclip_tnorms:
+            first = min(all_vars, key=lambda x: x.name)
+            with tf.device(first.device), tf.name_scope(self._name + "_tfclip"):
+                var = tf.compat.v1.Variable(
+                    tf.zeros([len(all_vars)], tf.float32), name="tensor_norms", trainable=False,
+                    use_resource=True, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+            self._tfclip_tnorms[key] = (var, tuple(v.name for v in all_vars))
+        self._tfclip_last_tnorms[graph] = self._tfclip_tnorms[key]
+        return self._tfclip_tnorms[key][0]
+
     def _norm_var(self, var_list):
         # Created in the variables' graph (the caller is in init_scope), colocated with the first.
         key = self._graph_key()
@@ -104,14 +140,17 @@ class _Fused(tf.compat.v1.train.Optimizer):
         pairs = list(grads_and_vars)
         if not pairs:
             raise ValueError("No variables provided.")
-        grads, var_list = [], []
+        grads, var_list, all_vars, where = [], [], [], []
         for i, pair in enumerate(pairs):
             try:
                 g, v = pair
             except (TypeError, ValueError):
                 raise TypeError(f"grads_and_vars[{i}] is not a (gradient, variable) pair") from None
+            all_vars.append(v)
             if g is None:
+                where.append(None)
                 continue
+            where.append(len(var_list))
             if not hasattr(v, "handle"):
                 raise TypeError(f"grads_and_vars[{i}]: {v.name} is not a resource variable; tfclip "
                                 "needs resource variables (tf.compat.v1.enable_resource_variables())")
@@ -124,10 +163,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
         with tf.init_scope():
             self._create_slots(var_list)
             norm_var = self._norm_var(var_list)
+            tnorm_var = self._tnorm_var(all_vars)
         with tf.name_scope(name or self._name):
             self._prepare()
-            norm, applied, _ = self._fused(var_list, grads)
-            updates = [norm_var.assign(norm, read_value=False), *self._finish_step(applied)]
+            norm, applied, tnorms = self._fused(var_list, grads)
+            if len(var_list) < len(all_vars):  # a 0 for each pair without a gradient
+                tnorms = tf.gather(tf.concat([tnorms, [0.0]], 0),
+                                   [len(var_list) if k is None else k for k in where])
+            updates = [norm_var.assign(norm, read_value=False),
+                       tnorm_var.assign(tnorms, read_value=False), *self._finish_step(applied)]
             with tf.control_dependencies(updates):
                 if global_step is None:
                     return tf.group(*updates, name="apply")
