@@ -90,14 +90,23 @@ struct Table {
   ClipFactor* factors;
   DevStatus* status;
   DevConsts* consts;
+  const int32_t* many;  // the tensors of over kThreadChunks chunks (a warp sums each one's)
+  int nmany;
   int n;
   int64_t nchunks;
 };
+
+// The finalize kernel sums a tensor's chunk partials in one thread, in chunk order, up to this
+// many chunks; a tensor of more (an embedding of 31M elements has 954) gets a warp: lane l sums
+// chunks l, l + 32, ..., then the butterfly. Either way the order follows from the tensor's own
+// chunk count, so its norm is the same bits whatever is beside it.
+constexpr int64_t kThreadChunks = 32;
 
 // The plan of one step: chunks over the flattened list, the sparse plan (owned by the caller),
 // and where each part lives in the host table and the device workspace.
 struct CudaPlan {
   ChunkPlan plan;
+  std::vector<int32_t> many;  // Table::many
   int n = 0;
   const SparsePlan* sparse = nullptr;
   size_t host_bytes = 0;    // the table: consts, hparams, tensors, chunks, block starts, sparse plan
@@ -109,10 +118,11 @@ struct CudaPlan {
 size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
 
 // Host table layout: the step constants, the host hyper-parameters, tensors, chunks, block
-// starts, then the sparse plan's units, order, urows and ustart (each 256-aligned).
+// starts, the tensors of many chunks, then the sparse plan's units, order, urows and ustart
+// (each 256-aligned).
 struct HostLayout {
-  size_t off_hparams, off_tensors, off_chunks, off_blocks, off_units, off_order, off_urows,
-      off_ustart, bytes;
+  size_t off_hparams, off_tensors, off_chunks, off_blocks, off_many, off_units, off_order,
+      off_urows, off_ustart, bytes;
 };
 template <typename T>
 size_t Bytes(const std::vector<T>& v) {
@@ -124,7 +134,8 @@ HostLayout Layout(const CudaPlan& p) {
   l.off_tensors = l.off_hparams + Align256(sizeof(HParams));
   l.off_chunks = l.off_tensors + Align256(sizeof(DevTensor) * static_cast<size_t>(p.n));
   l.off_blocks = l.off_chunks + Align256(sizeof(DevChunk) * p.plan.chunks.size());
-  l.off_units = l.off_blocks + Bytes(p.plan.block_begin);
+  l.off_many = l.off_blocks + Bytes(p.plan.block_begin);
+  l.off_units = l.off_many + Bytes(p.many);
   l.bytes = l.off_units;
   l.off_order = l.off_urows = l.off_ustart = l.bytes;
   if (p.sparse != nullptr && !p.sparse->empty()) {
@@ -143,6 +154,13 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
   p->trust = trust;
   PlanChunks(sizes, n, kCudaChunkElems, &p->plan);
   PackCudaBlocks(&p->plan);
+  p->many.clear();
+  for (size_t c = 0; c < p->plan.chunks.size();) {  // a tensor's chunks are consecutive
+    size_t e = c;
+    while (e < p->plan.chunks.size() && p->plan.chunks[e].tensor == p->plan.chunks[c].tensor) ++e;
+    if (static_cast<int64_t>(e - c) > kThreadChunks) p->many.push_back(p->plan.chunks[c].tensor);
+    c = e;
+  }
   const size_t nchunks = p->plan.chunks.size();
   p->host_bytes = Layout(*p).bytes;
   p->off_partials = p->host_bytes;
@@ -360,19 +378,33 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
   void* norms_out = a.out.tensor_norms;
   if (t.factors == nullptr && norms_out == nullptr) return;
   const ClipMode mode = static_cast<ClipMode>(s_mode);
-  for (int i = threadIdx.x; i < t.n; i += kFinalizeThreads) {
-    const DevTensor& ten = t.tensors[i];
-    double sumsq = 0.0;
-    if (a.have_partials && (mode == ClipMode::kNorm || norms_out != nullptr)) {
-      // in chunk order, as the CPU driver sums
-      for (int64_t c = ten.first_chunk; c < ten.first_chunk + ten.num_chunks; ++c) sumsq += t.partials[c];
-    }
+  const bool sums = a.have_partials && (mode == ClipMode::kNorm || norms_out != nullptr);
+  auto finish = [&](int i, double sumsq) {
     if (t.factors != nullptr) t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq);
     if (norms_out != nullptr) {
       const double nt = a.have_partials ? sqrt(sumsq) : NAN;
       if (a.out.tensor_norms_dtype == DType::kDouble) static_cast<double*>(norms_out)[i] = nt;
       else static_cast<float*>(norms_out)[i] = static_cast<float>(nt);
     }
+  };
+  for (int i = threadIdx.x; i < t.n; i += kFinalizeThreads) {
+    const DevTensor& ten = t.tensors[i];
+    if (sums && ten.num_chunks > kThreadChunks) continue;  // a warp's, below
+    double sumsq = 0.0;
+    if (sums) {
+      for (int64_t c = ten.first_chunk; c < ten.first_chunk + ten.num_chunks; ++c) sumsq += t.partials[c];
+    }
+    finish(i, sumsq);
+  }
+  if (!sums) return;
+  const int lane = threadIdx.x & 31;
+  for (int k = threadIdx.x >> 5; k < t.nmany; k += kFinalizeThreads / 32) {
+    const int i = t.many[k];
+    const DevTensor& ten = t.tensors[i];
+    double acc = 0.0;
+    for (int64_t c = lane; c < ten.num_chunks; c += 32) acc += t.partials[ten.first_chunk + c];
+    const double sumsq = WarpSum(acc);
+    if (lane == 0) finish(i, sumsq);
   }
 }
 
@@ -672,6 +704,7 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
     hc[c] = DevChunk{ch.begin, ch.end, ch.tensor, 0};
   }
   std::memcpy(h + l.off_blocks, p.plan.block_begin.data(), sizeof(int64_t) * p.plan.block_begin.size());
+  if (!p.many.empty()) std::memcpy(h + l.off_many, p.many.data(), sizeof(int32_t) * p.many.size());
   if (p.sparse != nullptr && !p.sparse->empty()) {
     const SparsePlan& sp = *p.sparse;
     std::memcpy(h + l.off_units, sp.units.data(), sizeof(SparseUnit) * sp.units.size());
@@ -690,6 +723,8 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
   t->status = reinterpret_cast<DevStatus*>(d + p.off_status);
   t->trust = p.trust ? reinterpret_cast<double*>(d + p.off_trust) : nullptr;
   t->trust_sums = p.trust ? reinterpret_cast<double*>(d + p.off_trust_sums) : nullptr;
+  t->many = reinterpret_cast<const int32_t*>(d + l.off_many);
+  t->nmany = static_cast<int>(p.many.size());
   t->n = p.n;
   t->nchunks = static_cast<int64_t>(p.plan.chunks.size());
   return "";

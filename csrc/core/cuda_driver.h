@@ -70,8 +70,9 @@ struct CudaOutputs {
   DType norm_dtype = DType::kFloat;
   bool* applied = nullptr;  // scalar bool
   // Each tensor's pre-clip norm (n of tensor_norms_dtype): the finalize kernel sums each
-  // tensor's norm-pass partials in chunk order, as the CPU driver does; NaN when no norm pass
-  // ran. Written whatever the non-finite policy decides.
+  // tensor's norm-pass partials (in chunk order up to 32 chunks, by a warp beyond), in an order
+  // that depends on the tensor alone; NaN when no norm pass ran. Written whatever the
+  // non-finite policy decides.
   void* tensor_norms = nullptr;
   DType tensor_norms_dtype = DType::kFloat;
 };

@@ -116,7 +116,7 @@ def test_boundary_sizes_apply(rng, rule, nslots, hp, mode, clip):
             np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("size", [7, 1000, WARP, WARP + 1, CHUNK + 100])
+@pytest.mark.parametrize("size", [7, 1000, WARP, WARP + 1, CHUNK + 100, 32 * CHUNK + 1])
 def test_a_tensors_norm_bits_do_not_depend_on_its_neighbours(rng, size):
     """Which threads sum a chunk, and in what order, follows from the chunk's size alone, never
     from which block it was packed into: the same values give the same per-tensor norm bits
@@ -134,3 +134,23 @@ def test_a_tensors_norm_bits_do_not_depend_on_its_neighbours(rng, size):
             want = got if want is None else want
             assert got == want, (len(before), len(after))
     np.testing.assert_allclose(np.frombuffer(want, np.float64)[0], np_norms([x])[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode,clip", [("norm", 0.3), ("global_norm", 1.0)])
+def test_tensors_of_many_chunks(rng, mode, clip):
+    """The finalize kernel sums a tensor's chunk partials in one thread up to 32 chunks and with
+    a warp beyond (an embedding has hundreds): per-tensor norms and clipnorm's factors against
+    the CPU and NumPy on both sides of that line, beside small tensors."""
+    sizes = [32 * CHUNK, 32 * CHUNK + 1, 70 * CHUNK + 11, 5, 3 * WARP]
+    grads = [rand(rng, n) for n in sizes]
+    vs = [rand(rng, n) for n in sizes]
+    m = [np.zeros(n, np.float32) for n in sizes]
+    dv, dm = [to_dev(v) for v in vs], [to_dev(x) for x in m]
+    out = full((len(sizes),), np.nan, np.float64)
+    hp = {"learning_rate": 0.1, "momentum": 0.9}
+    core.cuda_clip_apply("keras_momentum", dv, [to_dev(g) for g in grads], [dm], hp, mode, clip,
+                         tensor_norms_out=out)
+    np.testing.assert_allclose(to_host(out, np.float64), np_norms(grads), rtol=1e-12, atol=0)
+    core.clip_apply("keras_momentum", vs, grads, [m], hp, mode, clip)
+    for got, want in zip([*dv, *dm], [*vs, *m]):
+        np.testing.assert_allclose(to_host(got, np.float32), want, rtol=1e-6, atol=1e-7)
