@@ -6,7 +6,7 @@
 #   scripts/cuda_emulation.sh            (uses `python` on PATH: numpy, ml_dtypes, pytest, pybind11, cmake)
 #   scripts/cuda_emulation.sh --tsan     (under ThreadSanitizer, not in CI: by default the subset
 #                                        below, which reaches every kernel, the streams and the
-#                                        workspace ring: ~120 tests, a few minutes; the whole suite
+#                                        workspace ring: 121 tests, about 9 minutes; the whole suite
 #                                        takes about an hour there. Pytest args replace the subset.)
 #   PYTHON=/path/python scripts/cuda_emulation.sh [pytest args]
 set -euo pipefail
