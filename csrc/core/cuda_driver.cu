@@ -155,11 +155,8 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
   PlanChunks(sizes, n, kCudaChunkElems, &p->plan);
   PackCudaBlocks(&p->plan);
   p->many.clear();
-  for (size_t c = 0; c < p->plan.chunks.size();) {  // a tensor's chunks are consecutive
-    size_t e = c;
-    while (e < p->plan.chunks.size() && p->plan.chunks[e].tensor == p->plan.chunks[c].tensor) ++e;
-    if (static_cast<int64_t>(e - c) > kThreadChunks) p->many.push_back(p->plan.chunks[c].tensor);
-    c = e;
+  for (int i = 0; i < n; ++i) {  // PlanChunks cuts a tensor into ceil(size / kCudaChunkElems)
+    if ((sizes[i] + kCudaChunkElems - 1) / kCudaChunkElems > kThreadChunks) p->many.push_back(i);
   }
   const size_t nchunks = p->plan.chunks.size();
   p->host_bytes = Layout(*p).bytes;

@@ -108,29 +108,28 @@ class _Fused(tf.compat.v1.train.Optimizer):
 
     def _tnorm_var(self, all_vars):
         # One per graph and list of variables (a second train op over other variables gets its
-        # own); created like the global-norm variable.
+        # own).
         graph = self._graph_key()
         key = (graph, tuple(id(v) for v in all_vars))
         if key not in self._tfclip_tnorms:
-            first = min(all_vars, key=lambda x: x.name)
-            with tf.device(first.device), tf.name_scope(self._name + "_tfclip"):
-                var = tf.compat.v1.Variable(
-                    tf.zeros([len(all_vars)], tf.float32), name="tensor_norms", trainable=False,
-                    use_resource=True, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+            var = self._local_var(all_vars, tf.zeros([len(all_vars)], tf.float32), "tensor_norms")
             self._tfclip_tnorms[key] = (var, tuple(v.name for v in all_vars))
         self._tfclip_last_tnorms[graph] = self._tfclip_tnorms[key]
         return self._tfclip_tnorms[key][0]
 
     def _norm_var(self, var_list):
-        # Created in the variables' graph (the caller is in init_scope), colocated with the first.
         key = self._graph_key()
         if key not in self._tfclip_norms:
-            first = min(var_list, key=lambda x: x.name)
-            with tf.device(first.device), tf.name_scope(self._name + "_tfclip"):
-                self._tfclip_norms[key] = tf.compat.v1.Variable(
-                    0.0, name="global_norm", trainable=False, use_resource=True,
-                    collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+            self._tfclip_norms[key] = self._local_var(var_list, 0.0, "global_norm")
         return self._tfclip_norms[key]
+
+    def _local_var(self, var_list, initial, name):
+        # A local variable of tfclip's own, created in the variables' graph (the caller is in
+        # init_scope), colocated with the first of them.
+        first = min(var_list, key=lambda x: x.name)
+        with tf.device(first.device), tf.name_scope(self._name + "_tfclip"):
+            return tf.compat.v1.Variable(initial, name=name, trainable=False, use_resource=True,
+                                         collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
 
     def _finish_step(self, applied):
         """State updates after the op (Adam: the beta powers); ops to group with the step."""
