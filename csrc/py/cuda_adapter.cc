@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
