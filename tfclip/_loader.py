@@ -68,6 +68,21 @@ def cuda_driver_problem(driver, runtime, visible_gpus):
 
 
 _OPS = None
+_XLA = None
+
+
+def xla_kernels():
+    """Whether this build has tfclip's XLA kernels (csrc/xla; CMake's TFCLIP_XLA): inside
+    `jit_compile=True` every tfclip op then compiles to custom calls into the fused core (on CPU,
+    and on GPU in a CUDA build). Without them a tfclip op cannot be compiled by XLA."""
+    global _XLA
+    if _XLA is None:
+        from tensorflow.python.framework import kernels
+
+        ops()  # registers them, if built
+        found = kernels.get_registered_kernels_for_op("TfclipGlobalNorm").kernel
+        _XLA = any(k.device_type == "XLA_CPU_JIT" for k in found)
+    return _XLA
 
 
 def ops():

@@ -1,0 +1,217 @@
+// tfclip XLA glue, CUDA: the custom-call handlers for XLA's GPU backend (typed FFI, platform
+// "CUDA"). Each makes one call of the CUDA driver (csrc/core/cuda_driver.h) on XLA's stream:
+// hyper-parameters, clip, use_norm and the step counter stay in device memory, read by the
+// finalize kernel; nothing waits on the host but nonfinite='raise'. Plain C++ (the driver's
+// header has no CUDA header); built only with TFCLIP_WITH_CUDA.
+//
+// A step's memory: the device workspace comes from XLA's allocator through the FFI's scratch
+// allocator (no cudaMalloc per step; freed in stream order as TF's own temporaries are), the
+// tensor table from a small ring of pinned host buffers kept across steps (OwnedWorkspace,
+// csrc/core/cuda_workspace.h: reused only once the stream has passed its upload).
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "csrc/core/cuda_driver.h"
+#include "csrc/core/cuda_workspace.h"
+#include "csrc/xla/cuda_handlers.h"
+#include "csrc/xla/custom_calls.h"
+#include "csrc/xla/ffi_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = ::xla::ffi;
+
+namespace tfclip {
+namespace xla_glue {
+namespace {
+
+#define TFCLIP_FFI_RETURN_IF_ERROR(expr) \
+  do {                                   \
+    ::xla::ffi::Error _e = (expr);       \
+    if (_e.failure()) return _e;         \
+  } while (0)
+
+ffi::Error CudaError(const std::string& e) {
+  return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
+}
+
+// The host tables' ring is shared by every call of the process (one lock from a step's Acquire to
+// its Release: a step queues its launches, it does not wait for them).
+std::mutex g_table_mu;
+cuda::OwnedWorkspace& TableRing() {
+  static cuda::OwnedWorkspace* ring = new cuda::OwnedWorkspace();
+  return *ring;
+}
+
+}  // namespace
+
+std::string XlaCudaMemory::Acquire(size_t host_bytes, size_t device_bytes, void** host, void** device) {
+  lock_ = std::unique_lock<std::mutex>(g_table_mu);
+  void* unused = nullptr;
+  std::string e = TableRing().Acquire(host_bytes, 0, stream_, host, &unused);
+  if (!e.empty()) {
+    lock_.unlock();
+    return e;
+  }
+  std::optional<void*> d = alloc_(device_bytes);
+  if (!d.has_value()) {
+    TableRing().Release(stream_);
+    lock_.unlock();
+    return "could not allocate the step's device workspace from XLA's allocator";
+  }
+  *device = *d;
+  return "";
+}
+
+std::string XlaCudaMemory::Release() {
+  std::string e = TableRing().Release(stream_);
+  if (lock_.owns_lock()) lock_.unlock();
+  return e;
+}
+
+ffi::Error NormCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  std::vector<int64_t> sparse;
+  TFCLIP_FFI_RETURN_IF_ERROR(GetI64s(attrs, "sparse", &sparse));
+  if (!sparse.empty()) {
+    return ffi::Error::Internal("tfclip_norm on CUDA: IndexedSlices are densified by the XLA kernel");
+  }
+  int64_t f64 = 0;
+  TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "f64_norm", &f64));
+  const int n = static_cast<int>(args.size());
+  std::vector<TensorView> views(n);
+  for (int i = 0; i < n; ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(*b, "t_list", i, &views[i]));
+  }
+  // The apply ops' norm call wants the fp64 norm (result 0: the groups' use_norm); the norm op
+  // its Tnorm norm (result 1). The per-tensor norms (result 2) either way.
+  auto r = rets.get<ffi::AnyBuffer>(f64 ? 0 : 1);
+  auto rt = rets.get<ffi::AnyBuffer>(2);
+  if (r.has_error()) return r.error();
+  if (rt.has_error()) return rt.error();
+  cuda::CudaOutputs o;
+  o.norm = (*r)->untyped_data();
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*r)->element_type(), &o.norm_dtype));
+  o.tensor_norms = (*rt)->untyped_data();
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*rt)->element_type(), &o.tensor_norms_dtype));
+  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, 256); });
+  return CudaError(cuda::CudaGlobalNorm(views.data(), n, &mem, o, stream));
+}
+
+ffi::Error ClipCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  int64_t given = 0;
+  TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "use_given_norm", &given));
+  const int n = static_cast<int>(args.size()) - 2;
+  std::vector<TensorView> in(n), out(n);
+  for (int i = 0; i < n; ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(*b, "t_list", i, &in[i]));
+    auto o = rets.get<ffi::AnyBuffer>(i);
+    if (o.has_error()) return o.error();
+    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(**o, "t_list", i, &out[i]));
+  }
+  auto c = args.get<ffi::AnyBuffer>(n);
+  auto u = args.get<ffi::AnyBuffer>(n + 1);
+  auto rn = rets.get<ffi::AnyBuffer>(n);
+  auto rt = rets.get<ffi::AnyBuffer>(n + 1);
+  if (c.has_error()) return c.error();
+  if (u.has_error()) return u.error();
+  if (rn.has_error()) return rn.error();
+  if (rt.has_error()) return rt.error();
+  // clip_norm and use_norm stay in device memory, as in the TF GPU kernel (a clip_norm that is
+  // not finite and > 0 makes every output NaN there: the host never reads it).
+  cuda::ClipOpScalars dev;
+  dev.clip_norm = c->untyped_data();
+  if (given) dev.use_norm = u->untyped_data();
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(c->element_type(), &dev.dtype));
+  cuda::CudaOutputs o;
+  o.norm = (*rn)->untyped_data();
+  o.tensor_norms = (*rt)->untyped_data();
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*rn)->element_type(), &o.norm_dtype));
+  o.tensor_norms_dtype = o.norm_dtype;
+  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, 256); });
+  return CudaError(cuda::CudaClipByGlobalNorm(in.data(), out.data(), n, 0.0, given != 0, 0.0, dev,
+                                              &mem, o, stream));
+}
+
+ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const ffi::RemainingArgs& args,
+                         const ffi::RemainingRets& rets, const ffi::Dictionary& attrs) {
+  ApplyCall call;
+  TFCLIP_FFI_RETURN_IF_ERROR(call.Decode(args, rets, attrs));
+  if (!call.sparse.empty()) {
+    return ffi::Error::Internal("tfclip_apply on CUDA: IndexedSlices are densified by the XLA kernel");
+  }
+  std::vector<ApplyTensor> ts(static_cast<size_t>(call.n));
+  TFCLIP_FFI_RETURN_IF_ERROR(call.Tensors(args, rets, ts.data()));
+  StepArgs a = call.step;
+  a.ts = ts.data();
+  a.n = call.n;
+  // Every scalar in device memory: the finalize kernel reads and checks it.
+  cuda::DeviceScalars ds;
+  const double* s = static_cast<const double*>(call.scalars);
+  int j = 0;
+  for (int k = 0; k < kNumHParams; ++k) {
+    if ((call.hmask >> k) & 1u) ds.hparams[k] = s + j++;
+  }
+  ds.clip = s + j;
+  ds.use_norm = s + j + 1;
+  if (call.has_iterations) {
+    // The call's own copy of the count (every group reads the same one), advanced by the
+    // finalize kernel when the step is applied; group 0's becomes the variable's value.
+    if (call.iterations_out != call.iterations_in) {  // (group 0's is aliased: in place)
+      TFCLIP_FFI_RETURN_IF_ERROR(CudaError(
+          cuda::CopyDeviceAsync(call.iterations_out, call.iterations_in, sizeof(int64_t), stream)));
+    }
+    ds.iterations = static_cast<int64_t*>(call.iterations_out);
+  }
+  cuda::CudaOutputs o;
+  o.norm = call.norm_out;
+  o.norm_dtype = DType::kFloat;
+  o.applied = static_cast<bool*>(call.applied_out);
+  o.tensor_norms = call.tensor_norms_out;
+  o.tensor_norms_dtype = DType::kFloat;
+  XlaCudaMemory mem(stream, alloc);
+  StepResult r;
+  TFCLIP_FFI_RETURN_IF_ERROR(CudaError(cuda::CudaClipApply(a, ds, &mem, o, stream, &r)));
+  if (!r.error.empty()) return ffi::Error::InvalidArgument(r.error);
+  return ffi::Error::Success();
+}
+
+ffi::Error ApplyCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
+                     ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  return ApplyCudaStep(stream, [&scratch](size_t b) { return scratch.Allocate(b, 256); }, args, rets,
+                       attrs);
+}
+
+XLA_FFI_DEFINE_HANDLER(kNormCuda, NormCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<void*>>()
+                           .Ctx<ffi::ScratchAllocator>()
+                           .RemainingArgs()
+                           .RemainingRets()
+                           .Attrs<ffi::Dictionary>());
+XLA_FFI_DEFINE_HANDLER(kClipCuda, ClipCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<void*>>()
+                           .Ctx<ffi::ScratchAllocator>()
+                           .RemainingArgs()
+                           .RemainingRets()
+                           .Attrs<ffi::Dictionary>());
+XLA_FFI_DEFINE_HANDLER(kApplyCuda, ApplyCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<void*>>()
+                           .Ctx<ffi::ScratchAllocator>()
+                           .RemainingArgs()
+                           .RemainingRets()
+                           .Attrs<ffi::Dictionary>());
+
+XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kNormTarget, "CUDA", kNormCuda);
+XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kClipTarget, "CUDA", kClipCuda);
+XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kApplyTarget, "CUDA", kApplyCuda);
+
+}  // namespace xla_glue
+}  // namespace tfclip

@@ -1,0 +1,40 @@
+// tfclip XLA glue, CUDA: what the CUDA custom-call handlers share (cuda_handlers.cc). The step's
+// memory for the CUDA driver: the device workspace from an allocator function (XLA's scratch
+// allocator in the handler; any device allocator in a test), the tensor table from a ring of
+// pinned host buffers kept across steps.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "csrc/core/cuda_driver.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace tfclip {
+namespace xla_glue {
+
+using CudaAllocFn = std::function<std::optional<void*>(size_t)>;
+
+class XlaCudaMemory : public cuda::CudaStepMemory {
+ public:
+  XlaCudaMemory(void* stream, CudaAllocFn alloc) : stream_(stream), alloc_(std::move(alloc)) {}
+  std::string Acquire(size_t host_bytes, size_t device_bytes, void** host, void** device) override;
+  std::string Release() override;
+
+ private:
+  void* stream_;
+  CudaAllocFn alloc_;
+  std::unique_lock<std::mutex> lock_;
+};
+
+// The CUDA apply handler's body, on a call frame's decoded buffers (custom_calls.h order).
+::xla::ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc,
+                                const ::xla::ffi::RemainingArgs& args,
+                                const ::xla::ffi::RemainingRets& rets,
+                                const ::xla::ffi::Dictionary& attrs);
+
+}  // namespace xla_glue
+}  // namespace tfclip

@@ -1,0 +1,479 @@
+// tfclip XLA glue: the XLA kernels (XlaOpKernel) of every tfclip op, for the XLA CPU and GPU JIT
+// devices. Each validates what the graph shows (shapes, dtypes, variables), reads the
+// variables, emits typed-FFI custom calls into the core drivers (ffi_handlers.cc; operand order
+// in custom_calls.h) with each variable operand aliased to its result (updated in place: no
+// copy), and writes the variables back. The apply ops are registered from the rule table.
+//
+// The kernels are registered for the JIT device types directly (not with REGISTER_XLA_OP, whose
+// registry is read once, at the first XLA compilation in the process: a library loaded after it
+// would be silently ignored).
+//
+// An apply op is one norm call over every gradient (the global norm, the per-tensor norms, and
+// the IndexedSlices indices checked), then apply calls over groups of kGroupVars variables, each
+// given that norm as its use_norm: the same bits as the one-call op (the norm's chunk sums are
+// per tensor, reduced in the same order), the same non-finite decision in every group, and every
+// error that a group could meet (hyper-parameters, clip, the norm under nonfinite='raise') met by
+// every group before it writes anything. IndexedSlices gradients go to the core as rows (values
+// and int64 indices), as in the TF kernel: the same update, lazy and sum_of_squares included.
+// On the GPU JIT device they are not supported yet (the core plans rows from host indices, and
+// XLA keeps them on the device): compiling such a step fails with an error that says so.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "csrc/core/clip.h"
+#include "csrc/core/rule_table.h"
+#include "csrc/xla/custom_calls.h"
+#include "tensorflow/compiler/tf2xla/type_util.h"
+#include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
+#include "tensorflow/compiler/tf2xla/xla_op_registry.h"
+#include "tensorflow/core/framework/kernel_def_builder.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "xla/hlo/builder/xla_builder.h"
+#include "xla/shape_util.h"
+
+namespace tfclip {
+namespace {
+
+namespace tf = ::tensorflow;
+using tf::XlaOpKernel;
+using tf::XlaOpKernelContext;
+using xla_glue::kGroupVars;
+
+// The backend config of a typed-FFI call: an MLIR dictionary of i64 scalars and arrays.
+class Attrs {
+ public:
+  Attrs& I64(const char* name, int64_t v) {
+    Sep();
+    s_ += std::string(name) + " = " + std::to_string(v) + " : i64";
+    return *this;
+  }
+  Attrs& I64s(const char* name, const std::vector<int64_t>& v) {
+    Sep();
+    s_ += std::string(name) + " = array<i64";
+    for (size_t k = 0; k < v.size(); ++k) s_ += (k == 0 ? ": " : ", ") + std::to_string(v[k]);
+    s_ += ">";
+    return *this;
+  }
+  std::string str() const { return "{" + s_ + "}"; }
+
+ private:
+  void Sep() {
+    if (!s_.empty()) s_ += ", ";
+  }
+  std::string s_;
+};
+
+xla::XlaOp FfiCall(xla::XlaBuilder* b, const char* target, const std::vector<xla::XlaOp>& operands,
+                   const xla::Shape& shape, const Attrs& attrs, bool side_effect,
+                   const std::vector<std::pair<xla::ShapeIndex, std::pair<int64_t, xla::ShapeIndex>>>&
+                       aliasing = {}) {
+  return xla::CustomCall(b, target, operands, shape, attrs.str(), side_effect, aliasing,
+                         /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
+                         xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+}
+
+absl::Status NormPrimitive(tf::OpKernelConstruction* c, xla::PrimitiveType* out) {
+  tf::DataType t;
+  TF_RETURN_IF_ERROR(c->GetAttr("Tnorm", &t));
+  return tf::DataTypeToPrimitiveType(t, out);
+}
+
+absl::StatusOr<xla::Shape> ShapeOf(xla::XlaBuilder* b, xla::XlaOp op) { return b->GetShape(op); }
+
+// ---------------------------------------------------------------- TfclipGlobalNorm
+class GlobalNormXla : public XlaOpKernel {
+ public:
+  explicit GlobalNormXla(tf::OpKernelConstruction* c) : XlaOpKernel(c) {
+    OP_REQUIRES_OK(c, NormPrimitive(c, &nt_));
+  }
+  void Compile(XlaOpKernelContext* ctx) override {
+    std::vector<xla::XlaOp> t;
+    std::vector<tf::TensorShape> shapes;
+    OP_REQUIRES_OK(ctx, ctx->InputList("t", &t, &shapes));
+    const xla::PrimitiveType nt = nt_;
+    const int64_t n = static_cast<int64_t>(t.size());
+    const xla::Shape shape = xla::ShapeUtil::MakeTupleShape(
+        {xla::ShapeUtil::MakeShape(xla::F64, {}), xla::ShapeUtil::MakeShape(nt, {}),
+         xla::ShapeUtil::MakeShape(nt, {n})});
+    const xla::XlaOp call = FfiCall(ctx->builder(), xla_glue::kNormTarget, t, shape,
+                                    Attrs().I64s("sparse", {}).I64s("rows", {}).I64s("widths", {}).I64("f64_norm", 0),
+                                    /*side_effect=*/false);
+    ctx->SetOutput(0, xla::GetTupleElement(call, 1));
+    ctx->SetOutput(1, xla::GetTupleElement(call, 2));
+  }
+
+ private:
+  xla::PrimitiveType nt_ = xla::F32;
+};
+
+// ---------------------------------------------------------------- TfclipClipByGlobalNorm
+class ClipByGlobalNormXla : public XlaOpKernel {
+ public:
+  explicit ClipByGlobalNormXla(tf::OpKernelConstruction* c) : XlaOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &use_given_norm_));
+    OP_REQUIRES_OK(c, NormPrimitive(c, &nt_));
+  }
+  void Compile(XlaOpKernelContext* ctx) override {
+    std::vector<xla::XlaOp> ops;
+    std::vector<tf::TensorShape> shapes;
+    OP_REQUIRES_OK(ctx, ctx->InputList("t", &ops, &shapes));
+    const xla::PrimitiveType nt = nt_;
+    xla::XlaBuilder* b = ctx->builder();
+    const int n = static_cast<int>(ops.size());
+    std::vector<xla::Shape> outs;
+    for (const xla::XlaOp& op : ops) {
+      auto s = ShapeOf(b, op);
+      OP_REQUIRES_OK(ctx, s.status());
+      outs.push_back(*s);
+    }
+    outs.push_back(xla::ShapeUtil::MakeShape(nt, {}));
+    outs.push_back(xla::ShapeUtil::MakeShape(nt, {n}));
+    ops.push_back(ctx->Input("clip_norm"));
+    ops.push_back(ctx->Input("use_norm"));
+    // Side effect: a bad clip_norm is an error the call reports, which XLA must not drop.
+    const xla::XlaOp call =
+        FfiCall(b, xla_glue::kClipTarget, ops, xla::ShapeUtil::MakeTupleShape(outs),
+                Attrs().I64("use_given_norm", use_given_norm_ ? 1 : 0), /*side_effect=*/true);
+    for (int i = 0; i < n + 2; ++i) ctx->SetOutput(i, xla::GetTupleElement(call, i));
+  }
+
+ private:
+  bool use_given_norm_ = false;
+  xla::PrimitiveType nt_ = xla::F32;
+};
+
+// ---------------------------------------------------------------- TfclipClipApply<Op>
+class ClipApplyXla : public XlaOpKernel {
+ public:
+  explicit ClipApplyXla(tf::OpKernelConstruction* c) : XlaOpKernel(c) {
+    const std::string& op = c->def().op();
+    const RuleInfo* info = nullptr;
+    for (const RuleInfo& r : AllRules()) {
+      if (op == std::string("TfclipClipApply") + r.op) info = &r;
+    }
+    OP_REQUIRES(c, info != nullptr, tf::errors::Internal("no rule for op ", op));
+    rule_ = *info;
+    slots_ = rule_.slots();
+    std::vector<tf::DataType> grad_types;
+    OP_REQUIRES_OK(c, c->GetAttr("Tgrad", &grad_types));
+    n_ = static_cast<int>(grad_types.size());
+    std::string mode, policy;
+    OP_REQUIRES_OK(c, c->GetAttr("clip_mode", &mode));
+    OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
+    OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
+    OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
+    OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
+                tf::errors::InvalidArgument("nonfinite ", policy));
+    OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
+    OP_REQUIRES_OK(c, c->GetAttr("sum_of_squares", &sum_of_squares_));
+    int n_iterations = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("Niterations", &n_iterations));
+    OP_REQUIRES(c, n_iterations <= 1,
+                tf::errors::InvalidArgument("iterations takes at most one variable, got ", n_iterations));
+    has_iterations_ = n_iterations > 0;
+    std::vector<int32_t> sparse;
+    OP_REQUIRES_OK(c, c->GetAttr("sparse", &sparse));
+    sparse_of_.assign(static_cast<size_t>(n_), -1);
+    for (size_t k = 0; k < sparse.size(); ++k) {
+      const int32_t i = sparse[k];
+      OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > sparse[k - 1]),
+                  tf::errors::InvalidArgument("sparse must list gradient positions in [0, ", n_,
+                                              ") in increasing order; got ", i, " at ", k));
+      sparse_of_[i] = static_cast<int>(k);
+    }
+    HParams hp;
+    for (int k = 0; k < kNumFlags; ++k) {
+      if ((rule_.flags >> k) & 1u) {
+        bool v = false;
+        OP_REQUIRES_OK(c, c->GetAttr(FlagAttr(static_cast<Flag>(k)), &v));
+        hp.SetFlag(static_cast<Flag>(k), v);
+        if (v) flags_ |= FlagBit(static_cast<Flag>(k));
+      }
+    }
+    nslots_ = NumSlots(rule_.kind, hp);
+    on_gpu_ = c->device_type() == tf::DeviceType(tf::DEVICE_GPU_XLA_JIT);
+    OP_REQUIRES(c, !(on_gpu_ && !sparse.empty()),
+                tf::errors::Unimplemented(
+                    "tfclip's XLA kernel on GPU does not take IndexedSlices gradients yet (grads[",
+                    sparse.empty() ? 0 : sparse[0], "]): convert them with tf.convert_to_tensor "
+                    "before the step, or run the step without jit_compile"));
+  }
+
+  void Compile(XlaOpKernelContext* ctx) override {
+    xla::XlaBuilder* b = ctx->builder();
+    // Variables and slots: their input indices, dtypes, shapes and values.
+    std::vector<int> index;  // input index of vars[i] (k * n + i: slot list k - 1)
+    std::vector<tf::DataType> types;
+    std::vector<tf::TensorShape> shapes;
+    std::vector<xla::XlaOp> values;
+    OP_REQUIRES_OK(ctx, ReadList(ctx, "var", "vars", &index, &types, &shapes, &values));
+    int used = 0;
+    for (const std::string& s : slots_) {
+      int start, stop;
+      OP_REQUIRES_OK(ctx, InputRange(s, &start, &stop));
+      if (stop == start) continue;
+      OP_REQUIRES(ctx, used < nslots_,
+                  tf::errors::InvalidArgument("got ", stop - start, " ", s, " slots, but with these flags rule '",
+                                              rule_.name, "' takes ", nslots_, " slot lists"));
+      const size_t first = index.size();
+      OP_REQUIRES_OK(ctx, ReadList(ctx, s.c_str(), s.c_str(), &index, &types, &shapes, &values));
+      for (int i = 0; i < n_; ++i) {
+        OP_REQUIRES(ctx, types[first + i] == types[i] && shapes[first + i] == shapes[i],
+                    tf::errors::InvalidArgument(
+                        s, "[", i, "] is ", tf::DataTypeString(types[first + i]),
+                        shapes[first + i].DebugString(), " but vars[", i, "] is ",
+                        tf::DataTypeString(types[i]), shapes[i].DebugString(),
+                        "; a slot must match its variable"));
+      }
+      ++used;
+    }
+    OP_REQUIRES(ctx, used == nslots_,
+                tf::errors::InvalidArgument("with these flags rule '", rule_.name, "' takes ", nslots_,
+                                            " slot lists, got ", used));
+    std::vector<xla::XlaOp> grads, indices;
+    std::vector<tf::TensorShape> gshapes, ishapes;
+    OP_REQUIRES_OK(ctx, ctx->InputList("grad", &grads, &gshapes));
+    OP_REQUIRES_OK(ctx, ctx->InputList("indices", &indices, &ishapes));
+    OP_REQUIRES(ctx, static_cast<int>(indices.size()) == NumSparse(),
+                tf::errors::InvalidArgument("got ", indices.size(), " index vectors for ", NumSparse(),
+                                            " sparse gradients"));
+    std::vector<int64_t> sparse, rows, widths;
+    for (int i = 0; i < n_; ++i) {
+      const int k = sparse_of_[i];
+      if (k >= 0) {
+        OP_REQUIRES_OK(ctx, CheckSparse(i, shapes[i], gshapes[i], ishapes[k]));
+        indices[k] = xla::ConvertElementType(indices[k], xla::S64);
+        sparse.push_back(i);
+        rows.push_back(shapes[i].dim_size(0));
+        tf::TensorShape row = shapes[i];
+        row.RemoveDim(0);
+        widths.push_back(row.num_elements());
+      } else if (gshapes[i] != shapes[i]) {
+        OP_REQUIRES(ctx, false,
+                    tf::errors::InvalidArgument("grads[", i, "] has shape ", gshapes[i].DebugString(),
+                                                " but vars[", i, "] has shape ", shapes[i].DebugString()));
+      }
+    }
+    // Scalars: the rule's hyper-parameters in HP order, clip, then use_norm (the given one, or
+    // the norm call's).
+    std::vector<xla::XlaOp> scalars;
+    for (int k = 0; k < kNumHParams; ++k) {
+      if ((rule_.hparams >> k) & 1u) {
+        scalars.push_back(xla::Reshape(ctx->Input(GetHParamInfo(static_cast<HP>(k)).input), {1}));
+      }
+    }
+    scalars.push_back(xla::Reshape(ctx->Input("clip"), {1}));
+    xla::XlaOp norm_call;
+    const bool norm_call_made = !cfg_.has_use_norm || !sparse.empty();
+    if (norm_call_made) {
+      std::vector<xla::XlaOp> ops = grads;
+      ops.insert(ops.end(), indices.begin(), indices.end());
+      norm_call = FfiCall(
+          b, xla_glue::kNormTarget, ops,
+          xla::ShapeUtil::MakeTupleShape({xla::ShapeUtil::MakeShape(xla::F64, {}),
+                                          xla::ShapeUtil::MakeShape(xla::F32, {}),
+                                          xla::ShapeUtil::MakeShape(xla::F32, {n_})}),
+          Attrs().I64s("sparse", sparse).I64s("rows", rows).I64s("widths", widths).I64("f64_norm", 1),
+          /*side_effect=*/!sparse.empty());
+    }
+    scalars.push_back(xla::Reshape(
+        cfg_.has_use_norm ? ctx->Input("use_norm") : xla::GetTupleElement(norm_call, 0), {1}));
+    const xla::XlaOp scalar_vec = xla::ConcatInDim(b, scalars, 0);
+    xla::XlaOp counter;
+    int counter_index = -1;
+    if (has_iterations_) {
+      int start, stop;
+      OP_REQUIRES_OK(ctx, InputRange("iterations", &start, &stop));
+      counter_index = start;
+      tf::DataType t;
+      tf::TensorShape sh;
+      OP_REQUIRES_OK(ctx, ctx->GetVariableTypeAndShape(start, &t, &sh));
+      OP_REQUIRES(ctx, t == tf::DT_INT64 && sh.dims() == 0,
+                  tf::errors::InvalidArgument("iterations must be an int64 scalar variable, got ",
+                                              tf::DataTypeString(t), sh.DebugString()));
+      OP_REQUIRES_OK(ctx, ctx->ReadVariableInput(start, tf::DT_INT64, nullptr, &counter));
+    }
+
+    // The groups: each a call with its variables and slots aliased to its results.
+    const int lists = nslots_ + 1;
+    xla::XlaOp first;
+    std::vector<xla::XlaOp> group_norms;
+    for (int g0 = 0; g0 < n_; g0 += kGroupVars) {
+      const int gn = std::min(kGroupVars, n_ - g0);
+      std::vector<xla::XlaOp> ops;
+      std::vector<xla::Shape> outs;
+      std::vector<std::pair<xla::ShapeIndex, std::pair<int64_t, xla::ShapeIndex>>> alias;
+      for (int l = 0; l < lists; ++l) {
+        for (int i = g0; i < g0 + gn; ++i) {
+          const size_t j = static_cast<size_t>(l) * n_ + i;
+          auto s = ShapeOf(b, values[j]);
+          OP_REQUIRES_OK(ctx, s.status());
+          alias.push_back({xla::ShapeIndex{static_cast<int64_t>(ops.size())},
+                           {static_cast<int64_t>(ops.size()), xla::ShapeIndex{}}});
+          ops.push_back(values[j]);
+          outs.push_back(*s);
+        }
+      }
+      std::vector<int64_t> group_sparse;
+      for (int i = g0; i < g0 + gn; ++i) ops.push_back(grads[i]);
+      for (int i = g0; i < g0 + gn; ++i) {
+        if (sparse_of_[i] >= 0) {
+          ops.push_back(indices[sparse_of_[i]]);
+          group_sparse.push_back(i - g0);
+        }
+      }
+      ops.push_back(scalar_vec);
+      if (has_iterations_) {
+        // Group 0's advanced counter is the variable's new value: aliased to the counter operand
+        // (in place; XLA copies the count first where later groups still read it).
+        if (g0 == 0) {
+          alias.push_back({xla::ShapeIndex{static_cast<int64_t>(outs.size()) + 3},
+                           {static_cast<int64_t>(ops.size()), xla::ShapeIndex{}}});
+        }
+        ops.push_back(counter);
+      }
+      outs.push_back(xla::ShapeUtil::MakeShape(xla::PRED, {}));
+      outs.push_back(xla::ShapeUtil::MakeShape(xla::F32, {}));
+      outs.push_back(xla::ShapeUtil::MakeShape(xla::F32, {gn}));
+      if (has_iterations_) outs.push_back(xla::ShapeUtil::MakeShape(xla::S64, {}));
+      Attrs attrs;
+      attrs.I64("rule", static_cast<int64_t>(rule_.kind))
+          .I64("flags", flags_)
+          .I64("mode", static_cast<int64_t>(cfg_.mode))
+          .I64("policy", static_cast<int64_t>(cfg_.policy))
+          .I64("has_use_norm", 1)
+          .I64("lazy", lazy_ ? 1 : 0)
+          .I64("sum_of_squares", sum_of_squares_ ? 1 : 0)
+          .I64("nslots", nslots_)
+          .I64("has_iterations", has_iterations_ ? 1 : 0)
+          .I64s("sparse", group_sparse);
+      const xla::XlaOp call = FfiCall(b, xla_glue::kApplyTarget, ops,
+                                      xla::ShapeUtil::MakeTupleShape(outs), attrs,
+                                      /*side_effect=*/true, alias);
+      const int64_t r0 = static_cast<int64_t>(lists) * gn;
+      for (int l = 0; l < lists; ++l) {
+        for (int i = g0; i < g0 + gn; ++i) {
+          const size_t j = static_cast<size_t>(l) * n_ + i;
+          OP_REQUIRES_OK(ctx, ctx->AssignVariable(index[j], types[j],
+                                                  xla::GetTupleElement(call, l * gn + (i - g0))));
+        }
+      }
+      if (g0 == 0) {
+        first = call;
+        ctx->SetOutput(0, xla::GetTupleElement(call, r0 + 1));
+        ctx->SetOutput(1, xla::GetTupleElement(call, r0));
+        if (has_iterations_) {
+          OP_REQUIRES_OK(ctx, ctx->AssignVariable(counter_index, tf::DT_INT64,
+                                                  xla::GetTupleElement(call, r0 + 3)));
+        }
+      }
+      group_norms.push_back(xla::GetTupleElement(call, r0 + 2));
+    }
+    // Each gradient's norm: the norm call's, or (use_norm given) what each group's step wrote
+    // (NaN, or its own norms where clipnorm needs them).
+    ctx->SetOutput(2, cfg_.has_use_norm ? xla::ConcatInDim(b, group_norms, 0)
+                                        : xla::GetTupleElement(norm_call, 2));
+  }
+
+ private:
+  int NumSparse() const {
+    return static_cast<int>(std::count_if(sparse_of_.begin(), sparse_of_.end(), [](int k) { return k >= 0; }));
+  }
+
+  // Reads the n_ variables of resource list `input`, appending their input indices, dtypes,
+  // shapes and values; `what` names them in errors.
+  absl::Status ReadList(XlaOpKernelContext* ctx, const char* input, const char* what,
+                        std::vector<int>* index, std::vector<tf::DataType>* types,
+                        std::vector<tf::TensorShape>* shapes, std::vector<xla::XlaOp>* values) {
+    int start, stop;
+    TF_RETURN_IF_ERROR(InputRange(input, &start, &stop));
+    if (stop - start != n_) {
+      return tf::errors::InvalidArgument(
+          "under XLA (jit_compile) each of the ", n_, " ", what, " needs its own resource input; got ",
+          stop - start, " (handles packed into vectors are for eager calls)");
+    }
+    for (int i = 0; i < n_; ++i) {
+      tf::DataType t;
+      tf::TensorShape sh;
+      TF_RETURN_IF_ERROR(ctx->GetVariableTypeAndShape(start + i, &t, &sh));
+      if (t == tf::DT_INVALID) {
+        return tf::errors::FailedPrecondition(what, "[", i, "] is not initialized");
+      }
+      if (t != tf::DT_HALF && t != tf::DT_BFLOAT16 && t != tf::DT_FLOAT && t != tf::DT_DOUBLE) {
+        return tf::errors::InvalidArgument(what, "[", i, "] has dtype ", tf::DataTypeString(t),
+                                           "; only half, bfloat16, float and double variables");
+      }
+      xla::XlaOp v;
+      TF_RETURN_IF_ERROR(ctx->ReadVariableInput(start + i, t, &sh, &v));
+      index->push_back(start + i);
+      types->push_back(t);
+      shapes->push_back(sh);
+      values->push_back(v);
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status CheckSparse(int i, const tf::TensorShape& var, const tf::TensorShape& values,
+                                  const tf::TensorShape& idx) {
+    const std::string g = absl::StrCat("grads[", i, "] (IndexedSlices)");
+    if (var.dims() < 1) {
+      return tf::errors::InvalidArgument(g, ": vars[", i, "] is a scalar; IndexedSlices need a "
+                                         "variable of rank >= 1");
+    }
+    if (idx.dims() != 1) {
+      return tf::errors::InvalidArgument(g, ": indices must be a vector, got shape ", idx.DebugString());
+    }
+    tf::TensorShape row = var;
+    row.RemoveDim(0);
+    tf::TensorShape want({idx.dim_size(0)});
+    want.AppendShape(row);
+    if (values != want) {
+      return tf::errors::InvalidArgument(g, ": values have shape ", values.DebugString(), "; with ",
+                                         idx.dim_size(0), " indices and vars[", i, "] of shape ",
+                                         var.DebugString(), " they must be ", want.DebugString());
+    }
+    return absl::OkStatus();
+  }
+
+  RuleInfo rule_{};
+  std::vector<std::string> slots_;
+  int nslots_ = 0;
+  int n_ = 0;
+  int64_t flags_ = 0;
+  ClipConfig cfg_;
+  bool lazy_ = false;
+  bool sum_of_squares_ = false;
+  bool has_iterations_ = false;
+  bool on_gpu_ = false;
+  std::vector<int> sparse_of_;
+};
+
+template <typename K>
+tf::OpKernel* Create(tf::OpKernelConstruction* c) {
+  return new K(c);
+}
+
+void Register(const std::string& op, const char* device, tf::OpKernel* (*create)(tf::OpKernelConstruction*)) {
+  tf::kernel_factory::OpKernelRegistrar reg(
+      tf::KernelDefBuilder(op.c_str()).Device(device).Build(), "TfclipXlaKernel", create);
+}
+
+bool RegisterXlaKernels() {
+  std::vector<const char*> devices{tf::DEVICE_CPU_XLA_JIT};
+#if TFCLIP_WITH_CUDA
+  devices.push_back(tf::DEVICE_GPU_XLA_JIT);
+#endif
+  for (const char* d : devices) {
+    Register("TfclipGlobalNorm", d, &Create<GlobalNormXla>);
+    Register("TfclipClipByGlobalNorm", d, &Create<ClipByGlobalNormXla>);
+    for (const RuleInfo& r : AllRules()) {
+      Register(std::string("TfclipClipApply") + r.op, d, &Create<ClipApplyXla>);
+    }
+  }
+  return true;
+}
+[[maybe_unused]] const bool kXlaKernelsRegistered = RegisterXlaKernels();
+
+}  // namespace
+}  // namespace tfclip
