@@ -2,12 +2,16 @@
 # Runs the CUDA code without a GPU: builds tfclip._core from the production csrc/core/*.cu against the
 # CPU emulation of CUDA (cuda/emulation/, -DTFCLIP_CUDA_EMULATION=ON) and runs the CUDA-vs-CPU
 # parity suite (tests/gpu) on it with TFCLIP_REQUIRE_GPU=1, so any skip is a failure (but the
-# GPU-only >2^31-element case).
+# GPU-only >2^31-element case). Every kernel meets every schedule of the emulation in one run (the
+# default TFCLIP_EMU_SCHEDULE=cycle) and the __shared__ race detector is on; at the end the script
+# lists the kernels launched and the launches per schedule.
 #   scripts/cuda_emulation.sh            (uses `python` on PATH: numpy, ml_dtypes, pytest, pybind11, cmake)
-#   scripts/cuda_emulation.sh --tsan     (under ThreadSanitizer, not in CI: by default the subset
-#                                        below, which reaches every kernel, the streams and the
-#                                        workspace ring: 121 tests, about 9 minutes; the whole suite
-#                                        takes about an hour there. Pytest args replace the subset.)
+#   scripts/cuda_emulation.sh --tsan     (under ThreadSanitizer, in CI: by default the subset below,
+#                                        which reaches every kernel, every BlockSum/WarpSum call site,
+#                                        the streams and the workspace ring, split over TSAN_JOBS
+#                                        parallel pytest processes (default: the CPU count); it fails
+#                                        if the subset stops launching a kernel. The whole suite takes
+#                                        about an hour there. Pytest args replace the subset.)
 #   PYTHON=/path/python scripts/cuda_emulation.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +25,92 @@ cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.exe
 cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target _core
 CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
 echo "+ emulated-CUDA _core: $CORE"
+STATS="$BUILD/emu_stats"
+rm -rf "$STATS"
+mkdir -p "$STATS"
+
+# kernel_stats REQUIRE: names the kernels the run launched (the emulation's TFCLIP_EMU_STATS files,
+# symbolized with nm) with their launches per schedule; with REQUIRE=1, fails unless every kernel
+# of csrc/core/cuda_driver.cu and every instantiation of the trust-ratio rule (Lamb: the kernels
+# with two consecutive BlockSums) was launched.
+kernel_stats() {
+  "$PY" - "$CORE" "$1" "$STATS"/*.txt <<'EOF'
+import collections, re, subprocess, sys
+core, require, files = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+syms = {}
+for line in subprocess.run(["nm", "-C", "--defined-only", core], capture_output=True, text=True,
+                           check=True).stdout.splitlines():
+    addr, kind, name = (line.split(" ", 2) + ["", ""])[:3]
+    if kind in ("t", "T", "w", "W"):
+        syms[int(addr, 16)] = name
+KERNEL = re.compile(r"tfclip::cuda::\(anonymous namespace\)::(\w+Kernel)(<[^()]*>)?\(")
+def short(name):
+    m = KERNEL.search(name)
+    return (m.group(1), m.group(2) or "") if m else (name, "")
+compiled = {short(n) for n in syms.values() if KERNEL.search(n)}
+launched = collections.defaultdict(lambda: [0, 0, 0, 0])
+policies = []
+for f in files:
+    for line in open(f):
+        if line.startswith("#"):
+            policies = line.split(":")[-1].split()
+            continue
+        name, off, *counts = line.split()
+        key = short(syms.get(int(off, 16), name))
+        launched[key] = [a + int(b) for a, b in zip(launched[key], counts)]
+by_kernel = collections.defaultdict(list)
+for (k, inst), counts in launched.items():
+    by_kernel[k].append(counts)
+print("+ kernels launched (instantiations launched/compiled; fewest launches of one instantiation under "
+      + ", ".join(policies) + ")")
+for k in sorted({k for k, _ in compiled} | set(by_kernel)):
+    n_compiled = sum(1 for c in compiled if c[0] == k)
+    counts = by_kernel.get(k, [])
+    fewest = [min(c[p] for c in counts) for p in range(len(policies))] if counts else []
+    print(f"  {k:18} {len(counts)}/{n_compiled}  {' '.join(map(str, fewest))}")
+if require:
+    missing = sorted({k for k, _ in compiled} - set(by_kernel))
+    missing += sorted(k + i for k, i in compiled if "LambRule" in i and (k, i) not in launched)
+    if missing:
+        sys.exit("the subset no longer launches: " + ", ".join(missing))
+EOF
+}
+
 if [ "$TSAN" = ON ]; then
   # Python is not instrumented: preload the runtime. Every report fails the run.
   export LD_PRELOAD="$("${CC:-gcc}" -print-file-name=libtsan.so)"
   export TSAN_OPTIONS="halt_on_error=1:abort_on_error=1:report_signal_unsafe=0"
 fi
-TSAN_SUBSET='test_global_norm_parity or test_clip_by_global_norm_parity or test_clip_in_place or (test_apply_parity and float32-float32) or (test_sparse_apply_parity and float32-float32 and adam) or misaligned or nonfinite or stream or ring or no_wait or bad_inputs or host_memory or out_of_range or 16bit or blocks or allocate'
-if [ "$TSAN" = ON ] && [ $# -eq 0 ]; then set -- -k "$TSAN_SUBSET"; fi
-TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE" "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"
+TSAN_SUBSET='test_global_norm_parity or test_clip_by_global_norm_parity or test_clip_in_place or (test_apply_parity and float32-float32) or (test_sparse_apply_parity and float32-float32 and (adam or lamb)) or misaligned or nonfinite or stream or ring or no_wait or bad_inputs or host_memory or out_of_range or 16bit or blocks or allocate'
+export TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE"
+if [ "$TSAN" = ON ] && [ $# -eq 0 ]; then
+  # The subset, dealt round-robin to TSAN_JOBS pytest processes run side by side.
+  JOBS="${TSAN_JOBS:-$(nproc 2>/dev/null || echo 2)}"
+  mapfile -t IDS < <("$PY" -m pytest -q -p no:cacheprovider --collect-only tests/gpu -k "$TSAN_SUBSET" |
+                     grep '::')
+  echo "+ ThreadSanitizer: ${#IDS[@]} tests in $JOBS processes"
+  pids=()
+  for ((j = 0; j < JOBS; j++)); do
+    shard=()
+    for ((i = j; i < ${#IDS[@]}; i += JOBS)); do shard+=("${IDS[$i]}"); done
+    [ ${#shard[@]} -gt 0 ] || continue
+    TFCLIP_EMU_STATS="$STATS/$j.txt" "$PY" -m pytest -q -p no:cacheprovider "${shard[@]}" \
+      >"$STATS/pytest.$j.log" 2>&1 &
+    pids+=($!)
+  done
+  fail=0
+  for ((j = 0; j < ${#pids[@]}; j++)); do
+    echo "+ shard $j:"
+    if wait "${pids[$j]}"; then
+      tail -n 1 "$STATS/pytest.$j.log"
+    else
+      fail=1
+      cat "$STATS/pytest.$j.log"
+    fi
+  done
+  [ "$fail" = 0 ] || exit 1
+  kernel_stats 1
+  exit 0
+fi
+TFCLIP_EMU_STATS="$STATS/0.txt" "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"
+kernel_stats 0

@@ -18,6 +18,19 @@
 #ifndef TFCLIP_LAUNCH
 #define TFCLIP_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #endif
+// __shared__ data: plain __shared__ declarations under nvcc; the emulation's own definitions
+// check every access for races between its threads.
+#ifndef TFCLIP_SHARED
+#define TFCLIP_SHARED(T, name) __shared__ T name
+#define TFCLIP_SHARED_ARRAY(T, name, n) __shared__ T name[n]
+#endif
+
+// Planted faults, for scripts/planted_faults.sh only: a test build of the emulation defines
+// TFCLIP_PLANTED_FAULT and puts a tfclip_planted_fault.h on the include path that defines one
+// TFCLIP_PLANT_* (each is named where it acts); the product build defines neither.
+#ifdef TFCLIP_PLANTED_FAULT
+#include "tfclip_planted_fault.h"
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -188,12 +201,16 @@ __device__ __forceinline__ double WarpSum(double v) {
 template <int kBlock>
 __device__ double BlockSum(double v) {
   static_assert(kBlock % 32 == 0 && kBlock <= 1024, "block size");
-  __shared__ double warp_sums[kBlock / 32];
+  TFCLIP_SHARED_ARRAY(double, warp_sums, kBlock / 32);
   v = WarpSum(v);
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#ifndef TFCLIP_PLANT_REUSE_BARRIER
   __syncthreads();  // warp_sums may still be read from the previous call
+#endif
   if (lane == 0) warp_sums[w] = v;
+#ifndef TFCLIP_PLANT_PUBLISH_BARRIER
   __syncthreads();
+#endif
   double r = 0.0;
   if (w == 0) r = WarpSum(lane < kBlock / 32 ? warp_sums[lane] : 0.0);
   return r;
@@ -334,8 +351,9 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
     for (int64_t c = threadIdx.x; c < t.nchunks; c += kFinalizeThreads) local += t.partials[c];
   }
   const double total = BlockSum<kFinalizeThreads>(local);
-  __shared__ double s_scale, s_clip;
-  __shared__ int s_mode;
+  TFCLIP_SHARED(double, s_scale);
+  TFCLIP_SHARED(double, s_clip);
+  TFCLIP_SHARED(int, s_mode);
   if (threadIdx.x == 0) {
     ClipConfig cfg = a.cfg;
     int bad = 0;
@@ -474,7 +492,12 @@ __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, cons
     grouped = true;
   }
   if (grouped) i0 = b + nvec * kV;
-  for (int64_t i = i0 + crew.rank; i < e; i += crew.size) {
+#ifdef TFCLIP_PLANT_TAIL_STRIDE
+  const int64_t stride = kThreads;  // the block's stride, where the crew may be a warp
+#else
+  const int64_t stride = crew.size;
+#endif
+  for (int64_t i = i0 + crew.rank; i < e; i += stride) {
     acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
   }
   return acc;
@@ -482,7 +505,9 @@ __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, cons
 
 template <typename Rule, int kSlots>
 __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
+#ifndef TFCLIP_PLANT_SKIP_IGNORED
   if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
+#endif
   const DevConsts consts = *t.consts;
   ForEachChunk(t, [&](int64_t c, Crew crew) {
     const DevChunk ch = t.chunks[c];
@@ -699,6 +724,10 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
   for (size_t c = 0; c < p.plan.chunks.size(); ++c) {
     const Chunk& ch = p.plan.chunks[c];
     hc[c] = DevChunk{ch.begin, ch.end, ch.tensor, 0};
+#ifdef TFCLIP_PLANT_CHUNK_END
+    // A chunk followed by another of its tensor ends one element early.
+    if (c + 1 < p.plan.chunks.size() && p.plan.chunks[c + 1].tensor == ch.tensor) hc[c].end--;
+#endif
   }
   std::memcpy(h + l.off_blocks, p.plan.block_begin.data(), sizeof(int64_t) * p.plan.block_begin.size());
   if (!p.many.empty()) std::memcpy(h + l.off_many, p.many.data(), sizeof(int32_t) * p.many.size());

@@ -1,7 +1,9 @@
 // tfclip's CUDA emulation: the runtime behind cuda/emulation/cuda_runtime.h (see there for the
-// model). Fibers for the threads of a block, a worker thread per stream, registered memory.
+// model). Fibers for the threads of a block and the schedules that order them, the __shared__
+// race detector, a worker thread per stream, registered memory.
 #include "cuda/emulation/cuda_runtime.h"
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -178,26 +180,38 @@ struct Fiber {
 #endif
 };
 
-enum class Wait { kNone, kBarrier, kShuffle };
+enum class Wait { kNone, kBarrier, kShuffle, kSyncWarp };
 
 struct WarpExchange {
   unsigned arrived = 0;  // lanes (bit mask) that have deposited
   unsigned mask = 0;
   uint64_t in[kWarp] = {};
   uint64_t out[kWarp] = {};
+  unsigned at_syncwarp = 0;  // lanes waiting at __syncwarp
+  uint32_t syncs = 0;        // __syncwarp()s completed (the race detector's order within a warp)
 };
+
+// ---------------------------------------------------------------- schedules
+enum Policy { kRandom, kWarpDesc, kWarpAsc, kThreadGreedy, kNumPolicies };
+const char* const kPolicyNames[kNumPolicies] = {"random", "warp-desc", "warp-asc", "thread"};
 
 // One block's run, on one worker thread.
 struct BlockRun {
   std::vector<Fiber*> fibers;
   std::vector<Wait> waiting;
+  // The runnable fibers: any order under kRandom, else a max-heap on key (the policy's
+  // priorities, fixed for the block).
   std::vector<int> runnable;
+  std::vector<uint32_t> key;
+  Policy policy = kRandom;
   int alive = 0;
   int at_barrier = 0;
   std::vector<WarpExchange> warps;
   const std::function<void()>* body = nullptr;
   std::string failure;
+  std::string race;  // the first race the detector found in this block
   uint64_t rng = 0;
+  uint64_t interval = 0;  // the current barrier interval's id (unique on this worker thread)
 };
 
 uint64_t NextRand(uint64_t* s) {
@@ -224,6 +238,7 @@ struct Worker {
   BlockRun* run = nullptr;
   Fiber* current = nullptr;
   ThreadState host_state{};  // what threadIdx reads outside a kernel
+  uint64_t intervals = 0;    // barrier intervals begun on this thread (ShadowCell::interval)
 #if TFCLIP_EMU_TSAN
   void* sched_tsan = nullptr;
 #endif
@@ -308,21 +323,72 @@ void PrepareFiber(Fiber* f) {
 void MakeRunnable(BlockRun* r, int i) {
   r->waiting[i] = Wait::kNone;
   r->runnable.push_back(i);
+  if (r->policy != kRandom) {
+    std::push_heap(r->runnable.begin(), r->runnable.end(),
+                   [r](int a, int b) { return r->key[a] < r->key[b]; });
+  }
 }
 
+// The next fiber to run, taken off the runnable set (which must not be empty).
+int PickNext(BlockRun* r) {
+  if (r->policy == kRandom) {
+    const size_t k = NextRand(&r->rng) % r->runnable.size();
+    const int i = r->runnable[k];
+    r->runnable[k] = r->runnable.back();
+    r->runnable.pop_back();
+    return i;
+  }
+  std::pop_heap(r->runnable.begin(), r->runnable.end(),
+                [r](int a, int b) { return r->key[a] < r->key[b]; });
+  const int i = r->runnable.back();
+  r->runnable.pop_back();
+  return i;
+}
+
+// The policy's fixed priorities for a block of n threads (the higher key runs first).
+void Priorities(BlockRun* r, int n) {
+  r->key.assign(n, 0);
+  if (r->policy == kRandom) return;
+  const int nwarps = (n + kWarp - 1) / kWarp;
+  for (int i = 0; i < n; ++i) {
+    const uint32_t rnd = static_cast<uint32_t>(NextRand(&r->rng) >> 40);  // 24 bits
+    switch (r->policy) {
+      case kWarpDesc:  // warps high to low, the lanes of one warp in a random order
+        r->key[i] = static_cast<uint32_t>(i / kWarp) << 16 | (rnd & 0xffff);
+        break;
+      case kWarpAsc:
+        r->key[i] = static_cast<uint32_t>(nwarps - 1 - i / kWarp) << 16 | (rnd & 0xffff);
+        break;
+      default:  // kThreadGreedy: a random order of threads
+        r->key[i] = rnd;
+        break;
+    }
+  }
+  if (r->policy == kThreadGreedy) {  // the greedy thread: thread 0, the last, or any
+    const uint64_t pick = NextRand(&r->rng);
+    const int hero = pick % 3 == 0 ? 0 : pick % 3 == 1 ? n - 1 : static_cast<int>((pick >> 8) % n);
+    r->key[hero] = 0xffffffffu;
+  }
+}
+
+void NewInterval(Worker* w, BlockRun* r) { r->interval = ++w->intervals; }
+
 // Runs one block to completion; returns "" or what went wrong.
-std::string RunBlock(const std::function<void()>& body, dim3 grid, dim3 block, uint3 bidx,
-                     uint64_t seed) {
+std::string RunBlock(const std::function<void()>& body, Policy policy, dim3 grid, dim3 block,
+                     uint3 bidx, uint64_t seed) {
   EMU_IGNORE_BEGIN();
   Worker& w = t_worker;
   const int n = static_cast<int>(block.x * block.y * block.z);
   if (static_cast<int>(w.pool.size()) < n) w.pool.resize(n);
   BlockRun r;
   r.body = &body;
+  r.policy = policy;
   r.alive = n;
   r.rng = seed | 1;
   r.waiting.assign(n, Wait::kNone);
   r.warps.resize((n + kWarp - 1) / kWarp);
+  Priorities(&r, n);
+  NewInterval(&w, &r);
   for (int i = 0; i < n; ++i) {
     Fiber* f = &w.pool[i];
     PrepareFiber(f);
@@ -335,7 +401,7 @@ std::string RunBlock(const std::function<void()>& body, dim3 grid, dim3 block, u
     f->lane = i % kWarp;
     f->warp = i / kWarp;
     r.fibers.push_back(f);
-    r.runnable.push_back(i);
+    MakeRunnable(&r, i);
   }
   w.run = &r;
 #if TFCLIP_EMU_TSAN
@@ -344,20 +410,19 @@ std::string RunBlock(const std::function<void()>& body, dim3 grid, dim3 block, u
 #endif
   while (r.alive > 0) {
     if (r.runnable.empty()) {
-      int barrier = 0, shuffle = 0;
+      int barrier = 0, shuffle = 0, syncwarp = 0;
       for (Wait x : r.waiting) {
         barrier += x == Wait::kBarrier;
         shuffle += x == Wait::kShuffle;
+        syncwarp += x == Wait::kSyncWarp;
       }
       r.failure = "deadlock: " + std::to_string(barrier) + " threads wait at __syncthreads, " +
-                  std::to_string(shuffle) + " at a warp shuffle, " + std::to_string(n - r.alive) +
+                  std::to_string(shuffle) + " at a warp shuffle, " + std::to_string(syncwarp) +
+                  " at __syncwarp, " + std::to_string(n - r.alive) +
                   " have exited (a barrier or shuffle not reached by every thread it names)";
       break;
     }
-    const size_t k = NextRand(&r.rng) % r.runnable.size();
-    const int i = r.runnable[k];
-    r.runnable[k] = r.runnable.back();
-    r.runnable.pop_back();
+    const int i = PickNext(&r);
     Fiber* f = r.fibers[i];
     w.current = f;
     void* to = f->sp;
@@ -373,7 +438,7 @@ std::string RunBlock(const std::function<void()>& body, dim3 grid, dim3 block, u
   }
   w.current = nullptr;
   w.run = nullptr;
-  std::string failure = r.failure;
+  std::string failure = r.failure.empty() ? r.race : r.failure;
   EMU_IGNORE_END();
 #if TFCLIP_EMU_TSAN
   __tsan_acquire(&r);
@@ -526,6 +591,7 @@ void SyncThreads() {
   r->waiting[i] = Wait::kBarrier;
   if (++r->at_barrier == static_cast<int>(r->fibers.size())) {
     r->at_barrier = 0;
+    NewInterval(&w, r);
     for (int j = 0; j < static_cast<int>(r->fibers.size()); ++j) MakeRunnable(r, j);
   }
   EMU_IGNORE_END();
@@ -577,8 +643,191 @@ void ShuffleXor(unsigned mask, void* v, size_t bytes, int lane_mask) {
   EMU_IGNORE_END();
 }
 
-void EnqueueLaunch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                   std::function<void()> body) {
+void SyncWarp(unsigned mask) {
+  Worker& w = t_worker;
+  BlockRun* r = w.run;
+  Fiber* f = w.current;
+  if (r == nullptr || f == nullptr) {
+    std::fprintf(stderr, "tfclip CUDA emulation: __syncwarp() outside a kernel\n");
+    std::abort();
+  }
+  EMU_IGNORE_BEGIN();
+  WarpExchange& x = r->warps[f->warp];
+  const unsigned bit = 1u << f->lane;
+  if ((mask & bit) == 0) {
+    EMU_IGNORE_END();
+    KernelFailed("a __syncwarp by a lane outside its own mask");
+    return;
+  }
+  x.at_syncwarp |= bit;
+  r->waiting[static_cast<int>(f - w.pool.data())] = Wait::kSyncWarp;
+  if ((x.at_syncwarp & mask) == mask) {
+    x.syncs++;
+    for (int l = 0; l < kWarp; ++l) {
+      if ((mask >> l) & 1u) MakeRunnable(r, f->warp * kWarp + l);
+    }
+    x.at_syncwarp &= ~mask;
+  }
+  EMU_IGNORE_END();
+#if TFCLIP_EMU_TSAN
+  __tsan_release(&x.at_syncwarp);
+#endif
+  SwitchToScheduler();
+#if TFCLIP_EMU_TSAN
+  __tsan_acquire(&x.at_syncwarp);
+#endif
+}
+
+static bool RaceCheckOn() {
+  static const bool on = [] {
+    const char* s = std::getenv("TFCLIP_EMU_RACECHECK");
+    return s == nullptr || std::strcmp(s, "0") != 0;
+  }();
+  return on;
+}
+
+namespace {
+std::string ThreadName(const BlockRun& r, int i) {
+  const Fiber& f = *r.fibers[i];
+  const uint3 t = f.state.thread_idx;
+  std::string s = "thread " + std::to_string(i);
+  if (f.state.block_dim.y > 1 || f.state.block_dim.z > 1) {
+    s += " (" + std::to_string(t.x) + "," + std::to_string(t.y) + "," + std::to_string(t.z) + ")";
+  }
+  return s + " (warp " + std::to_string(f.warp) + ", lane " + std::to_string(f.lane) + ")";
+}
+}  // namespace
+
+void SharedAccess(const char* array, size_t index, ShadowCell* c, bool write) {
+  Worker& w = t_worker;
+  if (w.run == nullptr || w.current == nullptr || !RaceCheckOn()) return;
+  EMU_IGNORE_BEGIN();
+  BlockRun& r = *w.run;
+  const int t = static_cast<int>(w.current - w.pool.data());
+  const int warp = w.current->warp;
+  const uint32_t wsync = r.warps[warp].syncs;
+  if (c->interval != r.interval) {
+    *c = ShadowCell{};
+    c->interval = r.interval;
+  }
+  // Another thread's access in this interval is unordered with this one unless both are lanes
+  // of one warp with a __syncwarp() between them.
+  auto unordered = [&](int32_t o, uint32_t o_wsync) {
+    return o >= 0 && o != t && (r.fibers[o]->warp != warp || o_wsync == wsync);
+  };
+  int other = -1;
+  const char* what = nullptr;
+  if (unordered(c->writer, c->writer_wsync)) {
+    other = c->writer;
+    what = "wrote it";
+  } else if (write) {
+    for (int k = 0; k < 2; ++k) {
+      if (unordered(c->reader[k], c->reader_wsync[k])) {
+        other = c->reader[k];
+        what = "read it";
+        break;
+      }
+    }
+  }
+  if (other >= 0 && r.race.empty()) {
+    std::string el = index == SIZE_MAX ? std::string(array) : std::string(array) + "[" + std::to_string(index) + "]";
+    // The launch's failure names the kernel, the block and the schedule before this.
+    r.race = std::string("race on __shared__ ") + el + ": " + ThreadName(r, other) + " " + what + ", " +
+             ThreadName(r, t) + (write ? " wrote it" : " read it") +
+             ", with no __syncthreads() between them" +
+             (r.fibers[other]->warp == warp ? " (nor __syncwarp(): one warp)" : "");
+  }
+  if (write) {
+    c->writer = t;
+    c->writer_wsync = wsync;
+    c->reader[0] = c->reader[1] = -1;
+  } else if (c->reader[0] < 0 || c->reader[0] == t) {
+    c->reader[0] = t;
+    c->reader_wsync[0] = wsync;
+  } else {
+    c->reader[1] = t;  // two distinct readers: whoever writes next differs from one of them
+    c->reader_wsync[1] = wsync;
+  }
+  EMU_IGNORE_END();
+}
+
+namespace {
+// The schedule list (TFCLIP_EMU_SCHEDULE) and, per kernel, its launches so far per policy.
+struct Schedules {
+  std::vector<Policy> list;
+  std::mutex mu;
+  std::map<const void*, std::pair<std::string, std::vector<uint64_t>>> kernels;
+  const char* stats = nullptr;
+};
+
+Schedules& Sched() {
+  static Schedules* s = [] {
+    auto* x = new Schedules();  // never destroyed: launches may come from static destructors
+    const char* e = std::getenv("TFCLIP_EMU_SCHEDULE");
+    std::string spec = e != nullptr && *e != '\0' ? e : "cycle";
+    if (spec == "cycle") spec = "random,warp-desc,warp-asc,thread";
+    size_t b = 0;
+    while (b <= spec.size()) {
+      size_t e2 = spec.find(',', b);
+      if (e2 == std::string::npos) e2 = spec.size();
+      const std::string name = spec.substr(b, e2 - b);
+      int p = 0;
+      while (p < kNumPolicies && name != kPolicyNames[p]) ++p;
+      if (p == kNumPolicies) {
+        std::fprintf(stderr,
+                     "tfclip CUDA emulation: TFCLIP_EMU_SCHEDULE=%s: no policy '%s' (random, "
+                     "warp-desc, warp-asc, thread, or cycle for all)\n",
+                     spec.c_str(), name.c_str());
+        std::abort();
+      }
+      x->list.push_back(static_cast<Policy>(p));
+      b = e2 + 1;
+    }
+    x->stats = std::getenv("TFCLIP_EMU_STATS");
+    if (x->stats != nullptr && *x->stats != '\0') {
+      std::atexit([] {
+        Schedules& s = Sched();
+        std::lock_guard<std::mutex> l(s.mu);
+        FILE* f = std::fopen(s.stats, "w");
+        if (f == nullptr) return;
+        std::fprintf(f, "# kernel, its offset in the module, then its launches under each policy:");
+        for (const char* n : kPolicyNames) std::fprintf(f, " %s", n);
+        std::fprintf(f, "\n");
+        for (const auto& kv : s.kernels) {
+          // Where the kernel is in its module: `nm -C` on the module names the instantiation.
+          Dl_info info{};
+          const uintptr_t base = dladdr(kv.first, &info) != 0 ? reinterpret_cast<uintptr_t>(info.dli_fbase) : 0;
+          std::fprintf(f, "%s 0x%llx", kv.second.first.c_str(),
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(kv.first) - base));
+          for (uint64_t c : kv.second.second) std::fprintf(f, " %llu", static_cast<unsigned long long>(c));
+          std::fprintf(f, "\n");
+        }
+        std::fclose(f);
+      });
+    }
+    return x;
+  }();
+  return *s;
+}
+
+Policy NextPolicy(const void* kernel, const char* name) {
+  Schedules& s = Sched();
+  std::lock_guard<std::mutex> l(s.mu);
+  auto& k = s.kernels[kernel];
+  if (k.second.empty()) {
+    k.first = name;
+    k.second.assign(kNumPolicies, 0);
+  }
+  uint64_t n = 0;
+  for (uint64_t c : k.second) n += c;
+  const Policy p = s.list[n % s.list.size()];
+  k.second[p]++;
+  return p;
+}
+}  // namespace
+
+void EnqueueLaunch(const void* kernel, const char* name, dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t s, std::function<void()> body) {
   // Fault injection for tests: a launch whose kernel name contains $TFCLIP_EMU_FAIL_LAUNCH fails
   // as a real launch can (cudaGetLastError reports it), so error paths run in CI.
   const char* fail = std::getenv("TFCLIP_EMU_FAIL_LAUNCH");
@@ -598,16 +847,18 @@ void EnqueueLaunch(const char* name, dim3 grid, dim3 block, size_t smem, cudaStr
     return;
   }
   const uint64_t seed = Seed() + 0x9e3779b97f4a7c15ull * (++g_launches);
-  st->Enqueue([name, grid, block, seed, body = std::move(body)] {
+  const Policy policy = NextPolicy(kernel, name);
+  st->Enqueue([name, policy, grid, block, seed, body = std::move(body)] {
     if (Sticky() != cudaSuccess) return;  // a failed context runs nothing more
     uint64_t b = 0;
     for (unsigned z = 0; z < grid.z; ++z) {
       for (unsigned y = 0; y < grid.y; ++y) {
         for (unsigned x = 0; x < grid.x; ++x, ++b) {
-          const std::string e = RunBlock(body, grid, block, uint3{x, y, z}, seed + b);
+          const std::string e = RunBlock(body, policy, grid, block, uint3{x, y, z}, seed + b);
           if (!e.empty()) {
             KernelFailed(std::string(name) + ", block (" + std::to_string(x) + "," +
-                         std::to_string(y) + "," + std::to_string(z) + "): " + e);
+                         std::to_string(y) + "," + std::to_string(z) + ") [schedule " +
+                         kPolicyNames[policy] + "]: " + e);
             return;
           }
         }
