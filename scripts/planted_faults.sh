@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Proof of power of the emulated CUDA suite (issue 34): builds tfclip._core against the CUDA
+# emulation with one planted fault at a time (csrc/core/cuda_driver.cu's TFCLIP_PLANT_* blocks,
+# compiled in only here: CMAKE_CXX_FLAGS defines TFCLIP_PLANTED_FAULT and puts this build's
+# tfclip_planted_fault.h on the include path) and runs the tests of the normal suite (tests/gpu)
+# that reach it, as CI runs them. Every planted build must FAIL; the script exits 1 if one passes
+# (a hole: close it with a schedule, the race detector or a test, never by dropping the fault).
+#   PYTHON=.venv/bin/python scripts/planted_faults.sh           # CI: the emulation's defaults
+#                                                                # (every schedule in turn, race detector on)
+#   scripts/planted_faults.sh --matrix [fault...]    # also each policy alone with the detector off, and
+#                                                    # the detector alone (random order): cuda/README.md's table
+#   scripts/planted_faults.sh reuse_barrier chunk_end   # only these faults
+# One build of _core (BUILD_DIR, default build-plant); a fault costs a recompile of cuda_driver.cu.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+MATRIX=0
+if [ "${1:-}" = "--matrix" ]; then MATRIX=1; shift; fi
+BUILD="${BUILD_DIR:-build-plant}"
+
+# name | the macro that plants it | the tests of tests/gpu that reach it (pytest -k)
+FAULTS=(
+  "reuse_barrier|TFCLIP_PLANT_REUSE_BARRIER|lamb"
+  "publish_barrier|TFCLIP_PLANT_PUBLISH_BARRIER|test_global_norm_parity or test_clip_by_global_norm_parity"
+  "tail_stride|TFCLIP_PLANT_TAIL_STRIDE|misaligned"
+  "chunk_end|TFCLIP_PLANT_CHUNK_END|test_global_norm_parity"
+  "skip_ignored|TFCLIP_PLANT_SKIP_IGNORED|nonfinite"
+)
+# What each fault is (cuda_driver.cu has the same words where it acts).
+declare -A WHAT=(
+  [reuse_barrier]="no __syncthreads() before the second of two consecutive block reductions (BlockSum's first barrier)"
+  [publish_barrier]="no __syncthreads() between a block reduction's warp_sums writes and warp 0's reads"
+  [tail_stride]="the apply's scalar loop strides by the block (kThreads) where its crew is a warp"
+  [chunk_end]="a chunk followed by another of its tensor ends one element early"
+  [skip_ignored]="the apply kernel ignores the skip flag (status->apply)"
+)
+
+mkdir -p "$BUILD/planted"
+HDR="$BUILD/planted/tfclip_planted_fault.h"
+[ -f "$HDR" ] || echo "// no fault" > "$HDR"
+cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.executable)')" \
+  -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA_EMULATION=ON -DTFCLIP_TSAN=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS="-DTFCLIP_PLANTED_FAULT -I$PWD/$BUILD/planted" >/dev/null
+
+# run LABEL KSUBSET ENV...: the subset under the given emulation settings; prints PASS or FAIL
+# and, on a failure, the emulation's message or pytest's first failure.
+run() {
+  local label="$1" k="$2"
+  shift 2
+  local log="$BUILD/planted/$label.log" t0=$SECONDS
+  if env "$@" TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE" "$PY" -m pytest -q -x \
+      -p no:cacheprovider tests/gpu -k "$k" >"$log" 2>&1; then
+    printf '  %-34s PASS (%ds)\n' "$label" $((SECONDS - t0))
+    return 1
+  fi
+  local why
+  why="$(grep -m1 -o 'tfclip CUDA emulation: .*' "$log" || grep -m1 '^FAILED' "$log" || tail -n 1 "$log")"
+  printf '  %-34s FAIL (%ds): %s\n' "$label" $((SECONDS - t0)) "${why:0:240}"
+}
+
+holes=()
+for spec in "${FAULTS[@]}"; do
+  IFS='|' read -r name macro subset <<<"$spec"
+  if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then continue; fi
+  echo "+ planted fault $name: ${WHAT[$name]}"
+  printf '#define %s 1  // scripts/planted_faults.sh: %s\n' "$macro" "$name" > "$HDR"
+  cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target _core >"$BUILD/planted/build.log" 2>&1 ||
+    { cat "$BUILD/planted/build.log"; exit 2; }
+  CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
+  if ! run "default (cycle + race detector)" "$subset"; then holes+=("$name"); fi
+  if [ "$MATRIX" = 1 ]; then
+    for p in random warp-desc warp-asc thread; do
+      run "$p alone, detector off" "$subset" TFCLIP_EMU_SCHEDULE=$p TFCLIP_EMU_RACECHECK=0 || true
+    done
+    run "detector alone (random order)" "$subset" TFCLIP_EMU_SCHEDULE=random TFCLIP_EMU_RACECHECK=1 || true
+  fi
+done
+echo "// no fault" > "$HDR"
+if [ ${#holes[@]} -gt 0 ]; then
+  echo "planted faults the emulated suite does not catch: ${holes[*]}" >&2
+  exit 1
+fi
+echo "every planted fault fails the emulated suite"
