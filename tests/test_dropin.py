@@ -209,10 +209,10 @@ def test_beta_2_of_one_is_a_zero_update_as_stock():
     w = tf.Variable([1.0, 2.0])
     tfclip.fused_clip_apply([(tf.constant([0.5, -0.5]), w)], r)
     np.testing.assert_array_equal(w.numpy(), [1.0, 2.0])
-    with pytest.raises(ValueError, match=r"beta_2 must be in \[0, 1\]"):
-        tfclip.keras.Adam(beta_2=1.5)
-    with pytest.raises(ValueError, match=r"beta_1 must be in \[0, 1\)"):
-        tfclip.keras.Adam(beta_1=1.0)
+    with pytest.raises(ValueError, match=r"beta_2 must be finite"):
+        tfclip.keras.Adam(beta_2=float("inf"))
+    with pytest.raises(ValueError, match=r"beta_1 must be finite"):
+        tfclip.keras.Adam(beta_1=float("nan"))
 
 
 # ------------------------------------------------------------------ without tfclip installed

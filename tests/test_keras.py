@@ -215,7 +215,7 @@ def test_get_config_from_config(cls):
     ({"clipvalue": 1.0, "clipnorm": 1.0}, "Only one of"),
     ({"nonfinite": "ignore"}, "nonfinite must be one of"),
     ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),
-    ({"epsilon": -1.0}, "epsilon must be"),
+    ({"epsilon": float("nan")}, "epsilon must be finite"),
 ])
 def test_bad_constructor_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

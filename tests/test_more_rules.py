@@ -156,7 +156,10 @@ def _bad_values():
     for rule, row in _core.rule_table().items():
         for name in row["hparams"]:
             info = _core.hparam_table()[name]
-            bad = info["lo"] - 1.0 if np.isfinite(info["lo"]) else info["hi"] + 1.0
+            # Below a finite lower bound, above a finite upper one, else (a range as wide as the
+            # stock classes') -inf (NaN is an optional input's "not given").
+            bad = (info["lo"] - 1.0 if np.isfinite(info["lo"])
+                   else info["hi"] + 1.0 if np.isfinite(info["hi"]) else float("-inf"))
             out.append(pytest.param(rule, name, bad, id=f"{rule}-{name}"))
             out.append(pytest.param(rule, name, float("inf"), id=f"{rule}-{name}-inf"))
     return out

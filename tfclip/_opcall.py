@@ -11,6 +11,8 @@ import collections
 import math
 import numbers
 import re
+import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor
@@ -32,6 +34,21 @@ tensor_norms: float32 vector, each gradient's own pre-clip L2 norm (an IndexedSl
     extra pass over memory; float64 sums in a fixed order). Given also for a skipped step, to
     tell which tensor was not finite. NaN when `use_norm` replaced the norm pass.
 """
+
+_STATE_LOCKS = weakref.WeakKeyDictionary()
+_STATE_LOCKS_GUARD = threading.Lock()
+
+
+def state_lock(owner):
+    """The re-entrant lock of a rule or optimizer, under which its state is made (once, whatever
+    the threads) and an eager step runs. Kept beside the object, not on it, so that copying,
+    pickling or Keras's attribute tracking never meet a lock."""
+    lock = _STATE_LOCKS.get(owner)
+    if lock is None:
+        with _STATE_LOCKS_GUARD:
+            lock = _STATE_LOCKS.setdefault(owner, threading.RLock())
+    return lock
+
 
 CLIP_ARGS = ("global_clipnorm", "clipnorm", "clipvalue")
 _CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue": "value"}

@@ -26,6 +26,13 @@ tfclip. `GradientNormLogger` writes them to TensorBoard. Differences, on purpose
 - **`lazy_sparse=True`** (off by default) updates only the embedding rows an `IndexedSlices`
   gradient touches, and only their slots: stock Keras decays every row's slots. By default
   IndexedSlices are applied without densifying them, with stock Keras's results.
+- **A non-finite hyper-parameter** (NaN, inf) is refused: at construction when it is a number,
+  by the op at run time (schedules, variables) with nothing written. Every finite value the stock
+  class takes is taken, with the stock arithmetic (a negative learning rate ascends).
+- **`apply(grads, variables)` with lists of unequal length** applies the pairs it has, as stock
+  Keras does, and warns with both lengths.
+- **Threads**: one optimizer stepped eagerly by several threads builds once and runs one step
+  at a time (stock Keras builds in each thread that finds it unbuilt).
 
 Inside an XLA-compiled function (`jit_compile=True`) a custom op cannot run; there the update
 falls back to the stock Keras ops (still clipping after the all-reduce), with the same results.
@@ -34,6 +41,7 @@ the step as `"propagate"` does, and `"raise"` is an error when the step is built
 """
 import contextlib
 import threading
+import warnings
 
 import keras
 import tensorflow as tf
@@ -81,8 +89,8 @@ def _state_variable(value, name, dtype):
 
 
 def _check_betas(opt, names=("beta_1", "beta_2", "epsilon")):
-    """A rule's numbers, at construction: the ranges the op accepts (csrc/core/hparams.h; Adam's
-    beta_2 = 1 included, a zero update as in stock Keras; beta_1 = 1 would divide by zero).
+    """A rule's numbers, at construction: the ranges the op accepts (csrc/core/hparams.h: every
+    finite value the stock classes take; the stock constructor has run its own checks already).
     Callables are checked per step, by the op."""
     for name in names:
         v = getattr(opt, name)
@@ -100,6 +108,14 @@ class _FusedMixin:
 
     def _tfclip_init(self, nonfinite, lazy_sparse):
         _opcall.check_policy(nonfinite)
+        # The learning rate and weight decay as numbers (a schedule or callable: per step, by
+        # the op): finite, the one refusal of tfclip's own (README: deliberate differences).
+        lr = getattr(self, "_learning_rate", None)
+        if isinstance(lr, keras.Variable) and tf.executing_eagerly():
+            _check_number("learning_rate", float(lr.numpy()))
+        wd = self.weight_decay
+        if isinstance(wd, (int, float)) and not isinstance(wd, bool):
+            _check_number("weight_decay", float(wd))
         # Keras allows one of the three (it raises first otherwise); each None or 0 is no clip.
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         if not isinstance(lazy_sparse, bool):
@@ -192,9 +208,28 @@ class _FusedMixin:
             config["lazy_sparse"] = True
         return config
 
+    def apply(self, grads, trainable_variables=None):
+        # Eagerly, one step at a time per optimizer: threads that share one optimizer build it
+        # once and end in the state of a serial order (stock Keras builds it in each thread that
+        # finds it unbuilt, and the updates written to the losing slots are lost). Not under
+        # tf.distribute, whose replica threads meet in merge_call; a tf.function step is traced
+        # once, under TF's own lock.
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            with _opcall.state_lock(self):
+                return super().apply(grads, trainable_variables)
+        return super().apply(grads, trainable_variables)
+
     # Clipping and weight decay happen inside the fused step, after the all-reduce; called
     # directly (or by the XLA fallback) these are the stock methods.
     def _backend_apply_gradients(self, grads, trainable_variables):
+        grads, trainable_variables = list(grads), list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            # Stock Keras zips the two lists, so it applies the pairs it has: the same here, said.
+            n = min(len(grads), len(trainable_variables))
+            warnings.warn(f"{type(self).__name__}.apply got {len(grads)} gradients for "
+                          f"{len(trainable_variables)} variables; applying the first {n} pairs, as "
+                          "stock Keras does", stacklevel=3)
+            grads, trainable_variables = grads[:n], trainable_variables[:n]
         with _fused_step(self):
             return super()._backend_apply_gradients(grads, trainable_variables)
 
@@ -307,6 +342,7 @@ class SGD(_FusedMixin, keras.optimizers.SGD):
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, *, nonfinite="skip",
                  lazy_sparse=False, **kwargs):
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs)
+        _check_betas(self, ("momentum",))
         self._tfclip_init(nonfinite, lazy_sparse)
 
     def _op_inputs(self, keras_vars):
@@ -381,7 +417,7 @@ class RMSprop(_Generic, keras.optimizers.RMSprop):
 class Adagrad(_Generic, keras.optimizers.Adagrad):
     """keras.optimizers.Adagrad as one fused op. Extra: `nonfinite`."""
 
-    _checked = ("epsilon",)
+    _checked = ("epsilon", "initial_accumulator_value")
 
     def _op_inputs(self, keras_vars):
         return ("adagrad", [self._slot_handles(self._accumulators, keras_vars)],
@@ -443,8 +479,7 @@ class Nadam(_Generic, keras.optimizers.Nadam):
 
 
 class Lion(_Generic, keras.optimizers.Lion):
-    """keras.optimizers.Lion as one fused op. Extra: `nonfinite`. (beta_1 in [0, 1): beta_1 = 1,
-    which Keras allows, is refused by the op's shared range.)"""
+    """keras.optimizers.Lion as one fused op. Extra: `nonfinite`."""
 
     _checked = ("beta_1", "beta_2")
 
@@ -458,7 +493,7 @@ class Ftrl(_Generic, keras.optimizers.Ftrl):
     Extra: `nonfinite`."""
 
     _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
-                "l2_shrinkage_regularization_strength", "beta")
+                "l2_shrinkage_regularization_strength", "beta", "initial_accumulator_value")
 
     def _op_inputs(self, keras_vars):
         kind, power = _opcall.ftrl_variant(self.learning_rate_power)

@@ -37,6 +37,7 @@ here (a row's duplicates summed, every row's slots updated).
 
 `weight_decay` on any rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
 """
+import contextlib
 import math
 import numbers
 
@@ -75,30 +76,59 @@ class Rule:
         for k, v in self._config_numbers().items():
             if isinstance(v, numbers.Real) and not isinstance(v, bool):
                 _check_number(k, v)
+        self._check_stock_ranges()
+
+    def _check_stock_ranges(self):
+        """The checks the stock class this rule mirrors makes in its constructor (beyond the
+        shared table's): none by default."""
 
     # -- state --------------------------------------------------------------------------
+    # State is made once, under the rule's lock: threads that start stepping one rule at once
+    # must not each make their own counter or slots (the updates written to the losing copies
+    # would be lost). Under tf.distribute it is made in the strategy's scope, so a rule first
+    # used in a replica function gets mirrored state (see tfclip.ops, _mirrored_step).
     @property
     def iterations(self):
-        if self._iterations is None:
-            with tf.init_scope():
-                self._iterations = tf.Variable(
-                    0, dtype=tf.int64, trainable=False, name=f"{self.name}/iterations"
-                )
-        return self._iterations
+        it = self._iterations
+        if it is None:
+            with _opcall.state_lock(self), _state_scope():
+                if self._iterations is None:
+                    self._iterations = tf.Variable(
+                        0, dtype=tf.int64, trainable=False, name=f"{self.name}/iterations",
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                it = self._iterations
+        return it
 
     def slots(self, var):
         """The slot variables of `var`, by name (created, as zeros, on first call)."""
         key = var.ref()
-        if key not in self._slots:
-            names = self.slot_names
-            with tf.init_scope():
-                base = var.name.split(":")[0]
-                self._slots[key] = {
-                    s: tf.Variable(tf.fill(var.shape, tf.cast(self._slot_initial(s), var.dtype)),
-                                   trainable=False, name=f"{base}/{self.name}/{s}")
-                    for s in names
-                }
-        return self._slots[key]
+        got = self._slots.get(key)
+        if got is None:
+            with _opcall.state_lock(self), _state_scope():
+                got = self._slots.get(key)
+                if got is None:
+                    base = var.name.split(":")[0]
+                    got = {
+                        s: tf.Variable(tf.fill(var.shape, tf.cast(self._slot_initial(s), var.dtype)),
+                                       trainable=False, name=f"{base}/{self.name}/{s}",
+                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                        for s in self.slot_names
+                    }
+                    self._slots[key] = got
+        return got
+
+    def _make_state(self, variables):
+        """Makes (once) the counter and the slots of `variables` now."""
+        self.iterations  # noqa: B018  (made on first read)
+        for v in variables:
+            self.slots(v)
+
+    def _state_variables(self, variables):
+        """The state a step over `variables` writes."""
+        out = [self.iterations]
+        for v in variables:
+            out.extend(self.slots(v).values())
+        return out
 
     @property
     def variables(self):
@@ -170,8 +200,18 @@ class Rule:
             self._handle_cache = (ids, variables, var_handles, slot_lists, host, counter)
         return var_handles, slot_lists, host, counter
 
-    def _apply(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
-               all_dense=False):
+    def _apply(self, grads, variables, *args, **kwargs):
+        # Eagerly, one step of a rule at a time: threads stepping one rule end in the state of
+        # a serial order (the counter read, the op and the count, and Nadam's product, as one).
+        # Not under tf.distribute, whose replica threads meet in merge_call (a lock held there
+        # would deadlock); in a graph the op's locks and the op-owned counter order the steps.
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            with _opcall.state_lock(self):
+                return self._apply_step(grads, variables, *args, **kwargs)
+        return self._apply_step(grads, variables, *args, **kwargs)
+
+    def _apply_step(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
+                    all_dense=False):
         # The step counter advances only for an applied step. With host variables and a host
         # counter the op reads it (Adam's step) and advances it under the step's locks: the
         # same count, atomic with the update, without the eager reads, constants and increments
@@ -238,6 +278,29 @@ class Rule:
         return tf.cast(self.iterations + 1, tf.float64)
 
 
+@contextlib.contextmanager
+def _state_scope():
+    """Where a rule's state is made: outside any tf.function (init_scope), and in the scope of
+    the strategy in use, if any, so that the state of a rule used under tf.distribute is
+    mirrored like the variables it serves."""
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    with tf.init_scope():
+        if strategy is None or tf.distribute.has_strategy():
+            yield
+        else:
+            with strategy.scope():
+                yield
+
+
+def _check_range(name, v, lo, hi, lo_open=False, hi_open=False):
+    """A stock class's own constructor check, for the rule that mirrors it (numbers only)."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return
+    if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}"
+                         f"{')' if hi_open else ']'} (as the stock class checks it), got {v}")
+
+
 def _check_number(name, v):
     """A hyper-parameter given as a Python number, checked at construction against the range the
     core's table gives it (csrc/core/hparams.h, through tfclip._core.hparam_table())."""
@@ -264,6 +327,9 @@ class SGD(Rule):
         self.momentum = momentum
         self.nesterov = bool(nesterov)
         super().__init__(learning_rate, weight_decay, name)
+
+    def _check_stock_ranges(self):
+        _check_range("momentum", self.momentum, 0.0, 1.0)  # keras.optimizers.SGD's
 
     @property
     def kind(self):
@@ -364,7 +430,8 @@ class Adagrad(Rule):
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "epsilon": self.epsilon,
-                "weight_decay": self.weight_decay}
+                "weight_decay": self.weight_decay,
+                "initial_accumulator_value": self.initial_accumulator_value}
 
     def _slot_initial(self, name):
         return self.initial_accumulator_value
@@ -386,7 +453,8 @@ class RMSprop(Rule):
         super().__init__(learning_rate, weight_decay, name)
 
     def _has_momentum(self):
-        return not (isinstance(self.momentum, numbers.Real) and self.momentum == 0)
+        # As Keras: a momentum slot only for momentum > 0 (a number <= 0 is no momentum).
+        return not (isinstance(self.momentum, numbers.Real) and self.momentum <= 0)
 
     @property
     def slot_names(self):
@@ -462,6 +530,9 @@ class Lion(Rule):
         self.beta_1, self.beta_2 = beta_1, beta_2
         super().__init__(learning_rate, weight_decay, name)
 
+    def _check_stock_ranges(self):
+        _check_range("beta_1", self.beta_1, 0.0, 1.0, lo_open=True)  # keras.optimizers.Lion's
+
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
                 "weight_decay": self.weight_decay}
@@ -504,12 +575,23 @@ class Nadam(Rule):
         return {**super()._op_hparams(has_counter), "beta_1": self.beta_1, "beta_2": self.beta_2,
                 "epsilon": self.epsilon, "step": step, "u_product": self._next_u_product}
 
-    def _apply(self, grads, variables, *args, **kwargs):
+    def _make_state(self, variables):
+        super()._make_state(variables)
         if self.u_product is None:
-            with tf.init_scope():
-                self.u_product = tf.Variable(tf.ones([], variables[0].dtype), trainable=False,
-                                             name=f"{self.name}/u_product")
-        result = super()._apply(grads, variables, *args, **kwargs)
+            with _opcall.state_lock(self), _state_scope():
+                if self.u_product is None:
+                    self.u_product = tf.Variable(
+                        tf.ones([], variables[0].dtype), trainable=False, name=f"{self.name}/u_product",
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def _state_variables(self, variables):
+        self._make_state(variables)
+        return super()._state_variables(variables) + [self.u_product]
+
+    def _apply_step(self, grads, variables, *args, **kwargs):
+        if self.u_product is None:
+            self._make_state(variables)
+        result = super()._apply_step(grads, variables, *args, **kwargs)
         nxt = tf.where(result.applied, self._next_u_product, self.u_product)
         bump = self.u_product.assign(nxt, read_value=False)
         if tf.executing_eagerly():
@@ -547,7 +629,8 @@ class Ftrl(Rule):
                 "l1_regularization_strength": self.l1_regularization_strength,
                 "l2_regularization_strength": self.l2_regularization_strength,
                 "l2_shrinkage_regularization_strength": self.l2_shrinkage_regularization_strength,
-                "beta": self.beta, "weight_decay": self.weight_decay}
+                "beta": self.beta, "weight_decay": self.weight_decay,
+                "initial_accumulator_value": self.initial_accumulator_value}
 
     def _slot_initial(self, name):
         return self.initial_accumulator_value if name == "accumulator" else 0.0

@@ -13,23 +13,29 @@ namespace tfclip {
 // X(field = op input name, name in messages, default, lo, lo_open, hi, hi_open)
 // A NaN default marks an optional input: NaN there means "not given" (Adam's beta powers, given
 // by TF1's AdamOptimizer, else computed from `step`), and NaN is accepted for it.
+// The ranges are the stock classes' (Keras 3, tf.compat.v1.train): a value any of them accepts is
+// accepted here and gives the stock arithmetic, NaN included (a negative learning rate ascends;
+// Adam's beta_1 = 1 divides by zero as stock does). Stock checks only Ftrl's (learning_rate_power
+// <= 0, the l1/l2/shrinkage strengths >= 0; Keras SGD's momentum and Lion's beta_1 are checked by
+// those classes themselves). The one refusal of tfclip's own: a non-finite value (stock would
+// write NaN or inf into every variable), and `step` (tfclip's own t) below 1.
 #define TFCLIP_FOR_EACH_HPARAM(X)                                      \
-  X(lr, "learning_rate", 0.0, 0.0, false, INFINITY, false)            \
-  X(momentum, "momentum", 0.0, 0.0, false, 1.0, false)                 \
-  X(beta_1, "beta_1", 0.9, 0.0, false, 1.0, true)                      \
-  X(beta_2, "beta_2", 0.999, 0.0, false, 1.0, false)                   \
-  X(epsilon, "epsilon", 1e-7, 0.0, false, INFINITY, false)             \
-  X(weight_decay, "weight_decay", 0.0, 0.0, false, INFINITY, false)    \
-  X(rho, "rho", 0.9, 0.0, false, 1.0, false)                           \
+  X(lr, "learning_rate", 0.0, -INFINITY, false, INFINITY, false)      \
+  X(momentum, "momentum", 0.0, -INFINITY, false, INFINITY, false)      \
+  X(beta_1, "beta_1", 0.9, -INFINITY, false, INFINITY, false)          \
+  X(beta_2, "beta_2", 0.999, -INFINITY, false, INFINITY, false)        \
+  X(epsilon, "epsilon", 1e-7, -INFINITY, false, INFINITY, false)       \
+  X(weight_decay, "weight_decay", 0.0, -INFINITY, false, INFINITY, false) \
+  X(rho, "rho", 0.9, -INFINITY, false, INFINITY, false)                \
   X(step, "step", 1.0, 1.0, false, INFINITY, false)                    \
-  X(beta_1_power, "beta_1_power", NAN, 0.0, false, 1.0, true)          \
-  X(beta_2_power, "beta_2_power", NAN, 0.0, false, 1.0, false)         \
-  X(u_product, "u_product", 1.0, 0.0, false, 1.0, false)               \
+  X(beta_1_power, "beta_1_power", NAN, -INFINITY, false, INFINITY, false) \
+  X(beta_2_power, "beta_2_power", NAN, -INFINITY, false, INFINITY, false) \
+  X(u_product, "u_product", 1.0, -INFINITY, false, INFINITY, false)    \
   X(lr_power, "learning_rate_power", -0.5, -INFINITY, false, 0.0, false) \
   X(l1, "l1_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
   X(l2, "l2_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
   X(l2_shrinkage, "l2_shrinkage_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
-  X(beta, "beta", 0.0, 0.0, false, INFINITY, false)
+  X(beta, "beta", 0.0, -INFINITY, false, INFINITY, false)
 
 // X(field, op attr name): the rules' boolean options.
 #define TFCLIP_FOR_EACH_FLAG(X) \

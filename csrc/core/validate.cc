@@ -36,6 +36,10 @@ std::string ValidateClipConfig(const ClipConfig& cfg) {
 std::string HParamError(int k, double v) {
   const HParamInfo i = GetHParamInfo(static_cast<HP>(k));
   std::ostringstream os;
+  if (std::isinf(i.lo) && std::isinf(i.hi)) {
+    os << i.display << " must be finite, got " << v;
+    return os.str();
+  }
   os << i.display << " must be finite and in " << (i.lo_open ? "(" : "[") << i.lo << ", "
      << (std::isinf(i.hi) ? "inf" : Fmt(i.hi)) << (i.hi_open ? ")" : "]") << ", got " << v;
   return os.str();

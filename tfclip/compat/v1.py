@@ -24,8 +24,13 @@ non-finite norm skips the step, so the norms say which gradient was inf/NaN.
 
 Differences from the stock classes, on purpose: `nonfinite="skip"` by default (a step whose
 global norm is inf/NaN writes nothing, Adam's beta powers included; `global_step` still
-advances), and resource variables are required (TF2's default; in a TF1 graph,
-`tf.compat.v1.enable_resource_variables()`).
+advances), a non-finite hyper-parameter is refused (by the op, nothing written), the clip under
+`tf.distribute` sees the replicas' summed gradient (the stock classes sum too, and a clip put
+between `compute_gradients` and `apply_gradients` would see each replica's own), and resource
+variables are required (TF2's default; in a TF1 graph,
+`tf.compat.v1.enable_resource_variables()`). Under `tf.distribute` the step runs as the stock
+one: the replicas' gradients summed, then one update of every copy. Shared by threads, an
+optimizer makes its slots once and runs one step at a time.
 
 `IndexedSlices` gradients (embeddings) are applied without densifying them, as the stock
 classes apply them: SGD as a scatter, Momentum on the touched rows only (duplicates summed),
@@ -38,9 +43,12 @@ with epsilon 0: TF's kernel computes `g * lr * rsqrt(accum)` where it computes
 `lr * g / sqrt(accum)`, so they agree to float rounding (an ulp or two a step).
 """
 
+import numbers
+
 import tensorflow as tf
 
 from tfclip import _opcall
+from tfclip.rules import _check_number
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
            "AdagradOptimizer"]
@@ -65,6 +73,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
         self._tfclip_norms = {}  # graph (None: eager) -> its global-norm variable; not tracked
         self._tfclip_tnorms = {}  # (graph, the step's variables) -> (tensor-norms variable, names)
         self._tfclip_last_tnorms = {}  # graph -> the last step's (tensor-norms variable, names)
+
+    @staticmethod
+    def _check_numbers(**named):
+        """The hyper-parameters given as numbers, at construction: every finite value (the stock
+        classes check none); NaN and inf are refused here, by their TF1 names. Tensors and
+        callables are checked by the op when the step runs, before it writes anything."""
+        for name, v in named.items():
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):
+                _check_number(name, float(v))
 
     def _create_slots(self, var_list):
         for v in var_list:
@@ -139,21 +156,42 @@ class _Fused(tf.compat.v1.train.Optimizer):
         pairs = list(grads_and_vars)
         if not pairs:
             raise ValueError("No variables provided.")
-        grads, var_list, all_vars, where = [], [], [], []
         for i, pair in enumerate(pairs):
             try:
-                g, v = pair
+                _, _ = pair
             except (TypeError, ValueError):
                 raise TypeError(f"grads_and_vars[{i}] is not a (gradient, variable) pair") from None
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            # As the stock class: the replicas' gradients summed, then one update of every copy
+            # from the cross-replica context (each replica writing its own copy would let them
+            # drift apart).
+            replica = tf.distribute.get_replica_context()
+            if replica is None:
+                raise RuntimeError("Use `_distributed_apply()` instead of `apply_gradients()` in a "
+                                   "cross-replica context.")
+            return replica.merge_call(self._distributed_apply, args=(pairs, global_step, name))
+        # One step at a time per optimizer (eager threads sharing it make its slots once).
+        with _opcall.state_lock(self):
+            return self._apply_pairs(pairs, global_step, name)
+
+    def _distributed_apply(self, strategy, pairs, global_step=None, name=None):
+        given = [(g, v) for g, v in pairs if g is not None]
+        reduced = iter(strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, given) if given else ())
+        pairs = [(None if g is None else next(reduced), v) for g, v in pairs]
+        return self._apply_pairs(pairs, global_step, name, strategy)
+
+    def _apply_pairs(self, pairs, global_step, name, strategy=None):
+        grads, var_list, all_vars, where = [], [], [], []
+        for i, (g, v) in enumerate(pairs):
             all_vars.append(v)
             if g is None:
                 where.append(None)
                 continue
             where.append(len(var_list))
-            if not hasattr(v, "handle"):
+            if not (isinstance(v, tf.distribute.DistributedValues) or hasattr(v, "handle")):
                 raise TypeError(f"grads_and_vars[{i}]: {v.name} is not a resource variable; tfclip "
                                 "needs resource variables (tf.compat.v1.enable_resource_variables())")
-            if not isinstance(g, tf.IndexedSlices):
+            if not isinstance(g, (tf.IndexedSlices, tf.distribute.DistributedValues)):
                 g = tf.convert_to_tensor(g)
             grads.append(g)
             var_list.append(v)
@@ -163,17 +201,28 @@ class _Fused(tf.compat.v1.train.Optimizer):
             self._create_slots(var_list)
             norm_var = self._norm_var(var_list)
             tnorm_var = self._tnorm_var(all_vars)
-        with tf.name_scope(name or self._name):
+
+        def step(grads):
             self._prepare()
             norm, applied, tnorms = self._fused(var_list, grads)
             if len(var_list) < len(all_vars):  # a 0 for each pair without a gradient
                 tnorms = tf.gather(tf.concat([tnorms, [0.0]], 0),
                                    [len(var_list) if k is None else k for k in where])
-            updates = [norm_var.assign(norm, read_value=False),
-                       tnorm_var.assign(tnorms, read_value=False), *self._finish_step(applied)]
+            return [norm_var.assign(norm, read_value=False),
+                    tnorm_var.assign(tnorms, read_value=False), *self._finish_step(applied)]
+
+        with tf.name_scope(name or self._name):
+            if strategy is None:
+                updates = step(grads)
+            else:  # the same op on every device, over its copies
+                updates = [strategy.extended.update(
+                    var_list[0], lambda _, *gs: tf.group(*step(list(gs))), args=tuple(grads), group=True)]
             with tf.control_dependencies(updates):
                 if global_step is None:
                     return tf.group(*updates, name="apply")
+                if strategy is not None:
+                    return strategy.extended.update(
+                        global_step, lambda g: g.assign_add(1, read_value=False, name="apply"))
                 return tf.compat.v1.assign_add(global_step, 1, name="apply").op
 
     # IndexedSlices updates as the stock TF1 class applies them (_resource_apply_sparse).
@@ -204,6 +253,7 @@ class GradientDescentOptimizer(_Fused):
     def __init__(self, learning_rate, use_locking=False, name="GradientDescent", *, global_clipnorm=None,
                  clipnorm=None, clipvalue=None, nonfinite="skip"):
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate)
         self._learning_rate = learning_rate
 
     def _op_inputs(self):
@@ -219,6 +269,7 @@ class MomentumOptimizer(_Fused):
     def __init__(self, learning_rate, momentum, use_locking=False, name="Momentum", use_nesterov=False, *,
                  global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate, momentum=momentum)
         self._learning_rate, self._momentum, self._use_nesterov = learning_rate, momentum, use_nesterov
 
     def _op_inputs(self):
@@ -234,6 +285,7 @@ class AdamOptimizer(_Fused):
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, use_locking=False,
                  name="Adam", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
         self._lr, self._beta1, self._beta2, self._epsilon = learning_rate, beta1, beta2, epsilon
 
     def _create_slots(self, var_list):
@@ -275,6 +327,7 @@ class RMSPropOptimizer(_Fused):
     def __init__(self, learning_rate, decay=0.9, momentum=0.0, epsilon=1e-10, use_locking=False, centered=False,
                  name="RMSProp", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate, decay=decay, momentum=momentum, epsilon=epsilon)
         self._learning_rate, self._decay, self._momentum = learning_rate, decay, momentum
         self._epsilon, self._centered = epsilon, centered
         self._slot_names = ("rms", "mg", "momentum") if centered else ("rms", "momentum")
@@ -300,6 +353,7 @@ class AdagradOptimizer(_Fused):
         if initial_accumulator_value <= 0.0:
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
         super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value)
         self._learning_rate, self._initial = learning_rate, initial_accumulator_value
 
     def _slot_initial(self, name):
