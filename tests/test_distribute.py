@@ -83,10 +83,17 @@ def test_multi_worker_two_processes(single, tmp_path):
              for i in range(2)]
     for p in procs:
         _wait(p)
+    applied = []
     for i in range(2):
         w = np.load(tmp_path / f"w{i}.npz")
         assert int(w["replicas"]) == 2 and int(w["task"]) == i
         _same_weights(w, single, "custom")
+        applied.append(w["fused_clip_apply"])
+    # fused_clip_apply inside strategy.run on each worker: the same copies everywhere; the MEAN
+    # variable moved by the mean of the workers' gradients (1 and 2 times [1, 2]), twice.
+    np.testing.assert_array_equal(applied[0], applied[1])
+    np.testing.assert_allclose(applied[0][:2], 1.0 - 2 * 0.1 * 1.5 * np.array([1.0, 2.0]), rtol=1e-6)
+    assert applied[0][-1] == 2.0
 
 
 def test_demo_with_two_workers_trains(tmp_path):
@@ -95,3 +102,66 @@ def test_demo_with_two_workers_trains(tmp_path):
                         "--length", "10"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "2 replicas" in r.stdout and "over 4 steps; 0 skipped" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def replica_apply(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replica_apply") / "r.npz"
+    _wait(_run("replica_apply", out))
+    return np.load(out)
+
+
+@pytest.mark.parametrize("how", ["graph", "eager"])
+@pytest.mark.parametrize("aggregation,moved", [("MEAN", 1.5), ("SUM", 3.0), ("ONLY_FIRST_REPLICA", 1.0),
+                                               ("NONE", 3.0)])
+def test_fused_clip_apply_in_a_replica_context_honours_the_aggregation(replica_apply, how, aggregation,
+                                                                        moved):
+    """Inside strategy.run each replica passes its own gradient ((id + 1) * [1, 2]); SGD lr 0.1,
+    two steps. The copies stay identical (checked after every step in the subprocess) and move
+    as stock assign_sub moves a variable of that aggregation (MEAN: the mean of the replicas'
+    updates; SUM: their sum; ONLY_FIRST_REPLICA: the first's). NONE, where stock assign_sub lets
+    the copies differ, takes the stock optimizers' all-reduce (the sum)."""
+    r = replica_apply
+    got = r[f"agg_{aggregation}_{how}"]
+    np.testing.assert_allclose(got, 1.0 - 2 * 0.1 * moved * np.array([1.0, 2.0]), rtol=1e-6)
+    if aggregation != "NONE":
+        np.testing.assert_array_equal(got, r[f"stock_{aggregation}_{how}"])
+    assert int(r[f"iterations_{aggregation}"]) == 2
+
+
+@pytest.mark.parametrize("rule", ["Adam", "Nadam", "Lamb"])
+def test_fused_clip_apply_in_a_replica_context_is_one_device_on_the_summed_gradient(replica_apply, rule):
+    """Keras weights (aggregation NONE), a different gradient per replica, global_clipnorm=1:
+    clipped after the sum, three steps, equal to one device given the summed gradient."""
+    r = replica_apply
+    np.testing.assert_allclose(r[f"{rule}_mirrored"], r[f"{rule}_one_device"], rtol=1e-6, atol=1e-7)
+    norm, want = r[f"{rule}_norm"]
+    assert norm == pytest.approx(want, rel=1e-6)
+
+
+def test_fused_clip_apply_in_the_cross_replica_context_moves_every_copy(replica_apply):
+    r = replica_apply
+    copies = r["cross_replica"]
+    assert copies.shape == (2, 2)
+    np.testing.assert_array_equal(copies[0], copies[1])
+    np.testing.assert_array_equal(copies[0], r["cross_replica_one"])
+    assert not np.array_equal(copies[0], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("key,names", [("error_plain", ["plain_var", "not mirrored", "strategy.scope()"]),
+                                       ("error_on_read", ["on_read_var", "SyncOnRead"])])
+def test_unmirrored_variables_in_a_replica_context_are_refused_by_name(replica_apply, key, names):
+    message = str(replica_apply[key])
+    for n in names:
+        assert n in message, message
+    assert bool(replica_apply[key + "_unchanged"])
+
+
+def test_compat_v1_in_a_replica_context_sums_like_stock_and_keeps_copies_identical(replica_apply):
+    r = replica_apply
+    # No clip: stock tf.compat.v1 Adam's result (the replicas' gradients summed).
+    np.testing.assert_allclose(r["v1_tfclip_None"], r["v1_stock_None"], rtol=1e-5, atol=5e-6)
+    # A global clip: after the sum, so one device given the summed gradient.
+    np.testing.assert_allclose(r["v1_tfclip_1.0"], r["v1_one_device_1.0"], rtol=1e-6, atol=1e-7)
+    for clip in ("None", "1.0"):
+        assert int(r[f"v1_gstep_tensorflow_{clip}"]) == int(r[f"v1_gstep_tfclip_{clip}"]) == 3

@@ -3,6 +3,8 @@ at start-up, so the tests and the demo run this as a subprocess).
 
     python -m tfclip.distributed_check mirrored OUT.npz        # 2 logical CPUs, fit + custom loop
     python -m tfclip.distributed_check single OUT.npz          # the same training on one device
+    python -m tfclip.distributed_check replica_apply OUT.npz   # fused_clip_apply and compat.v1
+                                                               # inside strategy.run, 2 logical CPUs
     TF_CONFIG=... python -m tfclip.distributed_check worker OUT.npz   # one MultiWorkerMirrored worker
                                                                       # (custom loop)
 
@@ -57,6 +59,7 @@ def _fit(strategy):
     opts = tf.data.Options()
     opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     model.fit(ds.with_options(opts), epochs=1, verbose=0, shuffle=False)
+    _check_replicas_identical(strategy, model.trainable_variables + list(model.optimizer.variables))
     return ([w for w in model.get_weights()], float(model.optimizer.global_norm.numpy()),
             model.optimizer.tensor_norms.numpy())
 
@@ -85,7 +88,188 @@ def _custom_loop(strategy):
 
     for batch in ds:
         step(batch)
+        _check_replicas_identical(strategy, model.trainable_variables + list(opt.variables))
     return model.get_weights()
+
+
+def _check_replicas_identical(strategy, variables):
+    """Every local copy of every variable holds the same bits (after a step)."""
+    import numpy as np
+
+    for v in variables:
+        copies = [np.asarray(c) for c in strategy.experimental_local_results(getattr(v, "value", v))]
+        for c in copies[1:]:
+            if not np.array_equal(c, copies[0], equal_nan=True):
+                raise AssertionError(f"the replicas of {v.name} differ: {copies}")
+
+
+def _replica_gradient(base):
+    """base * (replica id + 1): a different gradient on each replica (global id, so workers differ)."""
+    import tensorflow as tf
+
+    r = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return tf.cast(r + 1, base.dtype) * base
+
+
+def _replica_apply(strategy):
+    """tfclip.fused_clip_apply called inside strategy.run with a different gradient per replica.
+
+    Returns a dict of results for the test: per aggregation, tfclip's copies and stock
+    assign_sub's; Adam + global clip on Keras weights against one device on the summed
+    gradient; the cross-replica call; the errors for unmirrored and SyncOnRead variables; and
+    tfclip.compat.v1 against stock tf.compat.v1 Adam."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfclip
+
+    n = strategy.num_replicas_in_sync
+    out = {}
+    agg = tf.VariableAggregation
+    base = tf.constant([1.0, 2.0])
+    for name in ("MEAN", "SUM", "ONLY_FIRST_REPLICA", "NONE"):
+        for eager in (False, True):
+            with strategy.scope():
+                v = tf.Variable([1.0, 1.0], aggregation=getattr(agg, name))
+                ref = tf.Variable([1.0, 1.0], aggregation=getattr(agg, name))
+                rule = tfclip.rules.SGD(0.1)
+
+            def replica_step():
+                g = _replica_gradient(base)
+                result = tfclip.fused_clip_apply([(g, v)], rule)
+                ref.assign_sub(0.1 * g)
+                return result.applied
+
+            def run():
+                return strategy.run(replica_step)
+
+            if not eager:
+                run = tf.function(run)
+            for _ in range(2):
+                run()
+                _check_replicas_identical(strategy, [v] + rule.variables)
+            out[f"agg_{name}_{'eager' if eager else 'graph'}"] = np.asarray(strategy.experimental_local_results(v)[0])
+            if name != "NONE":  # stock assign_sub in a replica context lets NONE's copies differ
+                out[f"stock_{name}_{'eager' if eager else 'graph'}"] = np.asarray(
+                    strategy.experimental_local_results(ref)[0])
+            out[f"iterations_{name}"] = int(rule.iterations.numpy())
+
+    # Adam, a global clip, Keras weights (aggregation NONE): one device on the summed gradient.
+    rng = np.random.default_rng(5)
+    shapes = [(4, 3), (3,), ()]
+    init = [rng.normal(size=s).astype("float32") for s in shapes]
+    bases = [tf.constant(rng.normal(size=s).astype("float32")) for s in shapes]
+    for rule_name in ("Adam", "Nadam", "Lamb"):
+        with strategy.scope():
+            ws = [keras.Variable(x) for x in init]
+            rule = getattr(tfclip.rules, rule_name)(0.05)
+
+        @tf.function
+        def step():
+            def replica_step():
+                grads = [_replica_gradient(b) for b in bases]
+                return tfclip.fused_clip_apply(zip(grads, ws), rule, global_clipnorm=1.0).global_norm
+            return strategy.run(replica_step)
+
+        one = [tf.Variable(x) for x in init]
+        one_rule = getattr(tfclip.rules, rule_name)(0.05)
+        total = sum(range(1, n + 1))
+        norms = []
+        for _ in range(3):
+            norms.append(float(strategy.experimental_local_results(step())[0]))
+            _check_replicas_identical(strategy, ws + rule.variables)
+            want = tfclip.fused_clip_apply([(b * total, w) for b, w in zip(bases, one)], one_rule,
+                                           global_clipnorm=1.0)
+        out[f"{rule_name}_mirrored"] = np.concatenate([np.ravel(w.numpy()) for w in ws])
+        out[f"{rule_name}_one_device"] = np.concatenate([np.ravel(w.numpy()) for w in one])
+        out[f"{rule_name}_norm"] = np.array([norms[-1], float(want.global_norm)])
+
+    # Called in the cross-replica context with mirrored variables: every copy moves.
+    with strategy.scope():
+        v = tf.Variable([1.0, 1.0], aggregation=agg.MEAN)
+        rule = tfclip.rules.Adam(0.1)
+        tfclip.fused_clip_apply([(tf.constant([1.0, -1.0]), v)], rule)
+    _check_replicas_identical(strategy, [v] + rule.variables)
+    one = tf.Variable([1.0, 1.0])
+    tfclip.fused_clip_apply([(tf.constant([1.0, -1.0]), one)], tfclip.rules.Adam(0.1))
+    out["cross_replica"] = np.stack([np.asarray(c) for c in strategy.experimental_local_results(v)])
+    out["cross_replica_one"] = one.numpy()
+
+    # Refused, by name: a variable made outside the strategy, and a SyncOnRead one.
+    plain = tf.Variable([1.0], name="plain_var")
+    with strategy.scope():
+        on_read = tf.Variable([1.0], name="on_read_var", trainable=False,
+                              synchronization=tf.VariableSynchronization.ON_READ,
+                              aggregation=agg.SUM)
+    for key, var in (("error_plain", plain), ("error_on_read", on_read)):
+        before = [np.asarray(c) for c in strategy.experimental_local_results(var)]
+        try:
+            strategy.run(lambda var=var: tfclip.fused_clip_apply([(tf.constant([1.0]), var)],
+                                                                  tfclip.rules.SGD(0.1)))
+            out[key] = "no error"
+        except ValueError as e:
+            out[key] = str(e)
+        after = [np.asarray(c) for c in strategy.experimental_local_results(var)]
+        out[key + "_unchanged"] = all(np.array_equal(a, b) for a, b in zip(before, after))
+
+    # tfclip.compat.v1 against stock tf.compat.v1 Adam: the summed gradient, every copy alike.
+    for clip in (None, 1.0):
+        finals = []
+        for make in (lambda: tf.compat.v1.train.AdamOptimizer(0.05),
+                     lambda: tfclip.compat.v1.AdamOptimizer(0.05, global_clipnorm=clip)):
+            with strategy.scope():
+                ws = [tf.Variable(x) for x in init]
+                opt = make()
+                gstep = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                    aggregation=agg.ONLY_FIRST_REPLICA)
+
+            @tf.function
+            def step():
+                def replica_step():
+                    grads = [_replica_gradient(b) for b in bases]
+                    opt.apply_gradients(zip(grads, ws), global_step=gstep)
+                strategy.run(replica_step)
+
+            for _ in range(3):
+                step()
+                _check_replicas_identical(strategy, ws + opt.variables())
+            finals.append(np.concatenate([np.ravel(w.numpy()) for w in ws]))
+            out[f"v1_gstep_{type(opt).__module__.split('.')[0]}_{clip}"] = int(gstep.numpy())
+        out[f"v1_stock_{clip}"], out[f"v1_tfclip_{clip}"] = finals
+    one = [tf.Variable(x) for x in init]
+    one_opt = tfclip.compat.v1.AdamOptimizer(0.05, global_clipnorm=1.0)
+    for _ in range(3):
+        one_opt.apply_gradients([(b * sum(range(1, n + 1)), w) for b, w in zip(bases, one)])
+    out["v1_one_device_1.0"] = np.concatenate([np.ravel(w.numpy()) for w in one])
+    return out
+
+
+def _worker_apply(strategy):
+    """fused_clip_apply across workers: a MEAN variable and an Adam rule, each worker's
+    gradient its replica id + 1; every worker must end with the same copies."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tfclip
+
+    with strategy.scope():
+        v = tf.Variable([1.0, 1.0], aggregation=tf.VariableAggregation.MEAN)
+        w = tf.Variable([1.0, -1.0])
+        sgd, adam = tfclip.rules.SGD(0.1), tfclip.rules.Adam(0.1)
+
+    @tf.function
+    def step():
+        def replica_step():
+            tfclip.fused_clip_apply([(_replica_gradient(tf.constant([1.0, 2.0])), v)], sgd)
+            tfclip.fused_clip_apply([(_replica_gradient(tf.constant([3.0, -1.0])), w)], adam,
+                                    global_clipnorm=1.0)
+        strategy.run(replica_step)
+
+    for _ in range(2):
+        step()
+        _check_replicas_identical(strategy, [v, w] + sgd.variables + adam.variables)
+    return np.concatenate([v.numpy(), w.numpy(), [float(adam.iterations.numpy())]])
 
 
 def _two_replica_clip(strategy):
@@ -131,6 +315,12 @@ def main(argv=None):
         result["custom"] = _custom_loop(strategy)
         result["two_replica_clip"] = _two_replica_clip(strategy)
         result["replicas"] = strategy.num_replicas_in_sync
+    elif mode == "replica_apply":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        result.update(_replica_apply(strategy))
+        result["replicas"] = strategy.num_replicas_in_sync
     elif mode == "single":
         strategy = tf.distribute.get_strategy()
         result["fit"], result["fit_norm"], result["tnorms_fit"] = _fit(strategy)
@@ -140,6 +330,7 @@ def main(argv=None):
         # A custom loop: Keras 3.15's model.fit fails under MultiWorkerMirroredStrategy on CPU
         # workers with the stock optimizers too (it converts a PerReplica batch to a tensor).
         result["custom"] = _custom_loop(strategy)
+        result["fused_clip_apply"] = _worker_apply(strategy)
         result["replicas"] = strategy.num_replicas_in_sync
         result["task"] = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     else:

@@ -3,6 +3,7 @@ import collections
 import numbers
 
 import tensorflow as tf
+from tensorflow.python.distribute import values as _dist_values
 from tensorflow.python.framework.ops import EagerTensor
 
 from tfclip import _eager, _loader, _opcall
@@ -238,6 +239,11 @@ def fused_clip_apply(
         split = _split_pairs(pairs)
         _remember_eager_split(pairs, split, rule)
     grads, variables = split
+    if not fast:
+        mirrored = _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
+                                  bool(lazy_sparse), name)
+        if mirrored is not None:
+            return mirrored
     if fast:  # eager: no name scope (eager ops keep no names)
         try:
             return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
@@ -250,6 +256,120 @@ def fused_clip_apply(
     with tf.name_scope(name or f"clip_apply_{rule.kind}"):
         return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
                            bool(lazy_sparse))
+
+
+# ---------------------------------------------------------------- tf.distribute
+# A replica writing its own copy of a mirrored variable would let the copies drift apart for
+# good. Stock assignments in a replica context aggregate across replicas by the variable's
+# `aggregation`; the stock optimizers all-reduce the gradients (a sum) and apply once, in the
+# cross-replica context, to every copy. tfclip does the same: the gradients of the replicas are
+# aggregated as each variable asks (MEAN: their mean, SUM: their sum, ONLY_FIRST_REPLICA: the
+# first replica's; NONE, the default of tf.Variable and Keras weights: the sum, as Keras's and
+# TF1's optimizers all-reduce), then clipped (after the aggregation, as tfclip's Keras
+# optimizers clip) and applied by one fused op per device, with the same inputs on every device,
+# so every copy gets the same bits. Variables that are not mirrored are refused, by name.
+
+
+def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite, lazy, name):
+    """The step under a strategy of more than one replica, or None where a plain step serves
+    (no strategy, one replica, or, in the cross-replica context, no distributed variable)."""
+    if not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync <= 1:
+        return None
+    replica = tf.distribute.get_replica_context()  # None in the cross-replica context
+    if replica is None and not any(isinstance(v, tf.distribute.DistributedValues) for v in variables):
+        return None
+    _check_mirrored(variables, strategy, replica is not None)
+    step = dict(clip_mode=clip_mode, clip=clip, nonfinite=nonfinite, lazy_sparse=lazy)
+    scope = name or f"clip_apply_{rule.kind}"
+
+    def merge(strategy, grads, use_norm):
+        if isinstance(use_norm, tf.distribute.DistributedValues):  # the first replica's
+            use_norm = strategy.experimental_local_results(use_norm)[0]
+        with tf.name_scope(scope):
+            return _update_every_copy(strategy, _aggregate(strategy, grads, variables), variables, rule,
+                                      dict(step, use_norm=use_norm))
+
+    if replica is None:  # given in the cross-replica context: one gradient for every copy
+        result = merge(strategy, [(g, None) for g in grads], use_norm)
+        return ClipApplyResult(*[strategy.experimental_local_results(t)[0] for t in result])
+    return ClipApplyResult(*replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables),
+                                                            use_norm)))
+
+
+def _replica_contributions(replica, grads, variables):
+    """Each gradient as this replica contributes it to the all-reduce: (value, reduction). A
+    fresh tensor per replica (merge_call sees one value per replica, never a shared object), and
+    for an ONLY_FIRST_REPLICA variable the first replica's gradient alone (the others send zeros,
+    so a sum across every worker is the first replica's, exactly)."""
+    first = tf.equal(replica.replica_id_in_sync_group, 0)
+    out = []
+    for g, v in zip(grads, variables):
+        if v.aggregation == tf.VariableAggregation.MEAN:
+            op, keep = tf.distribute.ReduceOp.MEAN, None
+        else:
+            op = tf.distribute.ReduceOp.SUM
+            keep = first if v.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA else None
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        values = tf.identity(values) if keep is None else values * tf.cast(keep, values.dtype)
+        out.append((tf.IndexedSlices(values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
+                    else values, op))
+    return out
+
+
+def _check_mirrored(variables, strategy, in_replica):
+    where = (f"in a replica context of {type(strategy).__name__} ({strategy.num_replicas_in_sync} "
+             "replicas)" if in_replica else f"under {type(strategy).__name__}")
+    for v in variables:
+        if not isinstance(v, tf.distribute.DistributedValues):
+            raise ValueError(
+                f"variable {v.name} is not mirrored, but this step runs {where}: each replica would "
+                "apply its own update to it. Create the variable under `strategy.scope()`, or apply "
+                "outside the strategy.")
+        if v.synchronization == tf.VariableSynchronization.ON_READ:
+            raise ValueError(
+                f"variable {v.name} is a SyncOnRead variable (synchronization=ON_READ), whose "
+                f"copies are kept apart on purpose; tfclip applies one update to every copy of a "
+                "mirrored variable. Train it as an ON_WRITE (mirrored) variable.")
+
+
+def _aggregate(strategy, contributions, variables):
+    """The replicas' gradients reduced as `_replica_contributions` said (in one batched all-reduce
+    per reduction), placed with the variables' copies. In the cross-replica context (reduction
+    None) the one value given is the gradient."""
+    out = [g for g, _ in contributions]
+    groups = {}
+    for i, (_, op) in enumerate(contributions):
+        if op is not None:
+            groups.setdefault(op, []).append(i)
+    for op, idx in groups.items():
+        # (With one replica per worker a contribution arrives as a plain tensor: this worker's.)
+        reduced = strategy.extended.batch_reduce_to(op, [(out[i], variables[i]) for i in idx])
+        for i, r in zip(idx, reduced):
+            out[i] = r
+    return out
+
+
+def _update_every_copy(strategy, grads, variables, rule, step):
+    """One fused op per device of the variables, each over that device's copies, with the same
+    aggregated gradients: every copy of every variable and slot gets the same update."""
+    rule._make_state(variables)  # mirrored (made in the strategy's scope), before any device's op
+    for s in rule._state_variables(variables):
+        if not isinstance(s, tf.distribute.DistributedValues):
+            raise ValueError(
+                f"{rule.name}'s state variable {s.name} was made outside {type(strategy).__name__}'s "
+                "scope, so it is not mirrored: use a new rule under the strategy (a rule's state is "
+                "made on its first step).")
+
+    def on_device(_, *gs):
+        return tuple(rule._apply(list(gs), variables, **step))
+
+    # (group=False gives each output as a tuple of the devices' values: made Mirrored again, so
+    # that merge_call hands each replica its own device's.)
+    per_device = strategy.extended.update(variables[0], on_device, args=tuple(grads), group=False)
+    return [_dist_values.Mirrored(list(t)) for t in per_device]
 
 
 def _split_pairs(pairs):
@@ -370,9 +490,9 @@ def _check_indexed_slices(g, v, i):
 
 def _as_tf_variable(v):
     """The resource tf.Variable behind a tf.Variable or a Keras 3 variable, else None."""
-    if isinstance(v, tf.Variable) and hasattr(v, "handle"):
-        return v
-    inner = getattr(v, "value", None)  # keras.Variable (TF backend) wraps a tf.Variable
-    if isinstance(inner, tf.Variable) and hasattr(inner, "handle"):
-        return inner
+    for x in (v, getattr(v, "value", None)):  # keras.Variable (TF backend) wraps a tf.Variable
+        # (A mirrored variable's handle is per replica: it has none in the cross-replica context.)
+        if isinstance(x, tf.Variable) and (isinstance(x, tf.distribute.DistributedValues)
+                                           or hasattr(x, "handle")):
+            return x
     return None
