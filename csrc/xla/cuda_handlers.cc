@@ -25,12 +25,6 @@ namespace tfclip {
 namespace xla_glue {
 namespace {
 
-#define TFCLIP_FFI_RETURN_IF_ERROR(expr) \
-  do {                                   \
-    ::xla::ffi::Error _e = (expr);       \
-    if (_e.failure()) return _e;         \
-  } while (0)
-
 ffi::Error CudaError(const std::string& e) {
   return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
 }
@@ -209,9 +203,12 @@ XLA_FFI_DEFINE_HANDLER(kApplyCuda, ApplyCuda,
                            .RemainingRets()
                            .Attrs<ffi::Dictionary>());
 
+#if !TFCLIP_XLA_EMULATED_TEST
+// (The emulated-CUDA _core runs ApplyCudaStep without XLA: emulated_entry.cc.)
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kNormTarget, "CUDA", kNormCuda);
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kClipTarget, "CUDA", kClipCuda);
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kApplyTarget, "CUDA", kApplyCuda);
+#endif
 
 }  // namespace xla_glue
 }  // namespace tfclip

@@ -10,6 +10,13 @@
 #include "csrc/core/tensors.h"
 #include "xla/ffi/api/ffi.h"
 
+// Returns an FFI error from the enclosing function.
+#define TFCLIP_FFI_RETURN_IF_ERROR(expr)  \
+  do {                                    \
+    ::xla::ffi::Error _e = (expr);        \
+    if (_e.failure()) return _e;          \
+  } while (0)
+
 namespace tfclip {
 namespace xla_glue {
 

@@ -1,0 +1,105 @@
+// tfclip XLA glue, test entry: runs the CUDA apply handler's body (ApplyCudaStep,
+// cuda_handlers.cc) on a call frame built here as XLA's GPU runtime builds one (typed-FFI buffers
+// with dtype and dims, results after arguments, attributes sorted by name), so the handler is
+// exercised without XLA and without a GPU: on the emulated-CUDA build of _core
+// (-DTFCLIP_CUDA_EMULATION=ON), from tests/gpu/test_xla_cuda_handler.py through ctypes. The
+// workspace comes from cudaMalloc here (XLA's scratch allocator in the real handler).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "csrc/core/cuda_workspace.h"
+#include "csrc/xla/cuda_handlers.h"
+#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = ::xla::ffi;
+
+namespace {
+
+struct Buffers {
+  std::vector<XLA_FFI_Buffer> bufs;
+  std::vector<void*> ptrs;
+  std::vector<int64_t> dims;
+  void Build(int n, const int32_t* dtypes, void* const* data, const int64_t* ranks, const int64_t* dims_in) {
+    bufs.resize(n);
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += ranks[i];
+    dims.assign(dims_in, dims_in + total);
+    int64_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      XLA_FFI_Buffer& b = bufs[i];
+      std::memset(&b, 0, sizeof(b));
+      b.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+      b.dtype = static_cast<XLA_FFI_DataType>(dtypes[i]);
+      b.data = data[i];
+      b.rank = ranks[i];
+      b.dims = dims.data() + off;
+      off += ranks[i];
+    }
+    for (auto& b : bufs) ptrs.push_back(&b);
+  }
+};
+
+}  // namespace
+
+// attrs: rule, flags, mode, policy, has_use_norm, lazy, sum_of_squares, nslots, has_iterations.
+// dtypes are XLA_FFI_DataType values. Returns 0, or 1 with the handler's message in err.
+extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_test(
+    void* stream, int nargs, const int32_t* arg_dtypes, void* const* arg_data, const int64_t* arg_ranks,
+    const int64_t* arg_dims, int nrets, const int32_t* ret_dtypes, void* const* ret_data,
+    const int64_t* ret_ranks, const int64_t* ret_dims, const int64_t* attr_values, char* err, int err_len) {
+  Buffers args, rets;
+  args.Build(nargs, arg_dtypes, arg_data, arg_ranks, arg_dims);
+  rets.Build(nrets, ret_dtypes, ret_data, ret_ranks, ret_dims);
+  std::vector<XLA_FFI_ArgType> arg_types(nargs, XLA_FFI_ArgType_BUFFER);
+  std::vector<XLA_FFI_RetType> ret_types(nrets, XLA_FFI_RetType_BUFFER);
+  XLA_FFI_Args a{XLA_FFI_Args_STRUCT_SIZE, nullptr, nargs, arg_types.data(), args.ptrs.data()};
+  XLA_FFI_Rets r{XLA_FFI_Rets_STRUCT_SIZE, nullptr, nrets, ret_types.data(), rets.ptrs.data()};
+
+  // The attributes, as XLA decodes the backend config: sorted by name.
+  static const char* kNames[] = {"rule", "flags", "mode", "policy", "has_use_norm", "lazy",
+                                 "sum_of_squares", "nslots", "has_iterations"};
+  struct Attr {
+    std::string name;
+    XLA_FFI_AttrType type;
+    int64_t value;
+  };
+  std::vector<Attr> list;
+  for (int k = 0; k < 9; ++k) list.push_back({kNames[k], XLA_FFI_AttrType_SCALAR, attr_values[k]});
+  list.push_back({"sparse", XLA_FFI_AttrType_ARRAY, 0});
+  std::sort(list.begin(), list.end(), [](const Attr& x, const Attr& y) { return x.name < y.name; });
+  std::vector<XLA_FFI_ByteSpan> spans(list.size());
+  std::vector<XLA_FFI_ByteSpan*> names(list.size());
+  std::vector<XLA_FFI_Scalar> scalars(list.size());
+  XLA_FFI_Array empty{XLA_FFI_DataType_S64, 0, nullptr};
+  std::vector<XLA_FFI_AttrType> types(list.size());
+  std::vector<void*> values(list.size());
+  for (size_t k = 0; k < list.size(); ++k) {
+    spans[k] = XLA_FFI_ByteSpan{list[k].name.data(), list[k].name.size()};
+    names[k] = &spans[k];
+    types[k] = list[k].type;
+    scalars[k] = XLA_FFI_Scalar{XLA_FFI_DataType_S64, &list[k].value};
+    values[k] = list[k].type == XLA_FFI_AttrType_ARRAY ? static_cast<void*>(&empty)
+                                                       : static_cast<void*>(&scalars[k]);
+  }
+  XLA_FFI_Attrs at{XLA_FFI_Attrs_STRUCT_SIZE, nullptr, static_cast<int64_t>(list.size()), types.data(),
+                   names.data(), values.data()};
+
+  std::vector<void*> allocated;
+  tfclip::xla_glue::CudaAllocFn alloc = [&allocated](size_t bytes) -> std::optional<void*> {
+    void* p = nullptr;
+    if (!tfclip::cuda::DeviceAlloc(&p, bytes).empty()) return std::nullopt;
+    allocated.push_back(p);
+    return p;
+  };
+  ffi::Error e = tfclip::xla_glue::ApplyCudaStep(stream, alloc, ffi::RemainingArgs(&a, 0),
+                                                 ffi::RemainingRets(&r, 0), ffi::Dictionary(&at));
+  tfclip::cuda::StreamSynchronize(stream);  // the workspace is freed below
+  for (void* p : allocated) tfclip::cuda::DeviceFree(p);
+  if (e.success()) return 0;
+  std::snprintf(err, static_cast<size_t>(err_len), "%s", e.message().c_str());
+  return 1;
+}

@@ -1,0 +1,174 @@
+"""The XLA CUDA custom-call handler (csrc/xla/cuda_handlers.cc) without XLA and without a GPU: on
+the emulated-CUDA build of _core, a call frame built as XLA's GPU runtime builds one (typed-FFI
+buffers with dtype and dims, the variables' results aliased to their operands, the hyper-parameters
+in one device f64 vector, the step counter's copy as a result) runs the handler's body, against
+the CPU driver (_core.clip_apply) on the same numbers."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from gpu_arrays import BF16, EMULATED, core, to_dev, to_host
+
+pytestmark = pytest.mark.emulation_only
+
+# XLA_FFI_DataType (xla/ffi/api/c_api.h).
+FFI = {np.dtype(np.bool_): 1, np.dtype(np.int64): 5, np.dtype(np.float16): 10,
+       np.dtype(np.float32): 11, np.dtype(np.float64): 12, BF16: 16}
+MODES = {"none": 0, "global_norm": 1, "norm": 2, "value": 3}
+POLICIES = {"skip": 0, "propagate": 1, "raise": 2}
+OVERRIDES = {"learning_rate": 0.01, "step": 1.0, "u_product": 0.7, "weight_decay": 0.01,
+             "l1_regularization_strength": 0.01}
+
+
+def _entry():
+    if not EMULATED:
+        pytest.skip("the handler's test entry is built into the emulated-CUDA _core only")
+    lib = ctypes.CDLL(core.__file__)
+    try:
+        f = lib.tfclip_xla_cuda_apply_for_test
+    except AttributeError:
+        pytest.fail("the emulated _core lacks the XLA handler entry: CMake found no typed-FFI "
+                    "headers (TF's include/xla/ffi/api) when it configured this build")
+    f.restype = ctypes.c_int
+    return f
+
+
+def _ptr(d):
+    return d.__cuda_array_interface__["data"][0]
+
+
+def _frame(bufs):
+    n = len(bufs)
+    dtypes = (ctypes.c_int32 * n)(*[FFI[np.dtype(dt)] for _, dt, _ in bufs])
+    data = (ctypes.c_void_p * n)(*[_ptr(d) for d, _, _ in bufs])
+    ranks = (ctypes.c_int64 * n)(*[len(s) for _, _, s in bufs])
+    dims = [x for _, _, s in bufs for x in s]
+    dims_arr = (ctypes.c_int64 * max(1, len(dims)))(*dims)
+    return n, dtypes, data, ranks, dims_arr
+
+
+def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_dt, grad_dt,
+                 mode, policy):
+    """One tfclip_apply call as XLA makes it; returns (error or None, applied, norm,
+    tensor_norms, counter after)."""
+    n = len(vars_d)
+    scal = to_dev(np.asarray(scalars, np.float64))
+    cnt_in = to_dev(np.asarray(counter, np.int64).reshape(()))
+    applied = to_dev(np.zeros((), np.bool_))
+    norm = to_dev(np.full((), np.nan, np.float32))
+    tn = to_dev(np.full((n,), np.nan, np.float32))
+    cnt_out = to_dev(np.asarray(-1, np.int64).reshape(()))
+    state = [(d, var_dt, s) for d, s in zip(vars_d, shapes)]
+    for sl in slots_d:
+        state += [(d, var_dt, s) for d, s in zip(sl, shapes)]
+    args = state + [(d, grad_dt, s) for d, s in zip(grads_d, shapes)] + \
+        [(scal, np.float64, (len(scalars),)), (cnt_in, np.int64, ())]
+    rets = state + [(applied, np.bool_, ()), (norm, np.float32, ()), (tn, np.float32, (n,)),
+                    (cnt_out, np.int64, ())]
+    attrs = [list(core.rule_table()).index(rule), 0, MODES[mode], POLICIES[policy], 1, 0, 0,
+             len(slots_d), 1]
+    err = ctypes.create_string_buffer(4096)
+    rc = _entry()(None, *_frame(args), *_frame(rets), (ctypes.c_int64 * 9)(*attrs), err, 4096)
+    if rc:
+        return err.value.decode(), None, None, None, None
+    one = lambda d, dt: to_host(d, dt).reshape(-1)[0].item()  # noqa: E731
+    return (None, bool(one(applied, np.bool_)), float(np.float32(one(norm, np.float32))),
+            to_host(tn, np.float32), int(one(cnt_out, np.int64)))
+
+
+def _problem(rng, rule, shapes, var_dt, grad_dt):
+    row = core.rule_table()[rule]
+    nslots = row["min_slots"]
+    vars_ = [np.asarray(rng.normal(size=s)).astype(var_dt) for s in shapes]
+    grads = [np.asarray(rng.normal(size=s)).astype(grad_dt) for s in shapes]
+    slots = [[np.asarray(np.abs(rng.normal(size=s)) + 0.1).astype(var_dt) for s in shapes]
+             for _ in range(nslots)]
+    table = core.hparam_table()
+    names = row["hparams"]
+    values = []
+    hp = {}
+    for name in names:
+        disp = table[name]["display"]
+        v = OVERRIDES.get(disp, table[name]["default"])
+        values.append(v)
+        if not np.isnan(v):
+            hp[name] = v
+    return vars_, grads, slots, values, hp
+
+
+def _same_bits(got, want):
+    want = np.asarray(want)
+    got = np.asarray(got).reshape(want.shape)  # (a 0-d array travels as one element)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes(), np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))
+
+
+RULES = list(core.rule_table())
+
+
+@pytest.mark.parametrize("mode", ["none", "global_norm", "value", "norm"])
+@pytest.mark.parametrize("rule", RULES)
+def test_handler_matches_cpu_driver(rng, rule, mode):
+    shapes = [(5,), (3, 4), (), (1000,)]
+    var_dt, grad_dt = np.float32, np.float32
+    vars_, grads, slots, values, hp = _problem(rng, rule, shapes, var_dt, grad_dt)
+    clip = {"none": 0.0, "global_norm": 0.7, "norm": 0.4, "value": 0.3}[mode]
+    # What the norm call hands every group: the global norm of all the gradients.
+    use_norm = core.global_norm(grads)
+    vars_d = [to_dev(v) for v in vars_]
+    slots_d = [[to_dev(s) for s in sl] for sl in slots]
+    grads_d = [to_dev(g) for g in grads]
+    err, applied, norm, tn, counter = call_handler(rule, vars_d, slots_d, grads_d,
+                                                   values + [clip, use_norm], 4, shapes, var_dt,
+                                                   grad_dt, mode, "skip")
+    assert err is None, err
+    # The CPU driver, given the same counter (t = iterations + step).
+    it = np.array([4], np.int64)
+    want_norm, want_applied = core.clip_apply(rule, vars_, grads, slots, hp, mode, clip,
+                                              iterations=it)
+    assert applied and want_applied
+    assert counter == 5 == int(it[0])
+    assert norm == np.float32(want_norm)
+    exact = mode != "norm" and rule != "lamb"  # (per-tensor sums in another order on the device)
+    for d, want in zip([*vars_d, *[s for sl in slots_d for s in sl]], [*vars_, *[s for sl in slots for s in sl]]):
+        got = to_host(d, var_dt)
+        if exact:
+            _same_bits(got, want)
+        else:
+            np.testing.assert_allclose(got.reshape(np.shape(want)), want, rtol=4e-6, atol=1e-7)
+
+
+def test_handler_mixed_dtypes(rng):
+    shapes = [(7,), (2, 3)]
+    for var_dt, grad_dt in [(np.float32, BF16), (np.float32, np.float16), (np.float64, np.float64)]:
+        vars_, grads, slots, values, hp = _problem(rng, "adam", shapes, var_dt, grad_dt)
+        vars_d = [to_dev(v) for v in vars_]
+        slots_d = [[to_dev(s) for s in sl] for sl in slots]
+        grads_d = [to_dev(g) for g in grads]
+        use_norm = core.global_norm(grads)
+        err, applied, _, _, _ = call_handler("adam", vars_d, slots_d, grads_d, values + [1.0, use_norm],
+                                             0, shapes, var_dt, grad_dt, "global_norm", "skip")
+        assert err is None and applied, err
+        core.clip_apply("adam", vars_, grads, slots, hp, "global_norm", 1.0, iterations=np.zeros(1, np.int64))
+        for d, want in zip(vars_d, vars_):
+            _same_bits(to_host(d, var_dt), want)
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_handler_nonfinite_writes_nothing(rng, policy):
+    shapes = [(5,), (3,)]
+    vars_, grads, slots, values, hp = _problem(rng, "adam", shapes, np.float32, np.float32)
+    vars_d = [to_dev(v) for v in vars_]
+    slots_d = [[to_dev(s) for s in sl] for sl in slots]
+    grads_d = [to_dev(g) for g in grads]
+    err, applied, norm, _, counter = call_handler("adam", vars_d, slots_d, grads_d,
+                                                  values + [1.0, float("nan")], 2, shapes,
+                                                  np.float32, np.float32, "global_norm", policy)
+    if policy == "raise":
+        assert err is not None and "non-finite" in err and "nonfinite='raise'" in err, err
+    else:
+        assert err is None and applied is False and np.isnan(norm)
+        assert counter == 2  # not advanced
+    for d, want in zip([*vars_d, *[s for sl in slots_d for s in sl]], [*vars_, *[s for sl in slots for s in sl]]):
+        _same_bits(to_host(d, np.float32), want)
