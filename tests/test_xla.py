@@ -515,3 +515,52 @@ def test_import_after_first_xla_compilation_gets_the_kernels(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK [0.5, 1.5]" in out.stdout
+
+
+# ---------------------------------------------------------------- the Keras drop-ins
+# tfclip.keras detects an XLA context and, until it is switched to these kernels, runs the stock
+# Keras ops there. With the detection off (what the switch does when _loader.xla_kernels()), its
+# own fused step compiles to the custom calls and gives the non-XLA step's bits.
+KERAS_OPTS = {
+    "adam": lambda: tfclip.keras.Adam(0.01, global_clipnorm=0.5),
+    "adamw_excluded": lambda: _adamw_excluding_bias(),
+    "sgd_momentum": lambda: tfclip.keras.SGD(0.1, momentum=0.9, clipvalue=0.2),
+    "lamb": lambda: tfclip.keras.Lamb(0.01, clipnorm=0.3),
+}
+
+
+def _adamw_excluding_bias():
+    opt = tfclip.keras.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.5)
+    opt.exclude_from_weight_decay(var_names=["bias"])  # two groups: one norm op, use_norm in both
+    return opt
+
+
+def _keras_step(vs, opt, jit):
+    return tf.function(lambda gs: opt.apply_gradients(zip(gs, vs)), jit_compile=jit)
+
+
+@pytest.mark.parametrize("name", KERAS_OPTS, ids=KERAS_OPTS.keys())
+def test_keras_fused_step_compiles_to_the_kernels(rng, monkeypatch, name):
+    import keras
+    import tfclip.keras as tk
+
+    monkeypatch.setattr(tk, "_in_xla_context", lambda: False)
+    shapes = {"kernel": (4, 3), "bias": (3,), "emb": (6, 2)}
+    init = {k: rng.normal(size=s) for k, s in shapes.items()}
+    steps = [{k: rng.normal(size=s) for k, s in shapes.items()} for _ in range(3)]
+    states = []
+    for jit in (True, False):
+        vs = [keras.Variable(init[k].astype(np.float32), name=k) for k in shapes]
+        opt = KERAS_OPTS[name]()
+        opt.build(vs)
+        fn = _keras_step(vs, opt, jit)
+        for st in steps:
+            fn([tf.constant(st[k], tf.float32) for k in shapes])
+        states.append((vs, opt, fn))
+    (xv, xo, xf), (ev, eo, _) = states
+    for a, b in zip(xv, ev):
+        assert_same_bits(a.numpy(), b.numpy(), f"{name} {a.name}")
+    for a, b in zip(xo.variables, eo.variables):
+        assert_same_bits(np.asarray(a.numpy()), np.asarray(b.numpy()), f"{name} {a.name}")
+    gs = [tf.constant(steps[0][k], tf.float32) for k in shapes]
+    assert 'custom_call_target="tfclip_apply"' in xf.experimental_get_compiler_ir(gs)(stage="hlo")
