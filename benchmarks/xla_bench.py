@@ -13,6 +13,11 @@ shared and noisy: compare ratios within a run). Methods:
   Keras Adam(global_clipnorm), XLA the stock optimizer's apply_gradients, jit-compiled
   tfclip.keras.Adam, XLA           the Keras drop-in under jit_compile (until it is switched to
                                    the XLA kernels: its stock-op fallback)
+  XLA launch, same captures        a jit-compiled function that only reads one element of every
+                                   variable, slot and gradient the step captures: TF's fixed cost
+                                   of launching an XLA cluster with that many resource inputs,
+                                   which every XLA method above pays (at 2,000 variables most of
+                                   the XLA step)
 Then the first call (trace + compile + one step) at --compile-vars small variables, tfclip under
 XLA against stock Keras Adam under XLA.
 """
@@ -48,6 +53,12 @@ def contestants(variables, grads):
     t_keras = tfclip.keras.Adam(LR, global_clipnorm=1.0)
     t_keras.build(variables)
 
+    captured = list(variables) + [s for v in variables for s in rule_x.slots(v).values()]
+
+    def launch():
+        return tf.add_n([tf.reshape(v, [-1])[0] for v in captured] +
+                        [tf.reshape(g, [-1])[0] for g in grads])
+
     return {
         "tfclip fused_clip_apply, XLA": tf.function(fused(rule_x), jit_compile=True),
         "tfclip fused_clip_apply, no XLA": tf.function(fused(rule_n)),
@@ -55,6 +66,7 @@ def contestants(variables, grads):
             lambda: k_xla.apply_gradients(zip(grads, variables)), jit_compile=True),
         "tfclip.keras.Adam, XLA": tf.function(
             lambda: t_keras.apply_gradients(zip(grads, variables)), jit_compile=True),
+        "XLA launch, same captures": tf.function(launch, jit_compile=True),
     }
 
 

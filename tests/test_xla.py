@@ -50,6 +50,10 @@ def assert_same_bits(a, b, what):
 
 
 # ---------------------------------------------------------------- the two paths, side by side
+def _step(rule, variables, kw):
+    return lambda gs: tfclip.fused_clip_apply(list(zip(gs, variables)), rule, **kw)
+
+
 class Twin:
     """The same problem twice: one rule and variable set stepped by the XLA-compiled step, one by
     the plain op (eager), from the same initial values."""
@@ -63,11 +67,7 @@ class Twin:
         """One step on both; returns (xla result, eager result) as NumPy."""
         outs = []
         for k, jit in enumerate((True, False)):
-            rule, variables = self.rules[k], self.vars[k]
-
-            def f(gs, rule=rule, variables=variables):
-                return tfclip.fused_clip_apply(list(zip(gs, variables)), rule, **kw)
-
+            f = _step(self.rules[k], self.vars[k], kw)  # (the variables captured, as users do)
             if jit:
                 key = tuple(sorted(kw.items()))
                 fn = self.fns.get(key)
@@ -564,3 +564,40 @@ def test_keras_fused_step_compiles_to_the_kernels(rng, monkeypatch, name):
         assert_same_bits(np.asarray(a.numpy()), np.asarray(b.numpy()), f"{name} {a.name}")
     gs = [tf.constant(steps[0][k], tf.float32) for k in shapes]
     assert 'custom_call_target="tfclip_apply"' in xf.experimental_get_compiler_ir(gs)(stage="hlo")
+
+
+# ---------------------------------------------------------------- IndexedSlices, densified (GPU)
+# On the GPU JIT device the XLA kernel densifies IndexedSlices (the core plans rows from host
+# indices, and XLA keeps them on the device). TFCLIP_XLA_DENSIFY_SPARSE=1 takes that path on CPU.
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_indexed_slices_densified_path(rng, monkeypatch, rule):
+    monkeypatch.setenv("TFCLIP_XLA_DENSIFY_SPARSE", "1")
+    var0 = [rng.normal(size=(10, 3)), rng.normal(size=(4,))]
+    t = Twin(PY_RULES[rule], var0, [tf.float32, tf.float32])
+    for _ in range(2):
+        idx = tf.constant([7, 1, 7, 0], tf.int32)
+        vals = tf.constant(rng.normal(size=(4, 3)), tf.float32)
+        dense = tf.constant(rng.normal(size=(4,)), tf.float32)
+        xr, er = t.step([tf.IndexedSlices(vals, idx, tf.constant([10, 3])), dense], global_clipnorm=1.0)
+        assert_results_equal(xr, er)  # the norm of .values, as TF's; the same decision
+    hlo = t.fns[(("global_clipnorm", 1.0),)].experimental_get_compiler_ir(
+        [tf.IndexedSlices(vals, idx, tf.constant([10, 3])), dense])(stage="hlo")
+    assert "scatter(" in hlo and "tfclip_apply" in hlo
+    # The densified update sums a duplicated row first (the op feeds its slices to SGD one after
+    # another): the same values but for the last bit.
+    for a, b in zip(*t.vars):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    ra, rb = t.rules
+    for a, b in zip(*t.vars):
+        for s in ra.slot_names:
+            np.testing.assert_allclose(ra.slots(a)[s].numpy(), rb.slots(b)[s].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_indexed_slices_densified_path_refuses_lazy(rng, monkeypatch):
+    monkeypatch.setenv("TFCLIP_XLA_DENSIFY_SPARSE", "1")
+    v = tf.Variable(rng.normal(size=(5, 2)), dtype=tf.float32)
+    r = tfclip.rules.Adam(0.01)
+    fn = tf.function(lambda g: tfclip.fused_clip_apply([(g, v)], r, lazy_sparse=True), jit_compile=True)
+    with pytest.raises((tf.errors.UnimplementedError, tf.errors.InvalidArgumentError),
+                       match="lazy_sparse"):
+        fn(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3]), tf.constant([5, 2])))

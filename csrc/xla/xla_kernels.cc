@@ -15,9 +15,14 @@
 // error that a group could meet (hyper-parameters, clip, the norm under nonfinite='raise') met by
 // every group before it writes anything. IndexedSlices gradients go to the core as rows (values
 // and int64 indices), as in the TF kernel: the same update, lazy and sum_of_squares included.
-// On the GPU JIT device they are not supported yet (the core plans rows from host indices, and
-// XLA keeps them on the device): compiling such a step fails with an error that says so.
+// On the GPU JIT device the indices stay in device memory, where the core cannot plan rows: the
+// kernel densifies them with an XLA scatter-add (the norm still of `.values`, as TF's), which is
+// the op's update for a non-lazy step without sum_of_squares (duplicate rows summed first, in an
+// order XLA picks: the last bit may differ with duplicates); lazy or sum_of_squares steps are an
+// error there that says so, and an out-of-range index is dropped, as XLA's scatter drops it
+// (the op reports it). TFCLIP_XLA_DENSIFY_SPARSE=1 takes this path on CPU too (for tests).
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -29,6 +34,8 @@
 #include "tensorflow/compiler/tf2xla/xla_op_registry.h"
 #include "tensorflow/core/framework/kernel_def_builder.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "xla/hlo/builder/lib/arithmetic.h"
+#include "xla/hlo/builder/lib/constants.h"
 #include "xla/hlo/builder/xla_builder.h"
 #include "xla/shape_util.h"
 
@@ -192,12 +199,15 @@ class ClipApplyXla : public XlaOpKernel {
       }
     }
     nslots_ = NumSlots(rule_.kind, hp);
-    on_gpu_ = c->device_type() == tf::DeviceType(tf::DEVICE_GPU_XLA_JIT);
-    OP_REQUIRES(c, !(on_gpu_ && !sparse.empty()),
+    const char* env = std::getenv("TFCLIP_XLA_DENSIFY_SPARSE");
+    densify_ = c->device_type() == tf::DeviceType(tf::DEVICE_GPU_XLA_JIT) ||
+               (env != nullptr && std::string(env) == "1");
+    OP_REQUIRES(c, !(densify_ && !sparse.empty() && (lazy_ || sum_of_squares_)),
                 tf::errors::Unimplemented(
-                    "tfclip's XLA kernel on GPU does not take IndexedSlices gradients yet (grads[",
-                    sparse.empty() ? 0 : sparse[0], "]): convert them with tf.convert_to_tensor "
-                    "before the step, or run the step without jit_compile"));
+                    "tfclip's XLA kernel on GPU densifies IndexedSlices gradients (grads[",
+                    sparse.empty() ? 0 : sparse[0], "]), which cannot give ",
+                    lazy_ ? "lazy_sparse's row-only update" : "sum_of_squares (stock Keras's v from "
+                    "a duplicated row's summed squares)", "; run this step without jit_compile"));
   }
 
   void Compile(XlaOpKernelContext* ctx) override {
@@ -239,11 +249,16 @@ class ClipApplyXla : public XlaOpKernel {
                 tf::errors::InvalidArgument("got ", indices.size(), " index vectors for ", NumSparse(),
                                             " sparse gradients"));
     std::vector<int64_t> sparse, rows, widths;
+    std::vector<xla::XlaOp> dense = grads;  // what the groups apply: densified on GPU
     for (int i = 0; i < n_; ++i) {
       const int k = sparse_of_[i];
       if (k >= 0) {
         OP_REQUIRES_OK(ctx, CheckSparse(i, shapes[i], gshapes[i], ishapes[k]));
         indices[k] = xla::ConvertElementType(indices[k], xla::S64);
+        if (densify_) {
+          dense[i] = Densify(b, grads[i], indices[k], shapes[i], ishapes[k].dim_size(0));
+          continue;
+        }
         sparse.push_back(i);
         rows.push_back(shapes[i].dim_size(0));
         tf::TensorShape row = shapes[i];
@@ -267,8 +282,8 @@ class ClipApplyXla : public XlaOpKernel {
     xla::XlaOp norm_call;
     const bool norm_call_made = !cfg_.has_use_norm || !sparse.empty();
     if (norm_call_made) {
-      std::vector<xla::XlaOp> ops = grads;
-      ops.insert(ops.end(), indices.begin(), indices.end());
+      std::vector<xla::XlaOp> ops = grads;  // (IndexedSlices: their values, as TF's norm)
+      for (int64_t i : sparse) ops.push_back(indices[sparse_of_[i]]);
       norm_call = FfiCall(
           b, xla_glue::kNormTarget, ops,
           xla::ShapeUtil::MakeTupleShape({xla::ShapeUtil::MakeShape(xla::F64, {}),
@@ -316,9 +331,9 @@ class ClipApplyXla : public XlaOpKernel {
         }
       }
       std::vector<int64_t> group_sparse;
-      for (int i = g0; i < g0 + gn; ++i) ops.push_back(grads[i]);
+      for (int i = g0; i < g0 + gn; ++i) ops.push_back(dense[i]);
       for (int i = g0; i < g0 + gn; ++i) {
-        if (sparse_of_[i] >= 0) {
+        if (sparse_of_[i] >= 0 && !densify_) {
           ops.push_back(indices[sparse_of_[i]]);
           group_sparse.push_back(i - g0);
         }
@@ -414,6 +429,22 @@ class ClipApplyXla : public XlaOpKernel {
     return absl::OkStatus();
   }
 
+  // An IndexedSlices gradient as the dense tensor it stands for: zeros of the variable's shape
+  // (in the values' dtype) with each slice added at its row.
+  static xla::XlaOp Densify(xla::XlaBuilder* b, xla::XlaOp values, xla::XlaOp rows64,
+                            const tf::TensorShape& var, int64_t k) {
+    const xla::PrimitiveType t = b->GetShape(values).value().element_type();
+    const auto sizes = var.dim_sizes();  // (by value: one copy for both ends)
+    const std::vector<int64_t> dims(sizes.begin(), sizes.end());
+    xla::ScatterDimensionNumbers dn;
+    for (int d = 1; d < var.dims(); ++d) dn.add_update_window_dims(d);
+    dn.add_inserted_window_dims(0);
+    dn.add_scatter_dims_to_operand_dims(0);
+    dn.set_index_vector_dim(1);
+    return xla::Scatter(xla::Broadcast(xla::Zero(b, t), dims), xla::Reshape(rows64, {k, 1}), values,
+                        xla::CreateScalarAddComputation(t, b), dn);
+  }
+
   static absl::Status CheckSparse(int i, const tf::TensorShape& var, const tf::TensorShape& values,
                                   const tf::TensorShape& idx) {
     const std::string g = absl::StrCat("grads[", i, "] (IndexedSlices)");
@@ -445,7 +476,7 @@ class ClipApplyXla : public XlaOpKernel {
   bool lazy_ = false;
   bool sum_of_squares_ = false;
   bool has_iterations_ = false;
-  bool on_gpu_ = false;
+  bool densify_ = false;  // IndexedSlices densified by XLA (GPU), not rows for the core
   std::vector<int> sparse_of_;
 };
 
