@@ -282,7 +282,8 @@ class SharedRef {
 template <typename T, size_t N>
 class SharedArray {
  public:
-  explicit SharedArray(const char* name) : name_(name) {}
+  // constexpr: the thread_local is constant-initialized, with no guard for the fibers to race on.
+  constexpr explicit SharedArray(const char* name) : name_(name) {}
   SharedRef<T> operator[](size_t i) { return SharedRef<T>(&data_[i], &shadow_[i], name_, i); }
 
  private:
@@ -294,7 +295,7 @@ class SharedArray {
 template <typename T>
 class SharedVar {
  public:
-  explicit SharedVar(const char* name) : name_(name) {}
+  constexpr explicit SharedVar(const char* name) : name_(name) {}
   operator T() { return Ref(); }
   template <typename U, typename = std::enable_if_t<!std::is_same<U, T>::value>>
   explicit operator U() {
