@@ -366,6 +366,16 @@ def test_indexed_slices_bad_index_writes_nothing(rng):
     for v, b in zip(variables, before):
         assert_same_bits(v.numpy(), b, "a bad index wrote a variable")
 
+    @tf.function(jit_compile=True)
+    def given(idx):  # use_norm given: the norm call only checks the indices, before every group
+        gs = [tf.ones([5, 2])] * 69 + [tf.IndexedSlices(tf.ones([1, 2]), idx, tf.constant([5, 2]))]
+        return tfclip.fused_clip_apply(list(zip(gs, variables)), r, use_norm=1.0)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grads\[69\]"):
+        given(tf.constant([-1], tf.int32))
+    for v, b in zip(variables, before):
+        assert_same_bits(v.numpy(), b, "a bad index wrote a variable (use_norm given)")
+
 
 # ---------------------------------------------------------------- norm and clip ops
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])

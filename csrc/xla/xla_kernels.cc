@@ -292,8 +292,14 @@ class ClipApplyXla : public XlaOpKernel {
           Attrs().I64s("sparse", sparse).I64s("rows", rows).I64s("widths", widths).I64("f64_norm", 1),
           /*side_effect=*/!sparse.empty());
     }
-    scalars.push_back(xla::Reshape(
-        cfg_.has_use_norm ? ctx->Input("use_norm") : xla::GetTupleElement(norm_call, 0), {1}));
+    xla::XlaOp use_norm = cfg_.has_use_norm ? ctx->Input("use_norm") : xla::GetTupleElement(norm_call, 0);
+    if (cfg_.has_use_norm && norm_call_made) {
+      // The norm call only checks the indices here: every group waits for it all the same, so a
+      // bad index fails the step before any group writes.
+      use_norm = xla::GetTupleElement(
+          xla::OptimizationBarrier(xla::Tuple(b, {use_norm, xla::GetTupleElement(norm_call, 0)})), 0);
+    }
+    scalars.push_back(xla::Reshape(use_norm, {1}));
     const xla::XlaOp scalar_vec = xla::ConcatInDim(b, scalars, 0);
     xla::XlaOp counter;
     int counter_index = -1;
