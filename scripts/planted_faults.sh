@@ -5,6 +5,8 @@
 # tfclip_planted_fault.h on the include path) and runs the tests of the normal suite (tests/gpu)
 # that reach it, as CI runs them. Every planted build must FAIL; the script exits 1 if one passes
 # (a hole: close it with a schedule, the race detector or a test, never by dropping the fault).
+# CI runs it after scripts/cuda_emulation.sh has passed the whole suite on the unplanted build, so a
+# failure here is the planted fault's.
 #   PYTHON=.venv/bin/python scripts/planted_faults.sh           # CI: the emulation's defaults
 #                                                                # (every schedule in turn, race detector on)
 #   scripts/planted_faults.sh --matrix [fault...]    # also each policy alone with the detector off, and
