@@ -9,7 +9,10 @@
 //                  results:  norm f64[], norm Tnorm[], tensor_norms Tnorm[n]
 //                  attrs:    sparse (positions), rows, widths (per sparse entry): the indices are
 //                            checked here, before any apply call can write (an apply op that
-//                            fails writes nothing)
+//                            fails writes nothing; on CUDA there are none: the XLA kernel
+//                            densifies IndexedSlices there); f64_norm: which norm result the
+//                            CUDA handler writes (1: the f64 one, an apply op's; 0: the Tnorm one,
+//                            the norm op's; the Host handler writes both)
 // tfclip_clip      operands: t[n], clip_norm Tnorm[], use_norm Tnorm[]
 //                  results:  clipped[n], norm Tnorm[], tensor_norms Tnorm[n]
 //                  attrs:    use_given_norm
