@@ -23,7 +23,18 @@ except ModuleNotFoundError as _e:  # a host with only tfclip._core (e.g. a GPU t
         raise ImportError(f"tfclip.{name} needs TensorFlow, which is not installed") from _TF_MISSING
 
 else:
-    from tfclip import compat, keras, rules
+    from tfclip import compat, rules
+    from tfclip._keras_version import KERAS_PROBLEM as _KERAS_PROBLEM
+
+    if _KERAS_PROBLEM is None:
+        from tfclip import keras  # (imported here: it registers the classes load_model finds)
+    else:  # Keras 2 (TF 2.15) or none: the ops, rules and compat.v1 serve; tfclip.keras says why not
+
+        def __getattr__(name):
+            if name == "keras":
+                raise ImportError(_KERAS_PROBLEM)
+            raise AttributeError(f"module 'tfclip' has no attribute {name!r}")
+
     from tfclip.ops import (
         ClipApplyResult,
         fused_clip_apply,

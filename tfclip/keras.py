@@ -34,17 +34,24 @@ tfclip. `GradientNormLogger` writes them to TensorBoard. Differences, on purpose
 - **Threads**: one optimizer stepped eagerly by several threads builds once and runs one step
   at a time (stock Keras builds in each thread that finds it unbuilt).
 
-Inside an XLA-compiled function (`jit_compile=True`) a custom op cannot run; there the update
-falls back to the stock Keras ops (still clipping after the all-reduce), with the same results.
-There, `nonfinite="skip"` is honoured without a strategy; under a strategy the fallback applies
-the step as `"propagate"` does, and `"raise"` is an error when the step is built.
+Inside an XLA-compiled function (`jit_compile=True`, Keras 3's default wherever a GPU is
+visible) the fused op compiles to tfclip's own XLA custom calls (csrc/xla): the same kernels, the
+same bits. A build without them (a TensorFlow other than the one the XLA glue is built for) warns
+once and falls back there to the stock Keras ops (still clipping after the all-reduce), with the
+same results; `nonfinite="skip"` is then honoured without a strategy, under a strategy the
+fallback applies the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
 import contextlib
 import threading
 import warnings
 
-import keras
-import tensorflow as tf
+from tfclip._keras_version import KERAS_PROBLEM as _KERAS_PROBLEM
+
+if _KERAS_PROBLEM is not None:
+    raise ImportError(_KERAS_PROBLEM)
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from tensorflow.python.ops import control_flow_util
 
 from tfclip import _loader, _opcall
@@ -56,6 +63,39 @@ __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "
 
 def _in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+_XLA_KERNELS = None
+
+
+def _xla_kernels():
+    """Whether this build of tfclip has its XLA kernels (csrc/xla, TFCLIP_XLA): asked once of TF's
+    kernel registry, where they are registered for the XLA JIT devices."""
+    global _XLA_KERNELS
+    if _XLA_KERNELS is None:
+        from tensorflow.python.framework import kernels
+
+        _loader.ops()  # (loading the library registers them)
+        found = {k.device_type for k in kernels.get_registered_kernels_for_op("TfclipGlobalNorm").kernel}
+        _XLA_KERNELS = "XLA_CPU_JIT" in found
+    return _XLA_KERNELS
+
+
+_XLA_FALLBACK_WARNED = False
+
+
+def _warn_xla_fallback():
+    global _XLA_FALLBACK_WARNED
+    if not _XLA_FALLBACK_WARNED:
+        _XLA_FALLBACK_WARNED = True
+        from tfclip import _build_info
+
+        warnings.warn(
+            "tfclip.keras: this build of tfclip has no XLA kernels (built against TensorFlow "
+            f"{_build_info.TF_VERSION}; its XLA glue is built for TF 2.21), so inside jit_compile=True "
+            "the optimizer step runs stock Keras ops (clipping after the all-reduce, the same results). "
+            "Compile the model with jit_compile=False for tfclip's fused kernels, or build tfclip "
+            "against TF 2.21.", stacklevel=2)
 
 
 def _tf_var(v):
@@ -252,7 +292,10 @@ class _FusedMixin:
         # Sum across replicas first (a no-op without a strategy), then clip the sum.
         reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
         grads = [g for g, _ in reduced]
-        if _in_xla_context():
+        # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); only a
+        # build without them takes the stock ops there, and says so once.
+        if _in_xla_context() and not _xla_kernels():
+            _warn_xla_fallback()
             return self._stock_update_step(grads, trainable_variables, tvars, learning_rate)
         return self._fused_update_step(grads, trainable_variables, learning_rate)
 

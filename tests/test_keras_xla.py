@@ -1,0 +1,119 @@
+"""The Keras drop-ins under XLA (jit_compile=True, Keras 3's default wherever a GPU is visible):
+their step compiles to tfclip's custom calls, not to stock ops, and gives the non-XLA step's bits;
+model.fit with schedules, EMA, gradient accumulation and loss scaling trains as without XLA, and
+no fallback is announced. (tests/test_xla.py covers the ops themselves.)"""
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfclip
+import tfclip.keras as tk
+
+pytestmark = pytest.mark.skipif(
+    not tk._xla_kernels(), reason="this build of tfclip has no XLA kernels (TFCLIP_XLA off: a TF "
+                                  "other than the one the XLA glue is built for); the Keras "
+                                  "fallback is tested in test_tensor_norms.py")
+
+CLASSES = {
+    "SGD": dict(momentum=0.9, nesterov=True), "Adam": dict(amsgrad=True), "AdamW": {}, "RMSprop":
+    dict(momentum=0.5, centered=True), "Adagrad": {}, "Adadelta": {}, "Adamax": {}, "Nadam": {},
+    "Lion": {}, "Ftrl": dict(l1_regularization_strength=0.01), "Lamb": {},
+}
+
+
+def _problem(rng):
+    shapes = [(6, 4), (4,), (4, 1), ()]
+    init = [rng.normal(size=s).astype("float32") for s in shapes]
+    grads = [[rng.normal(size=s).astype("float32") for s in shapes] for _ in range(3)]
+    return init, grads
+
+
+def _stepper(opt, vs):
+    def step(gs):
+        opt.apply_gradients(zip(gs, vs))
+        return opt.global_norm.value
+    return step
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_optimizer_step_under_xla_runs_the_custom_calls_with_the_same_bits(rng, name):
+    init, steps = _problem(rng)
+    results = []
+    for jit in (False, True):
+        vs = [keras.Variable(x) for x in init]
+        opt = getattr(tfclip.keras, name)(0.05, global_clipnorm=1.0, **CLASSES[name])
+        opt.build(vs)
+
+        fn = tf.function(_stepper(opt, vs), jit_compile=jit)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning
+            for gs in steps:
+                fn([tf.constant(g) for g in gs])
+        if jit:
+            hlo = fn.experimental_get_compiler_ir([tf.constant(g) for g in steps[0]])(stage="hlo")
+            assert 'custom_call_target="tfclip_apply"' in hlo, hlo[:2000]
+        results.append([np.asarray(v.numpy()) for v in vs] + [np.asarray(v.numpy()) for v in opt.variables])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def _model():
+    keras.utils.set_random_seed(7)
+    inp = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="tanh")(inp)
+    return keras.Model(inp, keras.layers.Dense(1)(h))
+
+
+def _data():
+    r = np.random.default_rng(3)
+    x = r.normal(size=(64, 5)).astype("float32")
+    return x, (x @ r.normal(size=(5, 1)) * 3).astype("float32")
+
+
+FEATURES = {
+    "schedule": lambda: dict(learning_rate=keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)),
+    "ema": lambda: dict(learning_rate=0.05, use_ema=True, ema_overwrite_frequency=3),
+    "accumulation": lambda: dict(learning_rate=0.05, gradient_accumulation_steps=2),
+    "plain": lambda: dict(learning_rate=0.05),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("name", ["Adam", "Nadam", "SGD"])
+def test_fit_with_jit_compile_trains_as_without_xla(name, feature):
+    x, y = _data()
+    out = []
+    for jit in (False, True):
+        model = _model()
+        opt = getattr(tfclip.keras, name)(global_clipnorm=0.5, **FEATURES[feature]())
+        model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        assert not [w for w in caught if "XLA" in str(w.message)], [str(w.message) for w in caught]
+        out.append((model.get_weights(), int(opt.iterations.numpy()), float(opt.global_norm.numpy())))
+    (w0, it0, n0), (w1, it1, n1) = out
+    assert it0 == it1 == (8 if feature == "accumulation" else 16)  # (Keras counts applied updates)
+    assert n1 == pytest.approx(n0, rel=1e-4)
+    for a, b in zip(w0, w1):  # (XLA compiles the model's own gradients too: rounding may differ)
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+def test_fit_with_jit_compile_and_mixed_float16_loss_scaling():
+    x, y = _data()
+    out = []
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for jit in (False, True):
+            model = _model()
+            opt = keras.optimizers.LossScaleOptimizer(tfclip.keras.Adam(0.01, global_clipnorm=1.0))
+            model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+            out.append(model.get_weights())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for a, b in zip(*out):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=5e-3, atol=5e-3)
