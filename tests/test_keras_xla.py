@@ -117,3 +117,34 @@ def test_fit_with_jit_compile_and_mixed_float16_loss_scaling():
         keras.mixed_precision.set_global_policy("float32")
     for a, b in zip(*out):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=5e-3, atol=5e-3)
+
+
+def _v1_stepper(opt, vs):
+    def step(gs):
+        opt.apply_gradients(zip(gs, vs))
+    return step
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tfclip.compat.v1.AdamOptimizer(0.05, global_clipnorm=1.0),
+    lambda: tfclip.compat.v1.MomentumOptimizer(0.05, 0.9, use_nesterov=True, clipnorm=0.5),
+    lambda: tfclip.compat.v1.RMSPropOptimizer(0.05, momentum=0.5, centered=True),
+], ids=["adam", "momentum", "rmsprop"])
+def test_compat_v1_step_under_xla_runs_the_custom_calls_with_the_same_bits(rng, make):
+    """tfclip.compat.v1 in a jit-compiled tf.function: the custom calls, the non-XLA bits (Adam's
+    beta powers included)."""
+    init, steps = _problem(rng)
+    results = []
+    for jit in (False, True):
+        vs = [tf.Variable(x) for x in init]
+        opt = make()
+        fn = tf.function(_v1_stepper(opt, vs), jit_compile=jit)
+        for gs in steps:
+            fn([tf.constant(g) for g in gs])
+        if jit:
+            hlo = fn.experimental_get_compiler_ir([tf.constant(g) for g in steps[0]])(stage="hlo")
+            assert 'custom_call_target="tfclip_apply"' in hlo
+        state = [x for slots in opt._slots.values() for x in slots.values()] + list(opt._non_slot_dict.values())
+        results.append([v.numpy() for v in vs] + [x.numpy() for x in state])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
