@@ -148,3 +148,24 @@ def test_compat_v1_step_under_xla_runs_the_custom_calls_with_the_same_bits(rng, 
         results.append([v.numpy() for v in vs] + [x.numpy() for x in state])
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("lazy,clip,falls_back", [
+    (False, dict(global_clipnorm=1.0), False), (True, dict(global_clipnorm=1.0), True),
+    (False, dict(clipnorm=1.0), True), (False, {}, True)])
+def test_gpu_indexed_slices_that_xla_cannot_densify_fall_back_with_the_reason(lazy, clip, falls_back):
+    """On a GPU the XLA kernel densifies IndexedSlices: lazy_sparse's rows and stock Keras's sum of
+    a repeated row's squares (every clip but global_clipnorm) cannot be had there, so that one
+    case takes the stock step, saying why; dense gradients and CPU variables never do."""
+    opt = tfclip.keras.Adam(0.1, lazy_sparse=lazy, **clip)
+
+    class OnGpu:
+        device = "/job:localhost/replica:0/task:0/device:GPU:0"
+
+    slices = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 0]), tf.constant([4, 3]))
+    why = tk._xla_fallback_reason(opt, [slices], [OnGpu()])
+    assert (why is not None) == falls_back
+    if falls_back:
+        assert "IndexedSlices on the GPU" in why
+    assert tk._xla_fallback_reason(opt, [tf.ones([4, 3])], [OnGpu()]) is None
+    assert tk._xla_fallback_reason(opt, [slices], [tf.Variable(tf.ones([4, 3]))]) is None

@@ -65,37 +65,43 @@ def _in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
-_XLA_KERNELS = None
-
-
 def _xla_kernels():
-    """Whether this build of tfclip has its XLA kernels (csrc/xla, TFCLIP_XLA): asked once of TF's
-    kernel registry, where they are registered for the XLA JIT devices."""
-    global _XLA_KERNELS
-    if _XLA_KERNELS is None:
-        from tensorflow.python.framework import kernels
+    """Whether this build of tfclip has its XLA kernels (tfclip._loader.xla_kernels); a module
+    attribute so that tests can take them away."""
+    return _loader.xla_kernels() if _XLA_KERNELS is None else _XLA_KERNELS
 
-        _loader.ops()  # (loading the library registers them)
-        found = {k.device_type for k in kernels.get_registered_kernels_for_op("TfclipGlobalNorm").kernel}
-        _XLA_KERNELS = "XLA_CPU_JIT" in found
-    return _XLA_KERNELS
+
+_XLA_KERNELS = None  # None: ask the build
 
 
 _XLA_FALLBACK_WARNED = False
 
 
-def _warn_xla_fallback():
+def _warn_xla_fallback(why):
     global _XLA_FALLBACK_WARNED
     if not _XLA_FALLBACK_WARNED:
         _XLA_FALLBACK_WARNED = True
+        warnings.warn(
+            f"tfclip.keras: {why}, so inside jit_compile=True the optimizer step runs stock Keras ops "
+            "(clipping after the all-reduce, the same results). Compile the model with "
+            "jit_compile=False for tfclip's fused kernels.", stacklevel=2)
+
+
+def _xla_fallback_reason(opt, grads, tvars):
+    """Why this XLA-compiled step cannot run tfclip's kernels, or None."""
+    if not _xla_kernels():
         from tfclip import _build_info
 
-        warnings.warn(
-            "tfclip.keras: this build of tfclip has no XLA kernels (built against TensorFlow "
-            f"{_build_info.TF_VERSION}; its XLA glue is built for TF 2.21), so inside jit_compile=True "
-            "the optimizer step runs stock Keras ops (clipping after the all-reduce, the same results). "
-            "Compile the model with jit_compile=False for tfclip's fused kernels, or build tfclip "
-            "against TF 2.21.", stacklevel=2)
+        return (f"this build of tfclip has no XLA kernels (built against TensorFlow "
+                f"{_build_info.TF_VERSION}; its XLA glue is built for TF 2.21)")
+    # On GPU the XLA kernel densifies IndexedSlices (XLA keeps their indices on the device), which
+    # cannot give lazy_sparse's rows or stock Keras's sum of a repeated row's squares.
+    if (any(isinstance(g, tf.IndexedSlices) for g in grads) and any("GPU" in v.device for v in tvars)
+            and (opt.lazy_sparse or opt._clip_mode()[0] != "global_norm")):
+        return ("IndexedSlices on the GPU are densified inside XLA, which cannot give "
+                + ("lazy_sparse's touched rows" if opt.lazy_sparse else
+                   "stock Keras's sum of a repeated row's squares (without global_clipnorm)"))
+    return None
 
 
 def _tf_var(v):
@@ -294,8 +300,9 @@ class _FusedMixin:
         grads = [g for g, _ in reduced]
         # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); only a
         # build without them takes the stock ops there, and says so once.
-        if _in_xla_context() and not _xla_kernels():
-            _warn_xla_fallback()
+        why = _xla_fallback_reason(self, grads, tvars) if _in_xla_context() else None
+        if why is not None:
+            _warn_xla_fallback(why)
             return self._stock_update_step(grads, trainable_variables, tvars, learning_rate)
         return self._fused_update_step(grads, trainable_variables, learning_rate)
 
