@@ -1,6 +1,8 @@
 """tfclip.compat.v1 optimizers against tf.compat.v1.train.* with tf.clip_by_global_norm between
 compute_gradients and apply_gradients, in a TF1 graph with a Session (the code in
 shared/user-questions)."""
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -241,3 +243,61 @@ def test_tensor_norms_eagerly_and_per_var_list():
     np.testing.assert_allclose(opt.tensor_norms().numpy(), [2.0], rtol=1e-6)
     assert opt.tensor_norm_names() == [v2.name]
     np.testing.assert_allclose(first.numpy(), [1.0, 0.0], rtol=1e-6)  # left as it was
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_graph_collections_equal_the_stock_class(name):
+    """Everything a stock TF1 optimizer leaves in the graph besides the update: every collection
+    holds what the stock class's holds (by name; the train op joins GraphKeys.TRAIN_OP, where a
+    re-imported meta-graph finds it). tfclip's own extras are local variables (its norms), so
+    LOCAL_VARIABLES is compared without them."""
+    found = []
+    for module in (tf.compat.v1.train, tfclip.compat.v1):
+        g, opt, train, _, _, _ = build(module, name)
+        with g.as_default():
+            extras = {v.name for v in g.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+                      if re.search(r"_tfclip(_\d+)?/", v.name)}
+            collections = {}
+            for key in g.get_all_collection_keys():
+                items = [getattr(x, "name", str(x)) for x in g.get_collection(key)]
+                collections[key] = [n for n in items if n not in extras]
+            assert g.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP) == [train]
+            found.append({k: v for k, v in collections.items() if v})
+    stock, ours = found
+    assert set(ours) == set(stock), (sorted(ours), sorted(stock))
+    for key in stock:
+        assert len(ours[key]) == len(stock[key]), key
+        if key != tf.compat.v1.GraphKeys.TRAIN_OP:  # (the train op's name is the op's own)
+            assert ours[key] == stock[key], key
+
+
+def test_train_op_is_found_after_a_meta_graph_round_trip(tmp_path):
+    """The TF1 language-model pattern: export the meta-graph, import it into a new graph, take the
+    train op from the collection, and train with it."""
+    g, opt, train, saver, init, _ = build(tfclip.compat.v1, "adam", clip=1.0)
+    with g.as_default(), tf.compat.v1.Session() as s:
+        s.run(init)
+        saver.save(s, str(tmp_path / "m"))
+    g2 = tf.Graph()
+    with g2.as_default(), tf.compat.v1.Session() as s:
+        restored = tf.compat.v1.train.import_meta_graph(str(tmp_path / "m.meta"))
+        restored.restore(s, str(tmp_path / "m"))
+        s.run(tf.compat.v1.local_variables_initializer())
+        train_op = tf.compat.v1.get_collection_ref("train_op")[0]
+        step = tf.compat.v1.train.get_global_step()
+        before = s.run(step)
+        s.run(train_op)
+        assert s.run(step) == before + 1
+
+
+def test_adam_beta_accumulators_are_the_stock_pair():
+    """AdamOptimizer._get_beta_accumulators(): the stock pair, beta^t after t steps."""
+    for module in (tf.compat.v1.train, tfclip.compat.v1):
+        g, opt, train, _, init, _ = build(module, "adam")
+        with g.as_default(), tf.compat.v1.Session() as s:
+            s.run(init)
+            for _ in range(3):
+                s.run(train)
+            b1, b2 = opt._get_beta_accumulators()
+            assert [b1.op.name, b2.op.name] == ["beta1_power", "beta2_power"]
+            np.testing.assert_allclose(s.run([b1, b2]), [0.9 ** 4, 0.999 ** 4], rtol=1e-6)

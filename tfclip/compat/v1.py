@@ -219,11 +219,20 @@ class _Fused(tf.compat.v1.train.Optimizer):
                     var_list[0], lambda _, *gs: tf.group(*step(list(gs))), args=tuple(grads), group=True)]
             with tf.control_dependencies(updates):
                 if global_step is None:
-                    return tf.group(*updates, name="apply")
-                if strategy is not None:
-                    return strategy.extended.update(
+                    train_op = tf.group(*updates, name="apply")
+                elif strategy is not None:
+                    train_op = strategy.extended.update(
                         global_step, lambda g: g.assign_add(1, read_value=False, name="apply"))
-                return tf.compat.v1.assign_add(global_step, 1, name="apply").op
+                else:
+                    train_op = tf.compat.v1.assign_add(global_step, 1, name="apply").op
+        if not tf.executing_eagerly():
+            # As the stock class: the train op joins GraphKeys.TRAIN_OP, where TF1 programs that
+            # export and re-import their meta-graph find it (tf.get_collection("train_op")[0]).
+            op = train_op.op if isinstance(train_op, tf.Tensor) else train_op
+            collection = tf.compat.v1.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
+            if op not in collection:
+                collection.append(op)
+        return train_op
 
     # IndexedSlices updates as the stock TF1 class applies them (_resource_apply_sparse).
     _lazy_sparse = False
@@ -301,6 +310,11 @@ class AdamOptimizer(_Fused):
             graph = self._graph_key()
             return (self._get_non_slot_variable("beta1_power", graph=graph),
                     self._get_non_slot_variable("beta2_power", graph=graph))
+
+    def _get_beta_accumulators(self):
+        """The stock class's (beta1_power, beta2_power) variables: beta1^t and beta2^t, which the
+        bias correction uses (TF's own Adam tests and user code read them)."""
+        return self._beta_powers()
 
     def _op_inputs(self):
         b1p, b2p = self._beta_powers()
