@@ -1,0 +1,481 @@
+"""Drop-in tf_keras (Keras 2) optimizers whose update is one fused clip-and-apply op over all
+variables.
+
+For projects on the `tf-keras` package (Keras 2; `TF_USE_LEGACY_KERAS=1` makes
+`tf.keras.optimizers.Adam` the tf_keras class). Change one line::
+
+    optimizer = tf_keras.optimizers.Adam(1e-3, global_clipnorm=1.0)   # before
+    optimizer = tfclip.tf_keras.Adam(1e-3, global_clipnorm=1.0)       # after
+
+`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Lion` and `Ftrl` subclass
+the stock `tf_keras.optimizers` classes and take the same constructor arguments (learning-rate
+schedules, `clipnorm`, `clipvalue`, `global_clipnorm`, `weight_decay`, `use_ema`, `jit_compile`,
+Adam's `adaptive_epsilon`, ...), create the same variables (`optimizer.variables` is the stock
+list, so `tf.train.Checkpoint`s move both ways between stock tf_keras and tfclip) and keep the
+stock `apply_gradients(grads_and_vars, name=None, skip_gradients_aggregation=False)`: the
+gradients are summed across replicas first (tf_keras does too), then the global norm, the clip,
+the weight decay and the update of every variable are one fused op. IndexedSlices gradients
+(embeddings) are clipped on their raw values and their duplicate rows summed before the update,
+as stock tf_keras does, so they follow the stock trajectory.
+
+Extra keyword-only arguments, as in `tfclip.keras`: `nonfinite` ("skip" by default: a step whose
+global norm is inf/NaN writes no variable or slot and counts in `skipped_steps`, `iterations`
+still advances; "propagate": stock behaviour; "raise": the step fails, nothing written) and
+`lazy_sparse` (False by default; True updates only the rows an IndexedSlices gradient touches).
+`global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and `clip_scale_sum` are tfclip's
+own variables, outside `optimizer.variables` and checkpoints.
+
+`tf_keras.optimizers.Nadam` (its `_u_product` is advanced by a Python-side counter at trace time)
+and the `tf_keras.optimizers.legacy` classes have no drop-in here yet.
+
+Inside an XLA-compiled function (`model.compile(..., jit_compile=True)`) the fused op compiles to
+tfclip's own XLA custom calls; a build of tfclip without them warns once and runs the stock
+tf_keras step there (which also clips after the all-reduce).
+"""
+import threading
+import warnings
+
+import tensorflow as tf
+
+try:
+    import tf_keras as _tf_keras
+except ImportError as _e:  # pragma: no cover - the optional dependency is absent
+    raise ImportError("tfclip.tf_keras subclasses the optimizers of the tf-keras package (Keras 2), "
+                      f"which is not installed ({_e}): pip install \"tfclip[tf_keras]\" (or "
+                      "pip install tf-keras matching your TensorFlow). For Keras 3 use tfclip.keras.") from None
+
+from tensorflow.python.ops import control_flow_util
+from tf_keras.src.optimizers import utils as _optimizer_utils
+
+from tfclip import _loader, _opcall
+from tfclip.rules import _check_number
+
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion", "Ftrl", "get"]
+
+_stock = _tf_keras.optimizers
+
+
+def _in_xla_context():
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+_XLA_KERNELS = None
+
+
+def _xla_kernels():
+    """Whether this build of tfclip has its XLA kernels (asked once of TF's kernel registry)."""
+    global _XLA_KERNELS
+    if _XLA_KERNELS is None:
+        from tensorflow.python.framework import kernels
+
+        _loader.ops()
+        found = {k.device_type for k in kernels.get_registered_kernels_for_op("TfclipGlobalNorm").kernel}
+        _XLA_KERNELS = "XLA_CPU_JIT" in found
+    return _XLA_KERNELS
+
+
+_XLA_FALLBACK_WARNED = False
+
+
+def _warn_xla_fallback():
+    global _XLA_FALLBACK_WARNED
+    if not _XLA_FALLBACK_WARNED:
+        _XLA_FALLBACK_WARNED = True
+        warnings.warn("tfclip.tf_keras: this build of tfclip has no XLA kernels, so inside "
+                      "jit_compile=True the optimizer step runs the stock tf_keras ops (which clip "
+                      "after the all-reduce too; nonfinite is not honoured there). Compile with "
+                      "jit_compile=False for tfclip's fused kernels.", stacklevel=3)
+
+
+def _state_variable(value, name, dtype):
+    """One of tfclip's own optimizer variables: not trainable, one value for all replicas."""
+    with tf.init_scope():
+        return tf.Variable(value, name=name, dtype=dtype, trainable=False,
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def _check_numbers(opt, names):
+    for name in names:
+        v = getattr(opt, name)
+        if callable(v) or isinstance(v, (tf.Tensor, tf.Variable)):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+        _check_number(name, float(v))
+
+
+_THREAD = threading.local()
+
+
+class _FusedMixin:
+    """The fused update every tf_keras drop-in shares (see the module docstring)."""
+
+    _checked = ()
+
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        _opcall.check_policy(nonfinite)
+        _check_numbers(self, self._checked)
+        lr = getattr(self, "_learning_rate", None)
+        if isinstance(lr, tf.Variable) and tf.executing_eagerly():
+            _check_number("learning_rate", float(lr.numpy()))
+        wd = self.weight_decay
+        if isinstance(wd, (int, float)) and not isinstance(wd, bool):
+            _check_number("weight_decay", float(wd))
+        _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+        if not isinstance(lazy_sparse, bool):
+            raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
+        self.nonfinite = nonfinite
+        self.lazy_sparse = lazy_sparse
+        # Outside the tracked attributes (object.__setattr__): not in optimizer.variables nor in
+        # checkpoints, so both stay the stock class's.
+        for attr, name, value, dtype in (("_global_norm", "global_norm", 0.0, tf.float32),
+                                         ("_skipped_steps", "skipped_steps", 0, tf.int64),
+                                         ("_clipped_steps", "clipped_steps", 0, tf.int64),
+                                         ("_clip_scale_sum", "clip_scale_sum", 0.0, tf.float64)):
+            object.__setattr__(self, attr, _state_variable(value, f"{self.name}/{name}", dtype))
+        object.__setattr__(self, "_tensor_norms", None)
+        object.__setattr__(self, "_tensor_norm_names", [])
+
+    def build(self, var_list):
+        built = getattr(self, "_built", False)
+        super().build(var_list)
+        if not built and self._tensor_norms is None:
+            object.__setattr__(self, "_tensor_norms", _state_variable(
+                [0.0] * len(var_list), f"{self.name}/tensor_norms", tf.float32))
+            object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
+
+    # -- tfclip's own state ---------------------------------------------------------------
+    @property
+    def global_norm(self):
+        """The pre-clip global norm of the gradients of the last step (a variable)."""
+        return self._global_norm
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for a non-finite global norm (a variable)."""
+        return self._skipped_steps
+
+    @property
+    def clipped_steps(self):
+        """How many applied steps the clip scaled down (global_clipnorm / clipnorm)."""
+        return self._clipped_steps
+
+    @property
+    def clip_scale_sum(self):
+        """The sum over steps of the clip's scale (1 for a step the clip left alone)."""
+        return self._clip_scale_sum
+
+    @property
+    def tensor_norms(self):
+        """Each variable's pre-clip gradient norm at the last step (aligned with
+        `tensor_norm_names`; 0 where no gradient). None until the optimizer is built."""
+        return self._tensor_norms
+
+    @property
+    def tensor_norm_names(self):
+        return list(self._tensor_norm_names)
+
+    def get_config(self):
+        config = super().get_config()
+        if self.nonfinite != "skip":
+            config["nonfinite"] = self.nonfinite
+        if self.lazy_sparse:
+            config["lazy_sparse"] = True
+        return config
+
+    def _clip_mode(self):
+        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+
+    # -- the stock apply_gradients, its update replaced -------------------------------------
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
+        if self._mesh or self._run_with_dtensor:
+            raise NotImplementedError("tfclip.tf_keras optimizers do not run under DTensor; use the "
+                                      f"stock tf_keras.optimizers.{type(self).__name__}")
+        if _in_xla_context() and not _xla_kernels():
+            _warn_xla_fallback()
+            return super().apply_gradients(grads_and_vars, name=name,
+                                           skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            with _opcall.state_lock(self):
+                return self._tfclip_apply_gradients(grads_and_vars, name, skip_gradients_aggregation, kwargs)
+        return self._tfclip_apply_gradients(grads_and_vars, name, skip_gradients_aggregation, kwargs)
+
+    def _tfclip_apply_gradients(self, grads_and_vars, name, skip_gradients_aggregation, kwargs):
+        # tf_keras Optimizer.apply_gradients: sum across replicas (unless skipped) ...
+        experimental_aggregate_gradients = kwargs.pop("experimental_aggregate_gradients", True)
+        grads_and_vars = list(grads_and_vars)
+        if not skip_gradients_aggregation and experimental_aggregate_gradients:
+            grads_and_vars = self.aggregate_gradients(grads_and_vars)
+        # ... then _BaseOptimizer.apply_gradients, with the clip, the sparse de-duplication, the
+        # weight decay and the per-variable updates made one fused step.
+        self._compute_current_learning_rate()
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self._iterations
+        grads, trainable_variables = zip(*grads_and_vars)
+        with tf.name_scope(name or self.name or "optimizer"):
+            with tf.init_scope():
+                self.build(trainable_variables)
+            grads_and_vars = _optimizer_utils.filter_empty_gradients(grads_and_vars)
+            if not list(grads_and_vars):
+                return self._iterations
+            grads, trainable_variables = zip(*grads_and_vars)
+            applied = self._fused_step(list(grads), list(trainable_variables))
+            with tf.control_dependencies([applied]):
+                iteration = tf.__internal__.distribute.interim.maybe_merge_call(
+                    self._tfclip_finish, self._distribution_strategy, list(trainable_variables))
+            for variable in trainable_variables:
+                if variable.constraint is not None:
+                    variable.assign(variable.constraint(variable))
+            return iteration
+
+    def _tfclip_finish(self, distribution, var_list):
+        """The tail of stock `_distributed_apply_gradients_fn`: EMA, then `iterations += 1`."""
+        if self.use_ema:
+            self._update_model_variables_moving_average(var_list)
+            if self.ema_overwrite_frequency:
+                should = (self.iterations + 1) % self.ema_overwrite_frequency == 0
+                tf.cond(tf.cast(should, tf.bool),
+                        true_fn=lambda: self._overwrite_model_variables_with_average_value(var_list),
+                        false_fn=lambda: None)
+        return self.iterations.assign_add(1)
+
+    def _index(self, v):
+        return self._index_dict[self._var_key(v)]
+
+    def _slot_handles(self, slot_list, tvars):
+        return [slot_list[self._index(v)].handle for v in tvars]
+
+    def _step(self):
+        return tf.cast(self.iterations + 1, tf.float64)
+
+    def _fused_step(self, grads, tvars):
+        ops = _loader.ops()
+        mode, clip = self._clip_mode()
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        use_norm, given, tensor_norms = tf.constant(0.0, tf.float64), False, None
+        preclipped = set()
+        if sparse:
+            # Stock tf_keras clips the raw gradients, then sums an IndexedSlices' duplicate rows:
+            # the norms are of the raw values (one norm pass, given to the op); clipnorm and
+            # clipvalue, which act per row, clip the IndexedSlices as stock does before the sum.
+            values, _ = _opcall.op_grads(grads)
+            use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
+            given = True
+            for i in sparse:
+                if mode == "norm":
+                    grads[i] = tf.clip_by_norm(grads[i], clip)
+                    preclipped.add(i)
+                elif mode == "value":
+                    grads[i] = tf.clip_by_value(grads[i], -clip, clip)
+                    preclipped.add(i)
+            grads = self._deduplicate_sparse_grad(grads)
+        decay = self.weight_decay is not None and not (
+            isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0)
+        groups = {}
+        for i, v in enumerate(tvars):
+            key = (bool(decay and self._use_weight_decay(v)), i in preclipped)
+            groups.setdefault(key, []).append(i)
+        if len(groups) > 1 and not given:
+            values, _ = _opcall.op_grads(grads)
+            use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
+            given = True
+        lr = _opcall.scalar(self.learning_rate, "learning_rate")
+        norm = applied = None
+        for (with_decay, pre), idx in sorted(groups.items()):
+            values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
+            group = [tvars[i] for i in idx]
+            kind, slots, hparams, flags = self._op_inputs(group)
+            hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
+            n, a, tn = _opcall.apply(
+                kind, [v.handle for v in group], slots, values, hparams, flags,
+                clip=tf.constant(0.0 if pre else clip, tf.float64), use_norm=use_norm, iterations=[],
+                clip_mode="none" if pre else mode, nonfinite=self.nonfinite, use_given_norm=given,
+                lazy=self.lazy_sparse, sum_of_squares=mode != "global_norm", **sparse_kw)
+            norm = n if norm is None else norm
+            applied = a if applied is None else applied
+            tensor_norms = tn if tensor_norms is None else tensor_norms
+        self._record_norms(norm, applied, tensor_norms, tvars, mode, clip)
+        return applied
+
+    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip):
+        self._global_norm.assign(tf.cast(norm, tf.float32))
+        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+        if self._tensor_norms is not None:
+            tn = tf.cast(tensor_norms, tf.float32)
+            idx = [self._index(v) for v in tvars]
+            total = int(self._tensor_norms.shape[0])
+            if idx != list(range(total)):
+                tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
+            self._tensor_norms.assign(tn)
+        if mode not in ("global_norm", "norm"):
+            return
+        clip = tf.cast(clip, tf.float64)
+        measure = tf.cast(norm if mode == "global_norm" else tf.reduce_max(tensor_norms), tf.float64)
+        fired = tf.logical_and(tf.logical_and(applied, clip > 0), measure > clip)
+        self._clipped_steps.assign_add(tf.cast(fired, tf.int64))
+        self._clip_scale_sum.assign_add(tf.where(fired, clip / measure, tf.constant(1.0, tf.float64)))
+
+
+class SGD(_FusedMixin, _stock.SGD):
+    """tf_keras.optimizers.SGD (momentum, nesterov) as one fused op. Extra: `nonfinite`, `lazy_sparse`."""
+
+    _checked = ("momentum",)
+
+    def _op_inputs(self, tvars):
+        # Stock tf_keras SGD writes its `m` slots with momentum 0 too (m = -lr * g): always the
+        # Keras momentum rule.
+        return ("keras_momentum", [self._slot_handles(self.momentums, tvars)],
+                {"momentum": self.momentum}, {"use_nesterov": bool(self.nesterov)})
+
+
+class Adam(_FusedMixin, _stock.Adam):
+    """tf_keras.optimizers.Adam (amsgrad, adaptive_epsilon) as one fused op. Extra: `nonfinite`,
+    `lazy_sparse`."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+
+    def _op_inputs(self, tvars):
+        slots = [self._slot_handles(self._momentums, tvars), self._slot_handles(self._velocities, tvars)]
+        if self.amsgrad:
+            slots.append(self._slot_handles(self._velocity_hats, tvars))
+        epsilon = self.epsilon
+        if getattr(self, "adaptive_epsilon", False):
+            # stock: epsilon * sqrt(1 - beta_2^t), in the variables' dtype (float32 here)
+            dtype = tvars[0].dtype.base_dtype
+            beta_2_power = tf.pow(tf.cast(self.beta_2, dtype), tf.cast(self.iterations + 1, dtype))
+            epsilon = self.epsilon * tf.sqrt(1 - beta_2_power)
+        hparams = {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": epsilon, "step": self._step()}
+        return "adam", slots, hparams, {"amsgrad": bool(self.amsgrad)}
+
+
+class AdamW(_FusedMixin, _stock.AdamW):
+    """tf_keras.optimizers.AdamW (decoupled weight decay) as one fused op. Extra: `nonfinite`,
+    `lazy_sparse`."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+    _op_inputs = Adam._op_inputs
+
+
+class RMSprop(_FusedMixin, _stock.RMSprop):
+    """tf_keras.optimizers.RMSprop (rho, momentum, centered) as one fused op."""
+
+    _checked = ("rho", "momentum", "epsilon")
+
+    def _op_inputs(self, tvars):
+        slots = {"velocity": self._slot_handles(self._velocities, tvars)}
+        if self.momentum > 0:
+            slots["momentum_slot"] = self._slot_handles(self._momentums, tvars)
+        if self.centered:
+            slots["average_gradient"] = self._slot_handles(self._average_gradients, tvars)
+        return ("rmsprop", slots, {"rho": self.rho, "momentum": self.momentum, "epsilon": self.epsilon},
+                {"centered": bool(self.centered), "has_momentum": self.momentum > 0})
+
+
+class Adagrad(_FusedMixin, _stock.Adagrad):
+    """tf_keras.optimizers.Adagrad as one fused op."""
+
+    _checked = ("epsilon", "initial_accumulator_value")
+
+    def _op_inputs(self, tvars):
+        return ("adagrad", [self._slot_handles(self._accumulators, tvars)], {"epsilon": self.epsilon}, {})
+
+
+class Adadelta(_FusedMixin, _stock.Adadelta):
+    """tf_keras.optimizers.Adadelta as one fused op."""
+
+    _checked = ("rho", "epsilon")
+
+    def _op_inputs(self, tvars):
+        return ("adadelta", [self._slot_handles(self._accumulated_grads, tvars),
+                             self._slot_handles(self._accumulated_delta_vars, tvars)],
+                {"rho": self.rho, "epsilon": self.epsilon}, {})
+
+
+class Adamax(_FusedMixin, _stock.Adamax):
+    """tf_keras.optimizers.Adamax as one fused op."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+
+    def _op_inputs(self, tvars):
+        return ("adamax", [self._slot_handles(self._m, tvars), self._slot_handles(self._u, tvars)],
+                {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon, "step": self._step()}, {})
+
+
+class Lion(_FusedMixin, _stock.Lion):
+    """tf_keras.optimizers.Lion as one fused op."""
+
+    _checked = ("beta_1", "beta_2")
+
+    def _op_inputs(self, tvars):
+        return ("lion", [self._slot_handles(self.momentums, tvars)],
+                {"beta_1": self.beta_1, "beta_2": self.beta_2}, {})
+
+
+class Ftrl(_FusedMixin, _stock.Ftrl):
+    """tf_keras.optimizers.Ftrl (l1, l2, l2 shrinkage, learning_rate_power, beta) as one fused op."""
+
+    _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
+                "l2_shrinkage_regularization_strength", "beta", "initial_accumulator_value")
+
+    def _op_inputs(self, tvars):
+        kind, power = _opcall.ftrl_variant(self.learning_rate_power)
+        return (kind, [self._slot_handles(self._accumulators, tvars), self._slot_handles(self._linears, tvars)],
+                {**power, "l1": self.l1_regularization_strength, "l2": self.l2_regularization_strength,
+                 "l2_shrinkage": self.l2_shrinkage_regularization_strength, "beta": self.beta}, {})
+
+
+_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Lion, Ftrl)
+_BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
+
+
+def get(identifier):
+    """tf_keras.optimizers.get, giving tfclip's class where tfclip has one (`get("adam")` is a
+    `tfclip.tf_keras.Adam`); a tfclip.keras (Keras 3) optimizer is refused with the class to use."""
+    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
+        return _BY_NAME[identifier.lower()]()
+    _refuse_keras3(identifier)
+    return _stock.get(identifier)
+
+
+def _refuse_keras3(obj):
+    """A Keras 3 optimizer handed to tf_keras: a ValueError naming both libraries."""
+    mod = type(obj).__module__ or ""
+    if mod.startswith("tfclip.keras") or (mod.split(".")[0] == "keras" and hasattr(obj, "build")
+                                          and not isinstance(obj, _stock.Optimizer)):
+        name = type(obj).__name__
+        lib = "tfclip.keras" if mod.startswith("tfclip.") else "keras"
+        raise ValueError(
+            f"{lib}.{name} is a Keras 3 optimizer and this model is a tf_keras (Keras 2) model: "
+            f"use tfclip.tf_keras.{name} with tf_keras models (and tfclip.keras.{name} with Keras 3 "
+            "models).")
+
+
+# Registered so tf_keras's load_model finds them without custom_objects.
+for _cls in _CLASSES:
+    _tf_keras.utils.register_keras_serializable(package="tfclip")(_cls)
+
+
+# Keras 3 models handed a tfclip.tf_keras optimizer: Keras 3's `keras.optimizers.get` sees an
+# object it cannot interpret; give that error the class to use. (tf_keras models handed a
+# tfclip.keras optimizer: tf_keras's Model.compile calls `tf_keras.optimizers.get`, patched below
+# to say the same.)
+def _install_mixup_errors():
+    from tf_keras.src import optimizers as _opt_mod
+
+    stock_get = _opt_mod.get
+    if getattr(stock_get, "_tfclip_wrapped", False):
+        return
+
+    def get_with_hint(identifier, **kwargs):
+        _refuse_keras3(identifier)
+        return stock_get(identifier, **kwargs)
+
+    get_with_hint._tfclip_wrapped = True
+    get_with_hint.__wrapped__ = stock_get
+    get_with_hint.__doc__ = stock_get.__doc__
+    _opt_mod.get = get_with_hint
+
+
+_install_mixup_errors()
