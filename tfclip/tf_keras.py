@@ -15,8 +15,8 @@ list, so `tf.train.Checkpoint`s move both ways between stock tf_keras and tfclip
 stock `apply_gradients(grads_and_vars, name=None, skip_gradients_aggregation=False)`: the
 gradients are summed across replicas first (tf_keras does too), then the global norm, the clip,
 the weight decay and the update of every variable are one fused op. IndexedSlices gradients
-(embeddings) are clipped on their raw values and their duplicate rows summed before the update,
-as stock tf_keras does, so they follow the stock trajectory.
+(embeddings) go to the op without densifying: each raw slice clipped, the duplicate rows summed
+before the update, as stock tf_keras does, so they follow the stock trajectory.
 
 Extra keyword-only arguments, as in `tfclip.keras`: `nonfinite` ("skip" by default: a step whose
 global norm is inf/NaN writes no variable or slot and counts in `skipped_steps`, `iterations`
@@ -32,6 +32,7 @@ Inside an XLA-compiled function (`model.compile(..., jit_compile=True)`) the fus
 tfclip's own XLA custom calls; a build of tfclip without them warns once and runs the stock
 tf_keras step there (which also clips after the all-reduce).
 """
+import sys
 import threading
 import warnings
 
@@ -253,46 +254,31 @@ class _FusedMixin:
     def _fused_step(self, grads, tvars):
         ops = _loader.ops()
         mode, clip = self._clip_mode()
-        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         use_norm, given, tensor_norms = tf.constant(0.0, tf.float64), False, None
-        preclipped = set()
-        if sparse:
-            # Stock tf_keras clips the raw gradients, then sums an IndexedSlices' duplicate rows:
-            # the norms are of the raw values (one norm pass, given to the op); clipnorm and
-            # clipvalue, which act per row, clip the IndexedSlices as stock does before the sum.
-            values, _ = _opcall.op_grads(grads)
-            use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
-            given = True
-            for i in sparse:
-                if mode == "norm":
-                    grads[i] = tf.clip_by_norm(grads[i], clip)
-                    preclipped.add(i)
-                elif mode == "value":
-                    grads[i] = tf.clip_by_value(grads[i], -clip, clip)
-                    preclipped.add(i)
-            grads = self._deduplicate_sparse_grad(grads)
         decay = self.weight_decay is not None and not (
             isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0)
         groups = {}
         for i, v in enumerate(tvars):
-            key = (bool(decay and self._use_weight_decay(v)), i in preclipped)
-            groups.setdefault(key, []).append(i)
-        if len(groups) > 1 and not given:
+            groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
+        if len(groups) > 1:  # both groups' ops take the norms of one norm pass
             values, _ = _opcall.op_grads(grads)
             use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
         lr = _opcall.scalar(self.learning_rate, "learning_rate")
         norm = applied = None
-        for (with_decay, pre), idx in sorted(groups.items()):
+        for with_decay, idx in sorted(groups.items()):
             values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
             group = [tvars[i] for i in idx]
             kind, slots, hparams, flags = self._op_inputs(group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
             n, a, tn = _opcall.apply(
                 kind, [v.handle for v in group], slots, values, hparams, flags,
-                clip=tf.constant(0.0 if pre else clip, tf.float64), use_norm=use_norm, iterations=[],
-                clip_mode="none" if pre else mode, nonfinite=self.nonfinite, use_given_norm=given,
-                lazy=self.lazy_sparse, sum_of_squares=mode != "global_norm", **sparse_kw)
+                clip=tf.constant(clip, tf.float64), use_norm=use_norm, iterations=[], clip_mode=mode,
+                nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
+                # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
+                # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped
+                # slices summed, the rule fed the sum (not the sum of the slices' squares).
+                sum_of_squares=False, **sparse_kw)
             norm = n if norm is None else norm
             applied = a if applied is None else applied
             tensor_norms = tn if tensor_norms is None else tensor_norms
@@ -440,16 +426,28 @@ def get(identifier):
 
 
 def _refuse_keras3(obj):
-    """A Keras 3 optimizer handed to tf_keras: a ValueError naming both libraries."""
-    mod = type(obj).__module__ or ""
-    if mod.startswith("tfclip.keras") or (mod.split(".")[0] == "keras" and hasattr(obj, "build")
-                                          and not isinstance(obj, _stock.Optimizer)):
-        name = type(obj).__name__
-        lib = "tfclip.keras" if mod.startswith("tfclip.") else "keras"
-        raise ValueError(
-            f"{lib}.{name} is a Keras 3 optimizer and this model is a tf_keras (Keras 2) model: "
-            f"use tfclip.tf_keras.{name} with tf_keras models (and tfclip.keras.{name} with Keras 3 "
-            "models).")
+    """A tfclip.keras (Keras 3) optimizer handed to tf_keras: a ValueError naming both libraries
+    and the class to use."""
+    k3 = sys.modules.get("tfclip.keras")
+    if k3 is None or not isinstance(obj, getattr(k3, "_FusedMixin", ())):
+        return
+    name = next(c.__name__ for c in type(obj).__mro__ if c.__module__ == "tfclip.keras")
+    raise ValueError(
+        f"tfclip.keras.{name} is an optimizer for Keras 3 (the keras package), but it was given to "
+        f"tf_keras (Keras 2, the tf-keras package; TF_USE_LEGACY_KERAS=1 makes tf.keras that): use "
+        f"tfclip.tf_keras.{name} with tf_keras models, and tfclip.keras.{name} with Keras 3 models.")
+
+
+def _refuse_tf_keras(obj):
+    """A tfclip.tf_keras (Keras 2) optimizer handed to Keras 3: the same, the other way round."""
+    if not isinstance(obj, _FusedMixin):
+        return
+    name = next(c.__name__ for c in type(obj).__mro__ if c.__module__ == __name__)
+    raise ValueError(
+        f"tfclip.tf_keras.{name} is an optimizer for tf_keras (Keras 2, the tf-keras package), but "
+        f"it was given to Keras 3 (the keras package): use tfclip.keras.{name} with Keras 3 models, "
+        f"and tfclip.tf_keras.{name} with tf_keras models (or set TF_USE_LEGACY_KERAS=1 and build "
+        "the model with tf_keras).")
 
 
 # Registered so tf_keras's load_model finds them without custom_objects.
@@ -457,25 +455,35 @@ for _cls in _CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip")(_cls)
 
 
-# Keras 3 models handed a tfclip.tf_keras optimizer: Keras 3's `keras.optimizers.get` sees an
-# object it cannot interpret; give that error the class to use. (tf_keras models handed a
-# tfclip.keras optimizer: tf_keras's Model.compile calls `tf_keras.optimizers.get`, patched below
-# to say the same.)
-def _install_mixup_errors():
-    from tf_keras.src import optimizers as _opt_mod
-
-    stock_get = _opt_mod.get
-    if getattr(stock_get, "_tfclip_wrapped", False):
+def _wrap_get(module, refuse):
+    """Wraps `module.get` (what Model.compile calls for its optimizer) so that a tfclip optimizer
+    of the other Keras says which class to use, where the stock error would be
+    `Could not interpret optimizer identifier`. Everything else goes to the stock `get`."""
+    stock_get = module.get
+    if getattr(stock_get, "_tfclip_refuses", None) is refuse:
         return
+    def get(identifier, *args, **kwargs):
+        refuse(identifier)
+        return stock_get(identifier, *args, **kwargs)
+    get._tfclip_refuses = refuse
+    get.__wrapped__ = stock_get
+    get.__doc__ = stock_get.__doc__
+    module.get = get
 
-    def get_with_hint(identifier, **kwargs):
-        _refuse_keras3(identifier)
-        return stock_get(identifier, **kwargs)
 
-    get_with_hint._tfclip_wrapped = True
-    get_with_hint.__wrapped__ = stock_get
-    get_with_hint.__doc__ = stock_get.__doc__
-    _opt_mod.get = get_with_hint
+def _install_mixup_errors():
+    from tf_keras.src import optimizers as tf_keras_optimizers
+
+    _wrap_get(tf_keras_optimizers, _refuse_keras3)
+    try:
+        import keras
+
+        if int(str(keras.__version__).split(".")[0]) < 3:
+            return
+        from keras.src import optimizers as keras_optimizers
+    except Exception:  # no Keras 3 here: nothing to guard
+        return
+    _wrap_get(keras_optimizers, _refuse_tf_keras)
 
 
 _install_mixup_errors()
