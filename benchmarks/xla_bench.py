@@ -11,8 +11,10 @@ shared and noisy: compare ratios within a run). Methods:
   tfclip fused_clip_apply, XLA     tf.function(jit_compile=True) around tfclip.fused_clip_apply
   tfclip fused_clip_apply, no XLA  the same tf.function without jit_compile (the TF op)
   Keras Adam(global_clipnorm), XLA the stock optimizer's apply_gradients, jit-compiled
-  tfclip.keras.Adam, XLA           the Keras drop-in under jit_compile (until it is switched to
-                                   the XLA kernels: its stock-op fallback)
+  tfclip.keras.Adam, XLA           the Keras drop-in's apply_gradients under jit_compile (the
+                                   whole Keras step, as model.fit runs it: its fused op compiles
+                                   to tfclip's custom calls)
+  tfclip.keras.Adam, no XLA        the same Keras step in a plain tf.function (the TF op)
   XLA launch, same captures        a jit-compiled function that only reads one element of every
                                    variable, slot and gradient the step captures: TF's fixed cost
                                    of launching an XLA cluster with that many resource inputs,
@@ -52,6 +54,8 @@ def contestants(variables, grads):
     k_xla.build(variables)
     t_keras = tfclip.keras.Adam(LR, global_clipnorm=1.0)
     t_keras.build(variables)
+    t_keras_n = tfclip.keras.Adam(LR, global_clipnorm=1.0)
+    t_keras_n.build(variables)
 
     captured = list(variables) + [s for v in variables for s in rule_x.slots(v).values()]
 
@@ -66,6 +70,8 @@ def contestants(variables, grads):
             lambda: k_xla.apply_gradients(zip(grads, variables)), jit_compile=True),
         "tfclip.keras.Adam, XLA": tf.function(
             lambda: t_keras.apply_gradients(zip(grads, variables)), jit_compile=True),
+        "tfclip.keras.Adam, no XLA": tf.function(
+            lambda: t_keras_n.apply_gradients(zip(grads, variables))),
         "XLA launch, same captures": tf.function(launch, jit_compile=True),
     }
 

@@ -738,9 +738,12 @@ def test_clip_zero_is_no_clip_everywhere(rng):
         v = fresh()
         tfclip.fused_clip_apply([(tf.constant(g0), v)], tfclip.rules.SGD(0.1), **kw)
         np.testing.assert_allclose(v.numpy(), want, rtol=1e-6, err_msg=str(kw))
-    v = fresh()
-    tfclip.keras.SGD(0.1, global_clipnorm=0.0).apply_gradients([(tf.constant(g0), v)])
-    np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)
+    from tfclip._keras_version import KERAS_PROBLEM
+
+    if KERAS_PROBLEM is None:  # (Keras 2, TF 2.15: no tfclip.keras to ask)
+        v = fresh()
+        tfclip.keras.SGD(0.1, global_clipnorm=0.0).apply_gradients([(tf.constant(g0), v)])
+        np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)
     v = fresh()
     tfclip.compat.v1.GradientDescentOptimizer(0.1, clipnorm=0.0).apply_gradients([(tf.constant(g0), v)])
     np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)

@@ -6,12 +6,12 @@ Nothing is created before the threads start: that is the case that lost updates 
 its own counter or slots, and what was written to the losing copies was gone)."""
 import threading
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfclip
+from tfclip._keras_version import KERAS_PROBLEM
 
 THREADS = 8
 
@@ -75,7 +75,13 @@ def test_sgd_rule_counts_every_step_of_every_thread():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf_function"])
 def test_shared_rule_equals_a_serial_run_bit_for_bit(make, compiled):
     """Equal gradients, so every serial order is the same: threads sharing one fresh rule must
-    end bitwise where one thread doing all the steps ends, slots and counter included."""
+    end bitwise where one thread doing all the steps ends, slots and counter included. (In a
+    tf.function the op reads and advances the counter under the variables' locks; Nadam's
+    momentum-cache product is read before the op, so concurrent graph steps of Nadam are not
+    serial: README, "Threads".)"""
+    if compiled and isinstance(make(), tfclip.rules.Nadam):
+        pytest.skip("Nadam's product is read outside the op in a graph: not serial across "
+                    "concurrent tf.function calls (documented)")
     steps = 6
     rng = np.random.default_rng(1)
     init = [v.numpy() for v in _variables(rng)]
@@ -105,6 +111,7 @@ def test_shared_rule_equals_a_serial_run_bit_for_bit(make, compiled):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.skipif(KERAS_PROBLEM is not None, reason=str(KERAS_PROBLEM))
 @pytest.mark.parametrize("name", ["SGD", "Adam", "Nadam", "Adagrad"])
 def test_shared_keras_optimizer_builds_once_and_equals_a_serial_run(name):
     """A fresh (unbuilt) tfclip.keras optimizer stepped eagerly by 8 threads at once: built once
@@ -114,6 +121,8 @@ def test_shared_keras_optimizer_builds_once_and_equals_a_serial_run(name):
     init = [v.numpy() for v in _variables(rng, "float32")]
     grads = _grads(rng, "float32")
     kwargs = {"momentum": 0.9} if name == "SGD" else {}
+
+    import keras
 
     def run(parallel):
         vs = [keras.Variable(x) for x in init]
