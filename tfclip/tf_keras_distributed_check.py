@@ -1,0 +1,147 @@
+"""tf_keras (Keras 2) training with tfclip.tf_keras optimizers under tf.distribute, in a fresh
+process (strategies configure devices at start-up, so the tests run this as a subprocess).
+
+    python -m tfclip.tf_keras_distributed_check mirrored OUT.npz   # 2 logical CPUs
+    python -m tfclip.tf_keras_distributed_check single OUT.npz     # one device
+
+Each mode trains the same small tf_keras model on the same global batches with
+`tfclip.tf_keras.Adam(..., global_clipnorm=...)` and with the stock `tf_keras.optimizers.Adam`,
+by `model.fit` and by a custom loop (`strategy.run` + `apply_gradients`), and saves the weights.
+`mirrored` also runs the two-replica clip example: each replica's gradient is 3,
+`global_clipnorm=1`, SGD with lr 1: tf_keras sums across replicas before it clips (unlike
+Keras 3), so stock and tfclip both move the variable by -1 (the clip of the summed 6).
+"""
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+GLOBAL_BATCH = 32
+STEPS = 6
+
+
+def _data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) * 5 + rng.normal(size=(GLOBAL_BATCH * STEPS, 1))).astype("float32")
+    return x, y
+
+
+def _model():
+    import tf_keras
+
+    tf_keras.utils.set_random_seed(3)
+    inp = tf_keras.Input((8,))
+    h = tf_keras.layers.Dense(16, activation="tanh")(inp)
+    return tf_keras.Model(inp, tf_keras.layers.Dense(1)(h))
+
+
+def _optimizer(kind):
+    import tf_keras
+
+    import tfclip.tf_keras
+
+    cls = tfclip.tf_keras.Adam if kind == "tfclip" else tf_keras.optimizers.Adam
+    return cls(0.05, global_clipnorm=0.5)
+
+
+def _check_replicas_identical(strategy, variables):
+    import numpy as np
+
+    for v in variables:
+        values = [t.numpy() for t in strategy.experimental_local_results(v)]
+        for other in values[1:]:
+            np.testing.assert_array_equal(values[0], other, err_msg=v.name)
+
+
+def _fit(strategy, kind):
+    import tensorflow as tf
+
+    x, y = _data()
+    with strategy.scope():
+        model = _model()
+        model.compile(optimizer=_optimizer(kind), loss="mse")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    opts = tf.data.Options()
+    opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    model.fit(ds.with_options(opts), epochs=1, verbose=0, shuffle=False)
+    _check_replicas_identical(strategy, model.trainable_variables + list(model.optimizer.variables))
+    return model.get_weights()
+
+
+def _custom_loop(strategy, kind):
+    import tensorflow as tf
+
+    x, y = _data()
+    with strategy.scope():
+        model = _model()
+        opt = _optimizer(kind)
+        opt.build(model.trainable_variables)
+    ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+
+    @tf.function
+    def step(batch):
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(model(xb) - yb)) / GLOBAL_BATCH
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        strategy.run(replica_step, args=batch)
+
+    for batch in ds:
+        step(batch)
+    _check_replicas_identical(strategy, model.trainable_variables + list(opt.variables))
+    return model.get_weights()
+
+
+def _two_replica_clip(strategy, kind):
+    """Each replica's gradient 3, global_clipnorm 1, SGD lr 1: the variable's move."""
+    import tensorflow as tf
+    import tf_keras
+
+    import tfclip.tf_keras
+
+    with strategy.scope():
+        v = tf.Variable(0.0)
+        cls = tfclip.tf_keras.SGD if kind == "tfclip" else tf_keras.optimizers.SGD
+        opt = cls(1.0, global_clipnorm=1.0)
+        opt.build([v])
+
+    @tf.function
+    def step():
+        strategy.run(lambda: opt.apply_gradients([(tf.constant(3.0), v)]))
+
+    step()
+    _check_replicas_identical(strategy, [v])
+    return float(v.numpy())
+
+
+def main(mode, out):
+    import numpy as np
+    import tensorflow as tf
+
+    if mode == "mirrored":
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    elif mode == "single":
+        strategy = tf.distribute.get_strategy()
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    result = {"replicas": np.array(strategy.num_replicas_in_sync)}
+    for kind in ("tfclip", "stock"):
+        for i, w in enumerate(_fit(strategy, kind)):
+            result[f"fit_{kind}_{i}"] = w
+        for i, w in enumerate(_custom_loop(strategy, kind)):
+            result[f"custom_{kind}_{i}"] = w
+    if mode == "mirrored":
+        result["two_replica_clip"] = np.array([_two_replica_clip(strategy, "tfclip"),
+                                               _two_replica_clip(strategy, "stock")])
+    np.savez(out, **result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
