@@ -4,36 +4,19 @@ per applied step, and the end state is that of a serial run.
 
 Nothing is created before the threads start: that is the case that lost updates (each thread made
 its own counter or slots, and what was written to the losing copies was gone)."""
-import threading
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfclip
 from tfclip._keras_version import KERAS_PROBLEM
+from test_reliability import _run_at_once  # all released together; a hang or an error fails
 
 THREADS = 8
 
 
 def _at_once(work, n=THREADS):
-    barrier = threading.Barrier(n)
-    errors = []
-
-    def run(t):
-        try:
-            barrier.wait()
-            work(t)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "deadlock"
-    assert not errors, errors
+    _run_at_once(work, list(range(n)))
 
 
 def _variables(rng, dtype="float64"):
