@@ -1,0 +1,343 @@
+"""tfclip.tf_keras: the drop-ins for the tf_keras (Keras 2) optimizers, each against the stock
+tf_keras class (the only reference: never tfclip itself): trajectories with every clip mode,
+schedules, IndexedSlices with duplicate rows, weight decay, EMA, model.fit (and jit_compile=True),
+the variable list, tf.train.Checkpoint both ways, the non-finite policies, MirroredStrategy (in a
+subprocess), TF_USE_LEGACY_KERAS=1, and the Keras 3 / tf_keras mix-up errors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+tf_keras = pytest.importorskip(
+    "tf_keras", reason="tf-keras (the optional Keras 2 package) is not installed: "
+    "pip install '.[tf_keras]' to test tfclip.tf_keras")
+
+import tensorflow as tf  # noqa: E402
+
+import tfclip  # noqa: E402
+import tfclip.tf_keras as tk  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+stock = tf_keras.optimizers
+RTOL, ATOL = 3e-6, 1e-7
+
+# (class name, constructor arguments beyond the clip)
+CASES = [
+    ("SGD", {}),
+    ("SGD", {"momentum": 0.9}),
+    ("SGD", {"momentum": 0.8, "nesterov": True}),
+    ("Adam", {"learning_rate": 0.05}),
+    ("Adam", {"amsgrad": True}),
+    ("Adam", {"adaptive_epsilon": True, "epsilon": 1e-3}),
+    ("AdamW", {"weight_decay": 0.1, "learning_rate": 0.01}),
+    ("AdamW", {"amsgrad": True}),
+    ("RMSprop", {}),
+    ("RMSprop", {"momentum": 0.5, "centered": True}),
+    ("Adagrad", {"initial_accumulator_value": 0.2}),
+    ("Adadelta", {"learning_rate": 1.0}),
+    ("Adamax", {}),
+    ("Lion", {"learning_rate": 0.01}),
+    ("Ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
+              "l2_shrinkage_regularization_strength": 0.1, "beta": 0.1}),
+    ("Ftrl", {"learning_rate_power": -0.7}),
+]
+CLIPS = [{}, {"global_clipnorm": 1.0}, {"clipnorm": 0.7}, {"clipvalue": 0.4}]
+
+
+def _ids(case):
+    name, kw = case
+    return name + ("-" + "-".join(f"{k}={v}" for k, v in kw.items()) if kw else "")
+
+
+def _grads(step, sparse):
+    g1 = (np.sin(np.arange(12) * 1.3 + step) * 3).astype(np.float32).reshape(3, 4)
+    if sparse:  # duplicated row 0, as an Embedding lookup of [0, 2, 0] gives
+        g1 = tf.IndexedSlices(tf.constant(g1), tf.constant([0, 2, 0]), tf.constant([5, 4]))
+    else:
+        g1 = tf.constant(np.concatenate([g1, np.zeros((2, 4), np.float32)]))
+    g2 = tf.constant((np.cos(np.arange(6) + 2 * step) * (step + 1)).astype(np.float32))
+    return [g1, g2]
+
+
+def _train(cls, kw, steps=4, sparse=False, function=False, grads_fn=_grads):
+    v1 = tf.Variable(np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1, name="emb")
+    v2 = tf.Variable(np.linspace(-1, 1, 6).astype(np.float32), name="bias")
+    opt = cls(**kw)
+
+    def apply(gs):
+        return opt.apply_gradients(zip(gs, [v1, v2]))
+
+    if function:
+        apply = tf.function(apply)
+    for s in range(steps):
+        apply(grads_fn(s, sparse))
+    return opt, [v1.numpy(), v2.numpy()] + [v.numpy() for v in opt.variables]
+
+
+def _assert_same(got, want, rtol=RTOL, atol=ATOL):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        # atol grows with the array's largest element: a float32 sum that cancels (Ftrl's linear
+        # slot) carries rounding of the size of its largest terms, not of its result.
+        scale = float(np.max(np.abs(b))) if np.size(b) and np.isfinite(b).all() else 0.0
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol + rtol * scale, err_msg=f"entry {i}")
+
+
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "-".join(c) or "noclip")
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_trajectory_matches_stock(case, clip):
+    name, kw = case
+    kw = {**kw, **clip}
+    for sparse in (False, True):
+        _, want = _train(getattr(stock, name), kw, sparse=sparse)
+        opt, got = _train(getattr(tk, name), kw, sparse=sparse)
+        _assert_same(got, want)
+        assert isinstance(opt, getattr(stock, name))
+        assert int(opt.skipped_steps.numpy()) == 0
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop", "Lion"])
+def test_tf_function_and_schedule(name):
+    sched = tf_keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
+    kw = {"learning_rate": sched, "global_clipnorm": 2.0}
+    for sparse in (False, True):
+        _, want = _train(getattr(stock, name), kw, steps=5, sparse=sparse, function=True)
+        _, got = _train(getattr(tk, name), kw, steps=5, sparse=sparse, function=True)
+        _assert_same(got, want)
+
+
+def test_weight_decay_with_exclusions():
+    for name, kw in (("SGD", {"momentum": 0.9, "weight_decay": 0.05}), ("Adam", {"weight_decay": 0.05}),
+                     ("AdamW", {"weight_decay": 0.2, "clipnorm": 0.5})):
+        res = []
+        for cls in (getattr(stock, name), getattr(tk, name)):
+            v1, v2 = tf.Variable(tf.ones([3, 2])), tf.Variable(tf.ones([2]) * 2, name="bias_x")
+            opt = cls(**kw)
+            opt.exclude_from_weight_decay(var_names=["bias"])
+            for s in range(3):
+                opt.apply_gradients([(tf.fill([3, 2], 0.5 + s), v1), (tf.fill([2], -1.0), v2)])
+            res.append([v1.numpy(), v2.numpy()] + [v.numpy() for v in opt.variables])
+        _assert_same(res[1], res[0])
+
+
+def test_ema_and_constraints():
+    kw = {"use_ema": True, "ema_momentum": 0.5, "ema_overwrite_frequency": 2, "learning_rate": 0.1}
+    res = []
+    for cls in (stock.Adam, tk.Adam):
+        v = tf.Variable([1.0, -2.0], constraint=lambda x: tf.clip_by_value(x, -1.5, 1.5))
+        opt = cls(**kw)
+        for s in range(5):
+            opt.apply_gradients([(tf.constant([0.3, -0.2]) * (s + 1), v)])
+        opt.finalize_variable_values([v])
+        res.append([v.numpy()] + [x.numpy() for x in opt.variables])
+    _assert_same(res[1], res[0])
+
+
+def test_variables_list_and_config_identical_to_stock():
+    for name, kw in CASES:
+        v1, v2 = tf.Variable(tf.ones([3, 2]), name="w"), tf.Variable(tf.ones([2]), name="b")
+        a, b = getattr(stock, name)(**kw), getattr(tk, name)(**kw)
+        a.build([v1, v2])
+        b.build([v1, v2])
+        assert [(v.name, v.shape, v.dtype) for v in b.variables] == [(v.name, v.shape, v.dtype) for v in a.variables]
+        assert b.get_config() == a.get_config()  # the default tfclip arguments leave it stock
+        c = getattr(tk, name).from_config(b.get_config())
+        assert type(c) is getattr(tk, name)
+    cfg = tk.Adam(nonfinite="raise", lazy_sparse=True).get_config()
+    assert cfg["nonfinite"] == "raise" and cfg["lazy_sparse"] is True
+    assert tk.Adam.from_config(cfg).nonfinite == "raise"
+
+
+@pytest.mark.parametrize("direction", ["stock_to_tfclip", "tfclip_to_stock"])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop", "Ftrl"])
+def test_checkpoint_both_ways(tmp_path, direction, name):
+    kw = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
+    first, second = (stock, tk) if direction == "stock_to_tfclip" else (tk, stock)
+
+    def make(mod):
+        v = tf.Variable(tf.ones([4, 3]), name="w")
+        opt = getattr(mod, name)(**kw)
+        return v, opt
+
+    v, opt = make(first)
+    for s in range(3):
+        opt.apply_gradients([(tf.fill([4, 3], 0.1 * (s + 1)), v)])
+    path = tf.train.Checkpoint(v=v, opt=opt).save(str(tmp_path / "ckpt"))
+    v2, opt2 = make(second)
+    opt2.build([v2])
+    tf.train.Checkpoint(v=v2, opt=opt2).restore(path).assert_consumed()
+    _assert_same([v2.numpy()] + [x.numpy() for x in opt2.variables], [v.numpy()] + [x.numpy() for x in opt.variables], 0, 0)
+    # and they go on alike
+    for o, var in ((opt, v), (opt2, v2)):
+        o.apply_gradients([(tf.fill([4, 3], -0.3), var)])
+    _assert_same([v2.numpy()] + [x.numpy() for x in opt2.variables], [v.numpy()] + [x.numpy() for x in opt.variables])
+
+
+def _nan_grads(step, sparse):
+    gs = _grads(step, sparse)
+    if step == 2:
+        return [gs[0], tf.constant([np.nan, 0, 0, 0, 0, 0], tf.float32)]
+    return gs
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adamax", "Ftrl"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_nonfinite_skip_writes_nothing(name, sparse):
+    kw = {"momentum": 0.9} if name == "SGD" else {}
+    opt, got = _train(getattr(tk, name), {**kw, "global_clipnorm": 1.0}, steps=4, sparse=sparse,
+                      grads_fn=_nan_grads)
+    assert int(opt.skipped_steps.numpy()) == 1
+    assert np.isfinite(opt.global_norm.numpy())  # (the last step's norm)
+    # Stock, with the NaN step left out but `iterations` advanced, as tfclip's skip does.
+    v1 = tf.Variable(np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1)
+    v2 = tf.Variable(np.linspace(-1, 1, 6).astype(np.float32))
+    ref = getattr(stock, name)(**kw, global_clipnorm=1.0)
+    for s in range(4):
+        if s == 2:
+            ref.build([v1, v2])
+            ref.iterations.assign_add(1)
+            continue
+        ref.apply_gradients(zip(_grads(s, sparse), [v1, v2]))
+    _assert_same(got, [v1.numpy(), v2.numpy()] + [v.numpy() for v in ref.variables])
+
+
+def test_nonfinite_propagate_and_raise():
+    _, want = _train(stock.Adam, {}, steps=3, grads_fn=_nan_grads)
+    _, got = _train(tk.Adam, {"nonfinite": "propagate"}, steps=3, grads_fn=_nan_grads)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    v = tf.Variable([1.0, 2.0])
+    opt = tk.Adam(nonfinite="raise")
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        opt.apply_gradients([(tf.constant([np.inf, 0.0]), v)])
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    with pytest.raises(ValueError, match="nonfinite"):
+        tk.SGD(nonfinite="ignore")
+
+
+def _embedding_model():
+    tf_keras.utils.set_random_seed(1)
+    inp = tf_keras.Input((5,), dtype="int32")
+    x = tf_keras.layers.Embedding(20, 4)(inp)
+    x = tf_keras.layers.Flatten()(x)
+    return tf_keras.Model(inp, tf_keras.layers.Dense(1)(x))
+
+
+def _fit(opt, jit, x, y):
+    m = _embedding_model()
+    m.compile(optimizer=opt, loss="mse", jit_compile=jit)
+    m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    return m, [w.numpy() for w in m.weights] + [v.numpy() for v in m.optimizer.variables]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "jit_compile"])
+@pytest.mark.parametrize("name,kw", [("Adam", {"global_clipnorm": 0.5}), ("SGD", {"momentum": 0.9, "clipvalue": 0.1}),
+                                     ("RMSprop", {"clipnorm": 0.3})])
+def test_model_fit_embedding(jit, name, kw):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (32, 5)).astype("int32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    _, want = _fit(getattr(stock, name)(0.05, **kw), jit, x, y)
+    m, got = _fit(getattr(tk, name)(0.05, **kw), jit, x, y)
+    _assert_same(got, want, rtol=1e-5, atol=1e-6)
+    assert float(m.optimizer.global_norm.numpy()) > 0
+
+
+def test_jit_compile_runs_the_fused_op():
+    """Inside model.compile(jit_compile=True), a NaN batch is skipped: the fused op ran under XLA
+    (stock ops would have written NaN)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (16, 5)).astype("int32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    y[8] = np.nan  # the second batch of 8
+    m = _embedding_model()
+    m.compile(optimizer=tk.Adam(0.05), loss="mse", jit_compile=True)
+    m.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    assert int(m.optimizer.skipped_steps.numpy()) == 1
+    assert int(m.optimizer.iterations.numpy()) == 2
+    assert all(np.isfinite(w.numpy()).all() for w in m.weights)
+
+
+def test_loss_scale_optimizer_mixed_precision():
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    res = []
+    for cls in (stock.Adam, tk.Adam):
+        tf_keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            tf_keras.utils.set_random_seed(2)
+            m = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(3),
+                                     tf_keras.layers.Dense(1, dtype="float32")])
+            opt = tf_keras.mixed_precision.LossScaleOptimizer(cls(0.01, global_clipnorm=1.0))
+            m.compile(optimizer=opt, loss="mse")
+            m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+            res.append([w.numpy() for w in m.weights])
+        finally:
+            tf_keras.mixed_precision.set_global_policy("float32")
+    _assert_same(res[1], res[0], rtol=1e-5, atol=1e-6)
+
+
+def test_keras3_optimizer_given_to_tf_keras_names_both():
+    k3 = pytest.importorskip("tfclip.keras", reason="tfclip.keras needs Keras 3")
+    m = _embedding_model()
+    with pytest.raises(ValueError, match=r"tfclip\.keras\.Adam is an optimizer for Keras 3.*tfclip\.tf_keras\.Adam"):
+        m.compile(optimizer=k3.Adam(1e-4), loss="mse")
+    with pytest.raises(ValueError, match=r"tfclip\.tf_keras\.SGD"):
+        tk.get(k3.SGD())
+    assert isinstance(tk.get("adam"), tk.Adam)
+
+
+def test_tf_keras_optimizer_given_to_keras3_names_both():
+    keras = pytest.importorskip("keras")
+    if int(keras.__version__.split(".")[0]) < 3:
+        pytest.skip("Keras 3 is not installed")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"tfclip\.tf_keras\.Adam is an optimizer for tf_keras.*tfclip\.keras\.Adam"):
+        model.compile(optimizer=tk.Adam(), loss="mse")
+
+
+_LEGACY_SCRIPT = r"""
+import numpy as np, tensorflow as tf, tf_keras
+import tfclip.tf_keras
+assert tf.keras.optimizers.Adam is tf_keras.optimizers.Adam, tf.keras.optimizers.Adam
+assert issubclass(tfclip.tf_keras.Adam, tf.keras.optimizers.Adam)
+x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32"); y = x.sum(1, keepdims=True)
+out = []
+for opt in (tf.keras.optimizers.Adam(0.1, global_clipnorm=1.0), tfclip.tf_keras.Adam(0.1, global_clipnorm=1.0)):
+    tf.keras.utils.set_random_seed(0)
+    m = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    m.compile(optimizer=opt, loss="mse")
+    m.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    out.append(m.get_weights())
+for a, b in zip(*out):
+    np.testing.assert_allclose(a, b, rtol=3e-6, atol=1e-7)
+print("LEGACY-OK", type(m.optimizer).__module__)
+"""
+
+
+def test_tf_use_legacy_keras_subprocess(tmp_path):
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _LEGACY_SCRIPT], env=env, cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "LEGACY-OK tfclip.tf_keras" in p.stdout
+
+
+def test_mirrored_strategy_subprocess(tmp_path):
+    out = tmp_path / "m.npz"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "tfclip.tf_keras_distributed_check", "mirrored", str(out)],
+                       env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    m = np.load(out)
+    assert int(m["replicas"]) == 2
+    # tf_keras sums across replicas, then clips: stock and tfclip both move by clip(3 + 3) = 1.
+    np.testing.assert_allclose(m["two_replica_clip"], [-1.0, -1.0], rtol=1e-6)
+    for prefix in ("fit", "custom"):
+        keys = sorted(k for k in m.files if k.startswith(prefix + "_tfclip_"))
+        assert keys
+        for k in keys:
+            np.testing.assert_allclose(m[k], m[k.replace("_tfclip_", "_stock_")], rtol=1e-5, atol=1e-6, err_msg=k)
