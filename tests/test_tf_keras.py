@@ -38,6 +38,7 @@ CASES = [
     ("Adagrad", {"initial_accumulator_value": 0.2}),
     ("Adadelta", {"learning_rate": 1.0}),
     ("Adamax", {}),
+    ("Nadam", {}),
     ("Lion", {"learning_rate": 0.01}),
     ("Ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
               "l2_shrinkage_regularization_strength": 0.1, "beta": 0.1}),
@@ -108,6 +109,17 @@ def test_tf_function_and_schedule(name):
         _assert_same(got, want)
 
 
+def test_nadam_in_a_tf_function_follows_the_eager_stock_trajectory():
+    """Stock tf_keras Nadam advances its `_u_product` by a Python counter compared with
+    `iterations` per variable: eagerly once per step, in a tf.function with two variables once per
+    variable from the second step on. tfclip's advances it once per step in both."""
+    for sparse in (False, True):
+        eager_stock, want = _train(stock.Nadam, {"global_clipnorm": 1.0}, steps=5, sparse=sparse)
+        opt, got = _train(tk.Nadam, {"global_clipnorm": 1.0}, steps=5, sparse=sparse, function=True)
+        _assert_same(got, want)
+        np.testing.assert_allclose(opt._u_product.numpy(), eager_stock._u_product.numpy(), rtol=1e-6)
+
+
 def test_weight_decay_with_exclusions():
     for name, kw in (("SGD", {"momentum": 0.9, "weight_decay": 0.05}), ("Adam", {"weight_decay": 0.05}),
                      ("AdamW", {"weight_decay": 0.2, "clipnorm": 0.5})):
@@ -151,7 +163,7 @@ def test_variables_list_and_config_identical_to_stock():
 
 
 @pytest.mark.parametrize("direction", ["stock_to_tfclip", "tfclip_to_stock"])
-@pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop", "Ftrl"])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop", "Nadam", "Ftrl"])
 def test_checkpoint_both_ways(tmp_path, direction, name):
     kw = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
     first, second = (stock, tk) if direction == "stock_to_tfclip" else (tk, stock)

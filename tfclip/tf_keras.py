@@ -7,7 +7,7 @@ For projects on the `tf-keras` package (Keras 2; `TF_USE_LEGACY_KERAS=1` makes
     optimizer = tf_keras.optimizers.Adam(1e-3, global_clipnorm=1.0)   # before
     optimizer = tfclip.tf_keras.Adam(1e-3, global_clipnorm=1.0)       # after
 
-`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Lion` and `Ftrl` subclass
+`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion` and `Ftrl` subclass
 the stock `tf_keras.optimizers` classes and take the same constructor arguments (learning-rate
 schedules, `clipnorm`, `clipvalue`, `global_clipnorm`, `weight_decay`, `use_ema`, `jit_compile`,
 Adam's `adaptive_epsilon`, ...), create the same variables (`optimizer.variables` is the stock
@@ -25,8 +25,9 @@ still advances; "propagate": stock behaviour; "raise": the step fails, nothing w
 `global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and `clip_scale_sum` are tfclip's
 own variables, outside `optimizer.variables` and checkpoints.
 
-`tf_keras.optimizers.Nadam` (its `_u_product` is advanced by a Python-side counter at trace time)
-and the `tf_keras.optimizers.legacy` classes have no drop-in here yet.
+`Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
+stock advances its momentum-cache product once per variable there). The
+`tf_keras.optimizers.legacy` classes have no drop-in here yet.
 
 Inside an XLA-compiled function (`model.compile(..., jit_compile=True)`) the fused op compiles to
 tfclip's own XLA custom calls; a build of tfclip without them warns once and runs the stock
@@ -51,7 +52,7 @@ from tf_keras.src.optimizers import utils as _optimizer_utils
 from tfclip import _loader, _opcall
 from tfclip.rules import _check_number
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion", "Ftrl", "get"]
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "get"]
 
 _stock = _tf_keras.optimizers
 
@@ -389,6 +390,35 @@ class Adamax(_FusedMixin, _stock.Adamax):
                 {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon, "step": self._step()}, {})
 
 
+class Nadam(_FusedMixin, _stock.Nadam):
+    """tf_keras.optimizers.Nadam as one fused op, its momentum-cache product `_u_product` (a
+    variable stock tf_keras creates in `build`, saved in checkpoints) advanced once per step.
+
+    Stock tf_keras decides whether to advance it with a Python counter compared with
+    `iterations` per variable: eagerly that advances it once per step, as here; inside a
+    `tf.function` (model.fit) with more than one variable it advances once per variable from the
+    second step on, which this class does not copy (its trajectory is the eager one)."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+
+    def _fused_step(self, grads, tvars):
+        dtype = self._u_product.dtype
+        t = tf.cast(self.iterations + 1, dtype)
+        u_t = tf.cast(self.beta_1, dtype) * (1.0 - 0.5 * tf.pow(tf.cast(0.96, dtype), t))
+        # The product through this step goes to the op; it is stored only after the op ran (a
+        # step that fails writes nothing). A skipped step advances it, as it advances iterations.
+        self._u_next = self._u_product * u_t
+        applied = super()._fused_step(grads, tvars)
+        with tf.control_dependencies([applied]):
+            self._u_product.assign(self._u_next)
+        return applied
+
+    def _op_inputs(self, tvars):
+        return ("nadam", [self._slot_handles(self._momentums, tvars), self._slot_handles(self._velocities, tvars)],
+                {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon, "step": self._step(),
+                 "u_product": self._u_next}, {})
+
+
 class Lion(_FusedMixin, _stock.Lion):
     """tf_keras.optimizers.Lion as one fused op."""
 
@@ -412,7 +442,7 @@ class Ftrl(_FusedMixin, _stock.Ftrl):
                  "l2_shrinkage": self.l2_shrinkage_regularization_strength, "beta": self.beta}, {})
 
 
-_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Lion, Ftrl)
+_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl)
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 
