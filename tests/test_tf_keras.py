@@ -68,13 +68,18 @@ def _train(cls, kw, steps=4, sparse=False, function=False, grads_fn=_grads):
     opt = cls(**kw)
 
     def apply(gs):
-        return opt.apply_gradients(zip(gs, [v1, v2]))
+        opt.apply_gradients(zip(gs, [v1, v2]))
 
     if function:
         apply = tf.function(apply)
     for s in range(steps):
         apply(grads_fn(s, sparse))
-    return opt, [v1.numpy(), v2.numpy()] + [v.numpy() for v in opt.variables]
+    return opt, [v1.numpy(), v2.numpy()] + [v.numpy() for v in _opt_vars(opt)]
+
+
+def _opt_vars(opt):
+    """The optimizer's variables: a list (new optimizers: a callable list) or, legacy, a method."""
+    return list(opt.variables())
 
 
 def _assert_same(got, want, rtol=RTOL, atol=ATOL):
@@ -241,7 +246,7 @@ def _fit(opt, jit, x, y):
     m = _embedding_model()
     m.compile(optimizer=opt, loss="mse", jit_compile=jit)
     m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-    return m, [w.numpy() for w in m.weights] + [v.numpy() for v in m.optimizer.variables]
+    return m, [w.numpy() for w in m.weights] + [v.numpy() for v in _opt_vars(m.optimizer)]
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "jit_compile"])
@@ -353,3 +358,73 @@ def test_mirrored_strategy_subprocess(tmp_path):
         assert keys
         for k in keys:
             np.testing.assert_allclose(m[k], m[k.replace("_tfclip_", "_stock_")], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+# -- tf_keras.optimizers.legacy (OptimizerV2, TF's training ops) ------------------------------
+LEGACY_CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.8, "nesterov": True}),
+                ("Adam", {}), ("Adam", {"amsgrad": True}), ("Adam", {"learning_rate": 0.1, "decay": 0.1})]
+
+
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "-".join(c) or "noclip")
+@pytest.mark.parametrize("case", LEGACY_CASES, ids=_ids)
+def test_legacy_trajectory_matches_stock(case, clip):
+    """IndexedSlices included: legacy SGD with momentum updates only the touched rows
+    (ResourceSparseApplyKerasMomentum), legacy Adam every row; duplicates summed first."""
+    name, kw = case
+    kw = {**kw, **clip}
+    for sparse in (False, True):
+        for function in (False, True):
+            _, want = _train(getattr(stock.legacy, name), kw, sparse=sparse, function=function)
+            opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse, function=function)
+            _assert_same(got, want)
+            assert isinstance(opt, getattr(stock.legacy, name))
+
+
+def test_legacy_variables_config_and_checkpoints(tmp_path):
+    for name, kw in LEGACY_CASES:
+        for first, second in ((stock.legacy, tk.legacy), (tk.legacy, stock.legacy)):
+            v = tf.Variable(tf.ones([4, 3]), name="w")
+            opt = getattr(first, name)(**kw)
+            for s in range(3):
+                opt.apply_gradients([(tf.fill([4, 3], 0.1 * (s + 1)), v)])
+            path = tf.train.Checkpoint(v=v, opt=opt).save(str(tmp_path / f"{name}{id(opt)}"))
+            v2 = tf.Variable(tf.zeros([4, 3]), name="w")
+            opt2 = getattr(second, name)(**kw)
+            opt2._create_all_weights([v2])
+            tf.train.Checkpoint(v=v2, opt=opt2).restore(path).assert_consumed()
+            # (the iteration variable's name scope is where it was first made: built here by hand)
+            assert [(x.name.split("/")[-1], x.shape) for x in _opt_vars(opt2)] == \
+                [(x.name.split("/")[-1], x.shape) for x in _opt_vars(opt)]
+            for o, var in ((opt, v), (opt2, v2)):
+                o.apply_gradients([(tf.fill([4, 3], -0.3), var)])
+            _assert_same([v2.numpy()] + [x.numpy() for x in _opt_vars(opt2)],
+                         [v.numpy()] + [x.numpy() for x in _opt_vars(opt)])
+        a, b = getattr(stock.legacy, name)(**kw), getattr(tk.legacy, name)(**kw)
+        assert b.get_config() == a.get_config()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "jit_compile"])
+@pytest.mark.parametrize("name,kw", [("Adam", {"global_clipnorm": 0.5}), ("SGD", {"momentum": 0.9, "clipnorm": 0.1})])
+def test_legacy_model_fit_embedding(jit, name, kw):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (32, 5)).astype("int32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    # (stock legacy SGD's sparse momentum op has no XLA kernel: the reference runs without jit)
+    _, want = _fit(getattr(stock.legacy, name)(0.05, **kw), False, x, y)
+    _, got = _fit(getattr(tk.legacy, name)(0.05, **kw), jit, x, y)
+    _assert_same(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_legacy_nonfinite_skip_and_stock_fallback():
+    v = tf.Variable([1.0, 2.0])
+    opt = tk.legacy.Adam(0.1)
+    opt.apply_gradients([(tf.constant([np.nan, 1.0]), v)])
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 1
+    assert all((x.numpy() == 0).all() for x in opt.get_slot_names() and [opt.get_slot(v, "m"), opt.get_slot(v, "v")])
+    # clipvalue with clipnorm: stock applies both, one after the other; tfclip runs the stock step.
+    kw = {"clipvalue": 0.3, "clipnorm": 0.4}
+    _, want = _train(stock.legacy.SGD, kw)
+    with pytest.warns(UserWarning, match="stock tf_keras ops"):
+        _, got = _train(tk.legacy.SGD, kw)
+    _assert_same(got, want)

@@ -52,7 +52,8 @@ from tf_keras.src.optimizers import utils as _optimizer_utils
 from tfclip import _loader, _opcall
 from tfclip.rules import _check_number
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "get"]
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "legacy",
+           "get"]
 
 _stock = _tf_keras.optimizers
 
@@ -116,8 +117,6 @@ class _FusedMixin:
 
     def __init__(self, *args, nonfinite="skip", lazy_sparse=False, **kwargs):
         super().__init__(*args, **kwargs)
-        _opcall.check_policy(nonfinite)
-        _check_numbers(self, self._checked)
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, tf.Variable) and tf.executing_eagerly():
             _check_number("learning_rate", float(lr.numpy()))
@@ -125,6 +124,11 @@ class _FusedMixin:
         if isinstance(wd, (int, float)) and not isinstance(wd, bool):
             _check_number("weight_decay", float(wd))
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+        self._tfclip_init(nonfinite, lazy_sparse)
+
+    def _tfclip_init(self, nonfinite, lazy_sparse):
+        _opcall.check_policy(nonfinite)
+        _check_numbers(self, self._checked)
         if not isinstance(lazy_sparse, bool):
             raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite
@@ -135,7 +139,7 @@ class _FusedMixin:
                                          ("_skipped_steps", "skipped_steps", 0, tf.int64),
                                          ("_clipped_steps", "clipped_steps", 0, tf.int64),
                                          ("_clip_scale_sum", "clip_scale_sum", 0.0, tf.float64)):
-            object.__setattr__(self, attr, _state_variable(value, f"{self.name}/{name}", dtype))
+            object.__setattr__(self, attr, _state_variable(value, f"{self._tfclip_scope()}/{name}", dtype))
         object.__setattr__(self, "_tensor_norms", None)
         object.__setattr__(self, "_tensor_norm_names", [])
 
@@ -144,8 +148,11 @@ class _FusedMixin:
         super().build(var_list)
         if not built and self._tensor_norms is None:
             object.__setattr__(self, "_tensor_norms", _state_variable(
-                [0.0] * len(var_list), f"{self.name}/tensor_norms", tf.float32))
+                [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
+
+    def _tfclip_scope(self):
+        return getattr(self, "_name", None) or self.name
 
     # -- tfclip's own state ---------------------------------------------------------------
     @property
@@ -246,6 +253,16 @@ class _FusedMixin:
     def _index(self, v):
         return self._index_dict[self._var_key(v)]
 
+    def _tfclip_lr(self, tvars):
+        return self.learning_rate
+
+    def _tfclip_decay(self):
+        return self.weight_decay is not None and not (
+            isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0)
+
+    def _tfclip_lazy(self):
+        return self.lazy_sparse
+
     def _slot_handles(self, slot_list, tvars):
         return [slot_list[self._index(v)].handle for v in tvars]
 
@@ -256,8 +273,7 @@ class _FusedMixin:
         ops = _loader.ops()
         mode, clip = self._clip_mode()
         use_norm, given, tensor_norms = tf.constant(0.0, tf.float64), False, None
-        decay = self.weight_decay is not None and not (
-            isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0)
+        decay = self._tfclip_decay()
         groups = {}
         for i, v in enumerate(tvars):
             groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
@@ -265,7 +281,7 @@ class _FusedMixin:
             values, _ = _opcall.op_grads(grads)
             use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
-        lr = _opcall.scalar(self.learning_rate, "learning_rate")
+        lr = _opcall.scalar(self._tfclip_lr(tvars), "learning_rate")
         norm = applied = None
         for with_decay, idx in sorted(groups.items()):
             values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
@@ -275,7 +291,7 @@ class _FusedMixin:
             n, a, tn = _opcall.apply(
                 kind, [v.handle for v in group], slots, values, hparams, flags,
                 clip=tf.constant(clip, tf.float64), use_norm=use_norm, iterations=[], clip_mode=mode,
-                nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
+                nonfinite=self.nonfinite, use_given_norm=given, lazy=self._tfclip_lazy(),
                 # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
                 # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped
                 # slices summed, the rule fed the sum (not the sum of the slices' squares).
@@ -289,9 +305,9 @@ class _FusedMixin:
     def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip):
         self._global_norm.assign(tf.cast(norm, tf.float32))
         self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
-        if self._tensor_norms is not None:
+        idx = [self._index(v) for v in tvars]
+        if self._tensor_norms is not None and None not in idx:
             tn = tf.cast(tensor_norms, tf.float32)
-            idx = [self._index(v) for v in tvars]
             total = int(self._tensor_norms.shape[0])
             if idx != list(range(total)):
                 tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
@@ -443,6 +459,182 @@ class Ftrl(_FusedMixin, _stock.Ftrl):
 
 
 _CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl)
+
+
+# -- tf_keras.optimizers.legacy (OptimizerV2: TF's training ops) ------------------------------
+_legacy_stock = _tf_keras.optimizers.legacy
+_LEGACY_WARNED = set()
+
+
+class _LegacyFusedMixin(_FusedMixin):
+    """The fused update for the `tf_keras.optimizers.legacy` (OptimizerV2) classes: the stock
+    apply_gradients (filter None gradients, create the slots, `_transform_unaggregated_gradients`,
+    `_aggregate_gradients`), then clip and update in one op, then `iterations += 1`.
+
+    Stock cases the one op cannot express run the stock step, with a warning once:
+    `gradient_transformers` (they run after the clip), `clipvalue` together with `clipnorm` or
+    `global_clipnorm` (stock applies both, one after the other), and a jit-compiled step in a
+    build without tfclip's XLA kernels."""
+
+    _lazy_default = False
+
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=None, **kwargs):
+        super(_FusedMixin, self).__init__(*args, **kwargs)
+        if lazy_sparse is None:
+            lazy_sparse = self._lazy_default
+        set_clips = [k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]
+        if len(set_clips) > 1:
+            self._tfclip_stock_reason = f"{' and '.join(set_clips)} are both set"
+        else:
+            self._tfclip_stock_reason = None
+            _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+        self._tfclip_init(nonfinite, lazy_sparse)
+
+    def get_config(self):
+        config = super(_FusedMixin, self).get_config()
+        if self.nonfinite != "skip":
+            config["nonfinite"] = self.nonfinite
+        if self.lazy_sparse != self._lazy_default:
+            config["lazy_sparse"] = self.lazy_sparse
+        return config
+
+    def _clip_mode(self):
+        if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
+            return "none", 0.0
+        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+
+    def _stock_reason(self):
+        if self.gradient_transformers:
+            return "gradient_transformers are set (stock runs them after the clip)"
+        if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
+            return "more than one of clipvalue, clipnorm and global_clipnorm is set"
+        if _in_xla_context() and not _xla_kernels():
+            return "this build of tfclip has no XLA kernels and the step is jit-compiled"
+        return None
+
+    def build(self, var_list):  # legacy: _create_all_weights
+        self._create_all_weights(var_list)
+
+    def _create_all_weights(self, var_list):
+        super(_FusedMixin, self)._create_all_weights(var_list)
+        if self._tensor_norms is None and var_list:
+            object.__setattr__(self, "_tensor_norms", _state_variable(
+                [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
+            object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
+            object.__setattr__(self, "_tfclip_index", {_legacy_var_key(v): i for i, v in enumerate(var_list)})
+
+    def _index(self, v):
+        return getattr(self, "_tfclip_index", {}).get(_legacy_var_key(v))
+
+    def _slot_handles(self, slot_name, tvars):
+        return [self.get_slot(v, slot_name).handle for v in tvars]
+
+    def _tfclip_lr(self, tvars):
+        return self._decayed_lr(tvars[0].dtype.base_dtype)
+
+    def _tfclip_decay(self):
+        return False
+
+    @property
+    def weight_decay(self):  # (none in OptimizerV2; the fused step reads it)
+        return None
+
+    def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
+        reason = self._stock_reason()
+        if reason is not None:
+            if (type(self).__name__, reason) not in _LEGACY_WARNED:
+                _LEGACY_WARNED.add((type(self).__name__, reason))
+                warnings.warn(f"tfclip.tf_keras.legacy.{type(self).__name__}: {reason}, so this step "
+                              "runs the stock tf_keras ops", stacklevel=2)
+            return super(_FusedMixin, self).apply_gradients(grads_and_vars, name, experimental_aggregate_gradients)
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            with _opcall.state_lock(self):
+                return self._legacy_apply(grads_and_vars, name, experimental_aggregate_gradients)
+        return self._legacy_apply(grads_and_vars, name, experimental_aggregate_gradients)
+
+    def _legacy_apply(self, grads_and_vars, name, experimental_aggregate_gradients):
+        # As stock OptimizerV2.apply_gradients, up to the update.
+        grads_and_vars = _optimizer_utils.filter_empty_gradients(grads_and_vars)
+        var_list = [v for (_, v) in grads_and_vars]
+        with tf.name_scope(self._name):
+            with tf.init_scope():
+                self._create_all_weights(var_list)
+            if not grads_and_vars:
+                return tf.no_op()
+            if tf.distribute.in_cross_replica_context():
+                raise RuntimeError("`apply_gradients() cannot be called in cross-replica context. Use "
+                                   "`tf.distribute.Strategy.run` to enter replica context.")
+            if experimental_aggregate_gradients:
+                grads_and_vars = self._transform_unaggregated_gradients(grads_and_vars)
+                grads_and_vars = self._aggregate_gradients(grads_and_vars)
+            grads, tvars = zip(*grads_and_vars)
+            for g, v in zip(grads, tvars):
+                if isinstance(g, tf.IndexedSlices) and v.constraint is not None:
+                    raise RuntimeError("Cannot use a constraint function on a sparse variable. Received: "
+                                       f"grad={g}, var.constraint={v.constraint}.")
+            applied = self._fused_step(list(grads), list(tvars))
+            with tf.control_dependencies([applied]):
+                updates = [v.assign(v.constraint(v)) for v in tvars if v.constraint is not None]
+            with tf.control_dependencies([applied] + updates):
+                return tf.__internal__.distribute.interim.maybe_merge_call(
+                    lambda distribution: self.iterations.assign_add(1), tf.distribute.get_strategy())
+
+
+def _legacy_var_key(v):
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+
+    return optimizer_v2._var_key(v)
+
+
+class _LegacySGD(_LegacyFusedMixin, _legacy_stock.SGD):
+    """tf_keras.optimizers.legacy.SGD as one fused op: ResourceApplyGradientDescent, or
+    ResourceApplyKerasMomentum with momentum (and for IndexedSlices, as stock's
+    ResourceSparseApplyKerasMomentum, only the rows the gradient touches: `lazy_sparse` defaults
+    to True there)."""
+
+    _checked = ()
+
+    _lazy_default = True
+
+    def _tfclip_lazy(self):
+        return self.lazy_sparse if self._momentum else False
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        if not self._momentum:
+            return "sgd", [], {}, {}
+        return ("keras_momentum", [self._slot_handles("momentum", tvars)],
+                {"momentum": self._get_hyper("momentum", dtype)}, {"use_nesterov": bool(self.nesterov)})
+
+
+class _LegacyAdam(_LegacyFusedMixin, _legacy_stock.Adam):
+    """tf_keras.optimizers.legacy.Adam as one fused op: ResourceApplyAdam's update (the beta
+    powers in the variables' dtype, epsilon added to sqrt(v)), amsgrad too."""
+
+    _checked = ("epsilon",)
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        step = tf.cast(self.iterations + 1, dtype)
+        beta_1 = tf.identity(self._get_hyper("beta_1", dtype))
+        beta_2 = tf.identity(self._get_hyper("beta_2", dtype))
+        slots = [self._slot_handles("m", tvars), self._slot_handles("v", tvars)]
+        if self.amsgrad:
+            slots.append(self._slot_handles("vhat", tvars))
+        return ("adam", slots, {"beta_1": beta_1, "beta_2": beta_2, "epsilon": self.epsilon,
+                                "step": tf.cast(step, tf.float64), "beta_1_power": tf.pow(beta_1, step),
+                                "beta_2_power": tf.pow(beta_2, step)}, {"amsgrad": bool(self.amsgrad)})
+
+
+_LegacySGD.__name__ = _LegacySGD.__qualname__ = "SGD"
+_LegacyAdam.__name__ = _LegacyAdam.__qualname__ = "Adam"
+
+
+class legacy:  # noqa: N801 (a namespace, as tf_keras.optimizers.legacy)
+    """tfclip.tf_keras.legacy.SGD and .Adam: drop-ins for tf_keras.optimizers.legacy.SGD / Adam."""
+
+    SGD = _LegacySGD
+    Adam = _LegacyAdam
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 
