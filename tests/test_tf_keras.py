@@ -320,16 +320,20 @@ import numpy as np, tensorflow as tf, tf_keras
 import tfclip.tf_keras
 assert tf.keras.optimizers.Adam is tf_keras.optimizers.Adam, tf.keras.optimizers.Adam
 assert issubclass(tfclip.tf_keras.Adam, tf.keras.optimizers.Adam)
+assert issubclass(tfclip.tf_keras.legacy.Adam, tf.keras.optimizers.legacy.Adam)
+assert issubclass(tfclip.tf_keras.legacy.SGD, tf.keras.optimizers.legacy.SGD)
 x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32"); y = x.sum(1, keepdims=True)
 out = []
-for opt in (tf.keras.optimizers.Adam(0.1, global_clipnorm=1.0), tfclip.tf_keras.Adam(0.1, global_clipnorm=1.0)):
+pairs = [(tf.keras.optimizers.Adam, tfclip.tf_keras.Adam), (tf.keras.optimizers.legacy.Adam, tfclip.tf_keras.legacy.Adam)]
+for opt in [c(0.1, global_clipnorm=1.0) for pair in pairs for c in pair]:
     tf.keras.utils.set_random_seed(0)
     m = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
     m.compile(optimizer=opt, loss="mse")
     m.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
     out.append(m.get_weights())
-for a, b in zip(*out):
-    np.testing.assert_allclose(a, b, rtol=3e-6, atol=1e-7)
+for want, got in ((out[0], out[1]), (out[2], out[3])):
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=3e-6, atol=1e-7)
 print("LEGACY-OK", type(m.optimizer).__module__)
 """
 
@@ -353,7 +357,7 @@ def test_mirrored_strategy_subprocess(tmp_path):
     assert int(m["replicas"]) == 2
     # tf_keras sums across replicas, then clips: stock and tfclip both move by clip(3 + 3) = 1.
     np.testing.assert_allclose(m["two_replica_clip"], [-1.0, -1.0], rtol=1e-6)
-    for prefix in ("fit", "custom"):
+    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy"):
         keys = sorted(k for k in m.files if k.startswith(prefix + "_tfclip_"))
         assert keys
         for k in keys:
@@ -428,3 +432,17 @@ def test_legacy_nonfinite_skip_and_stock_fallback():
     with pytest.warns(UserWarning, match="stock tf_keras ops"):
         _, got = _train(tk.legacy.SGD, kw)
     _assert_same(got, want)
+
+
+def test_jit_without_xla_kernels_runs_the_stock_step(monkeypatch):
+    """A build without tfclip's XLA kernels: inside jit_compile=True the stock tf_keras step runs
+    (it clips after the all-reduce too), said once."""
+    monkeypatch.setattr(tk, "_XLA_KERNELS", False)
+    monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", False)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (32, 5)).astype("int32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    _, want = _fit(stock.Adam(0.05, global_clipnorm=0.5), True, x, y)
+    with pytest.warns(UserWarning, match="no XLA kernels"):
+        _, got = _fit(tk.Adam(0.05, global_clipnorm=0.5), True, x, y)
+    _assert_same(got, want, rtol=1e-5, atol=1e-6)

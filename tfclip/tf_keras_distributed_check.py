@@ -6,7 +6,8 @@ process (strategies configure devices at start-up, so the tests run this as a su
 
 Each mode trains the same small tf_keras model on the same global batches with
 `tfclip.tf_keras.Adam(..., global_clipnorm=...)` and with the stock `tf_keras.optimizers.Adam`,
-by `model.fit` and by a custom loop (`strategy.run` + `apply_gradients`), and saves the weights.
+(and with `tfclip.tf_keras.legacy.Adam` / `tf_keras.optimizers.legacy.Adam`), by `model.fit` and
+by a custom loop (`strategy.run` + `apply_gradients`), and saves the weights.
 `mirrored` also runs the two-replica clip example: each replica's gradient is 3,
 `global_clipnorm=1`, SGD with lr 1: tf_keras sums across replicas before it clips (unlike
 Keras 3), so stock and tfclip both move the variable by -1 (the clip of the summed 6).
@@ -43,7 +44,8 @@ def _optimizer(kind):
 
     import tfclip.tf_keras
 
-    cls = tfclip.tf_keras.Adam if kind == "tfclip" else tf_keras.optimizers.Adam
+    cls = {"tfclip": tfclip.tf_keras.Adam, "stock": tf_keras.optimizers.Adam,
+           "legacy_tfclip": tfclip.tf_keras.legacy.Adam, "legacy_stock": tf_keras.optimizers.legacy.Adam}[kind]
     return cls(0.05, global_clipnorm=0.5)
 
 
@@ -67,7 +69,7 @@ def _fit(strategy, kind):
     opts = tf.data.Options()
     opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     model.fit(ds.with_options(opts), epochs=1, verbose=0, shuffle=False)
-    _check_replicas_identical(strategy, model.trainable_variables + list(model.optimizer.variables))
+    _check_replicas_identical(strategy, model.trainable_variables + list(model.optimizer.variables()))
     return model.get_weights()
 
 
@@ -78,7 +80,10 @@ def _custom_loop(strategy, kind):
     with strategy.scope():
         model = _model()
         opt = _optimizer(kind)
-        opt.build(model.trainable_variables)
+        if kind.startswith("legacy"):
+            opt._create_all_weights(model.trainable_variables)
+        else:
+            opt.build(model.trainable_variables)
     ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
 
     @tf.function
@@ -93,7 +98,7 @@ def _custom_loop(strategy, kind):
 
     for batch in ds:
         step(batch)
-    _check_replicas_identical(strategy, model.trainable_variables + list(opt.variables))
+    _check_replicas_identical(strategy, model.trainable_variables + list(opt.variables()))
     return model.get_weights()
 
 
@@ -132,7 +137,7 @@ def main(mode, out):
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     result = {"replicas": np.array(strategy.num_replicas_in_sync)}
-    for kind in ("tfclip", "stock"):
+    for kind in ("tfclip", "stock", "legacy_tfclip", "legacy_stock"):
         for i, w in enumerate(_fit(strategy, kind)):
             result[f"fit_{kind}_{i}"] = w
         for i, w in enumerate(_custom_loop(strategy, kind)):
