@@ -446,3 +446,17 @@ def test_jit_without_xla_kernels_runs_the_stock_step(monkeypatch):
     with pytest.warns(UserWarning, match="no XLA kernels"):
         _, got = _fit(tk.Adam(0.05, global_clipnorm=0.5), True, x, y)
     _assert_same(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["m.keras", "m.h5"])
+def test_model_save_and_load_keep_the_class(tmp_path, fmt):
+    for opt, cls in ((tk.Adam(0.1, global_clipnorm=1.0, nonfinite="propagate"), tk.Adam),
+                     (tk.legacy.Adam(0.1), tk.legacy.Adam)):
+        m = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(1)])
+        m.compile(optimizer=opt, loss="mse")
+        m.fit(np.ones((8, 3)), np.ones((8, 1)), verbose=0)
+        path = str(tmp_path / (type(opt).__module__ + str(id(opt)) + fmt))
+        m.save(path)
+        loaded = tf_keras.models.load_model(path).optimizer
+        assert type(loaded) is cls
+        assert loaded.nonfinite == opt.nonfinite

@@ -34,7 +34,6 @@ tfclip's own XLA custom calls; a build of tfclip without them warns once and run
 tf_keras step there (which also clips after the all-reduce).
 """
 import sys
-import threading
 import warnings
 
 import tensorflow as tf
@@ -105,9 +104,6 @@ def _check_numbers(opt, names):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{name} must be a number, got {v!r}")
         _check_number(name, float(v))
-
-
-_THREAD = threading.local()
 
 
 class _FusedMixin:
@@ -675,6 +671,8 @@ def _refuse_tf_keras(obj):
 # Registered so tf_keras's load_model finds them without custom_objects.
 for _cls in _CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip")(_cls)
+for _cls in (legacy.SGD, legacy.Adam):
+    _tf_keras.utils.register_keras_serializable(package="tfclip", name="legacy." + _cls.__name__)(_cls)
 
 
 def _wrap_get(module, refuse):
