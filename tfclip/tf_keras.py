@@ -572,8 +572,10 @@ class _LegacyFusedMixin(_FusedMixin):
             with tf.control_dependencies([applied]):
                 updates = [v.assign(v.constraint(v)) for v in tvars if v.constraint is not None]
             with tf.control_dependencies([applied] + updates):
+                # As stock: an Operation in a graph (`train_op.run()`), the variable eagerly.
                 return tf.__internal__.distribute.interim.maybe_merge_call(
-                    lambda distribution: self.iterations.assign_add(1), tf.distribute.get_strategy())
+                    lambda distribution: self.iterations.assign_add(1, read_value=tf.executing_eagerly()),
+                    tf.distribute.get_strategy())
 
 
 def _legacy_var_key(v):
