@@ -16,6 +16,11 @@ MAKERS = {
     "rmsprop_momentum": lambda m, kw: m.RMSPropOptimizer(0.05, momentum=0.5, **kw),
     "rmsprop_centered": lambda m, kw: m.RMSPropOptimizer(0.05, decay=0.8, centered=True, **kw),
     "adagrad": lambda m, kw: m.AdagradOptimizer(0.1, initial_accumulator_value=0.2, **kw),
+    "adadelta": lambda m, kw: m.AdadeltaOptimizer(1.0, rho=0.9, epsilon=1e-6, **kw),
+    "ftrl": lambda m, kw: m.FtrlOptimizer(0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.02,
+                                          l2_shrinkage_regularization_strength=0.03, beta=0.1, **kw),
+    "ftrl_power": lambda m, kw: m.FtrlOptimizer(0.2, learning_rate_power=-0.7, initial_accumulator_value=0.3,
+                                                accum_name="acc", linear_name="lin", **kw),
 }
 
 

@@ -207,6 +207,12 @@ V1 = {
         lambda **kw: tfclip.compat.v1.RMSPropOptimizer(0.05, momentum=0.5, centered=True, **kw)),
     "adagrad": (lambda: tf.compat.v1.train.AdagradOptimizer(0.1),
                 lambda **kw: tfclip.compat.v1.AdagradOptimizer(0.1, **kw)),
+    "adadelta": (lambda: tf.compat.v1.train.AdadeltaOptimizer(1.0, epsilon=1e-6),
+                 lambda **kw: tfclip.compat.v1.AdadeltaOptimizer(1.0, epsilon=1e-6, **kw)),
+    "ftrl": (lambda: tf.compat.v1.train.FtrlOptimizer(0.2, l1_regularization_strength=0.01,
+                                                     l2_shrinkage_regularization_strength=0.03, beta=0.1),
+             lambda **kw: tfclip.compat.v1.FtrlOptimizer(0.2, l1_regularization_strength=0.01,
+                                                        l2_shrinkage_regularization_strength=0.03, beta=0.1, **kw)),
 }
 
 

@@ -23,7 +23,7 @@ import tfclip
 PROBES = [-1.5, -0.1, 0.0, 0.5, 1.0, 1.5, float("nan"), float("inf"), float("-inf")]
 KERAS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb"]
 TF1 = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
-       "AdagradOptimizer"]
+       "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer"]
 # Constructor arguments of the base classes: not hyper-parameters of an update rule.
 _BASE_ARGS = {"clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
               "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps", "name"}
@@ -67,10 +67,20 @@ def _compare_steps(step_stock, step_tfclip, what, problems):
             problems.append(f"{what}: tfclip {g} vs stock {w}")
 
 
+# Differences listed in the README's "Deliberate differences from stock", skipped by name here.
+KNOWN = {
+    # TF1 FtrlOptimizer at learning_rate 0: TF's kernel leaves the variables at 0, the core
+    # computes Keras's Ftrl arithmetic (l2 + beta / (2 * lr)), which gives NaN there as Keras does.
+    ("FtrlOptimizer", "learning_rate", 0.0),
+}
+
+
 def _probe(name, args, make_stock, make_tfclip, steps, problems, required=()):
     for arg in args:
         for value in PROBES:
             what = f"{name}({arg}={value})"
+            if (name, arg, value) in KNOWN:
+                continue
             kw = {a: 0.1 for a in required if a != arg}
             stock, stock_err = _outcome(lambda: make_stock(**kw, **{arg: value}))
             ours, our_err = _outcome(lambda: make_tfclip(**kw, **{arg: value}))

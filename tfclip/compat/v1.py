@@ -51,7 +51,7 @@ from tfclip import _opcall
 from tfclip.rules import _check_number
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
-           "AdagradOptimizer"]
+           "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer"]
 
 
 def _f64(x, name):
@@ -375,3 +375,70 @@ class AdagradOptimizer(_Fused):
 
     def _op_inputs(self):
         return "adagrad", {"lr": self._learning_rate, "epsilon": 0.0, "weight_decay": 0.0}, {}
+
+
+class AdadeltaOptimizer(_Fused):
+    """tf.compat.v1.train.AdadeltaOptimizer (slots `accum`, `accum_update`; ResourceApplyAdadelta)
+    with fused clipping. The core's Adadelta rule is TF's arithmetic but for TF's
+    `sqrt(accum_update + eps) * rsqrt(accum + eps) * g`, computed as a quotient of square roots:
+    float rounding apart (an ulp or two a step)."""
+
+    _slot_names = ("accum", "accum_update")
+    _lazy_sparse = True  # ResourceSparseApplyAdadelta updates only the touched rows
+
+    def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-8, use_locking=False, name="Adadelta", *,
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate, rho=rho, epsilon=epsilon)
+        self._learning_rate, self._rho, self._epsilon = learning_rate, rho, epsilon
+
+    def _op_inputs(self):
+        return "adadelta", {"lr": self._learning_rate, "rho": self._rho, "epsilon": self._epsilon,
+                            "weight_decay": 0.0}, {}
+
+
+class FtrlOptimizer(_Fused):
+    """tf.compat.v1.train.FtrlOptimizer (slots `accum`, starting at `initial_accumulator_value`, and
+    `linear`; ResourceApplyFtrl / ResourceApplyFtrlV2 with `l2 + beta / (2 * lr)`) with fused
+    clipping. The stock class's argument checks, names (`accum_name`, `linear_name`) included."""
+
+    _slot_names = ("accum", "linear")
+    _lazy_sparse = True  # ResourceSparseApplyFtrl updates only the touched rows
+
+    def __init__(self, learning_rate, learning_rate_power=-0.5, initial_accumulator_value=0.1,
+                 l1_regularization_strength=0.0, l2_regularization_strength=0.0, use_locking=False,
+                 name="Ftrl", accum_name=None, linear_name=None, l2_shrinkage_regularization_strength=0.0,
+                 beta=None, *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+        for what, v in (("initial_accumulator_value", initial_accumulator_value),
+                        ("l1_regularization_strength", l1_regularization_strength),
+                        ("l2_regularization_strength", l2_regularization_strength),
+                        ("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength)):
+            if v < 0.0:  # the stock class's checks and words
+                raise ValueError(f"{what} {v:f} needs to be positive or zero")
+        if learning_rate_power > 0.0:
+            raise ValueError(f"learning_rate_power {learning_rate_power:f} needs to be negative or zero")
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        beta = 0.0 if beta is None else beta
+        self._check_numbers(learning_rate=learning_rate, learning_rate_power=learning_rate_power,
+                            initial_accumulator_value=initial_accumulator_value,
+                            l1_regularization_strength=l1_regularization_strength,
+                            l2_regularization_strength=l2_regularization_strength,
+                            l2_shrinkage_regularization_strength=l2_shrinkage_regularization_strength,
+                            beta=beta)
+        self._learning_rate, self._power, self._initial = learning_rate, learning_rate_power, initial_accumulator_value
+        self._l1, self._l2, self._l2_shrinkage, self._beta = (
+            l1_regularization_strength, l2_regularization_strength, l2_shrinkage_regularization_strength, beta)
+        self._accum_name, self._linear_name = accum_name, linear_name
+
+    def _create_slots(self, var_list):
+        # As the stock class: accum (named after accum_name or the optimizer), then linear.
+        for v in var_list:
+            self._get_or_make_slot_with_initializer(
+                v, tf.compat.v1.constant_initializer(self._initial, dtype=v.dtype.base_dtype), v.shape,
+                v.dtype.base_dtype, "accum", self._accum_name or self._name)
+            self._zeros_slot(v, "linear", self._linear_name or self._name)
+
+    def _op_inputs(self):
+        kind, power = _opcall.ftrl_variant(self._power)
+        return kind, {"lr": self._learning_rate, **power, "l1": self._l1, "l2": self._l2,
+                      "l2_shrinkage": self._l2_shrinkage, "beta": self._beta, "weight_decay": 0.0}, {}
