@@ -521,16 +521,18 @@ def test_import_after_first_xla_compilation_gets_the_kernels(tmp_path):
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # cwd away from the checkout: `python -c` puts cwd first on sys.path, and the checkout's
+    # unbuilt tfclip/ would shadow the installed one.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
+                         cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK [0.5, 1.5]" in out.stdout
 
 
 # ---------------------------------------------------------------- the Keras drop-ins
-# tfclip.keras detects an XLA context and, until it is switched to these kernels, runs the stock
-# Keras ops there. With the detection off (what the switch does when _loader.xla_kernels()), its
-# own fused step compiles to the custom calls and gives the non-XLA step's bits.
+# tfclip.keras runs the stock Keras ops in an XLA context only in a build without these kernels
+# (tests/test_keras_xla.py tests the drop-ins as users run them). With the detection off, its own
+# fused step compiles to the custom calls and gives the non-XLA step's bits.
 KERAS_OPTS = {
     "adam": lambda: tfclip.keras.Adam(0.01, global_clipnorm=0.5),
     "adamw_excluded": lambda: _adamw_excluding_bias(),
