@@ -28,12 +28,17 @@ else:
 
     if _KERAS_PROBLEM is None:
         from tfclip import keras  # (imported here: it registers the classes load_model finds)
-    else:  # Keras 2 (TF 2.15) or none: the ops, rules and compat.v1 serve; tfclip.keras says why not
 
-        def __getattr__(name):
-            if name == "keras":
-                raise ImportError(_KERAS_PROBLEM)
-            raise AttributeError(f"module 'tfclip' has no attribute {name!r}")
+    def __getattr__(name):
+        # tfclip.tf_keras on first use (importing tf_keras costs a second or two); without Keras 3
+        # (TF 2.15), tfclip.keras says why not, and the ops, rules and compat.v1 serve.
+        if name == "tf_keras":
+            import importlib
+
+            return importlib.import_module("tfclip.tf_keras")
+        if name == "keras" and _KERAS_PROBLEM is not None:
+            raise ImportError(_KERAS_PROBLEM)
+        raise AttributeError(f"module 'tfclip' has no attribute {name!r}")
 
     from tfclip.ops import (
         ClipApplyResult,
@@ -50,4 +55,5 @@ else:
         "global_norm",
         "keras",
         "rules",
+        "tf_keras",
     ]

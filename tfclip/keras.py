@@ -42,6 +42,7 @@ same results; `nonfinite="skip"` is then honoured without a strategy, under a st
 fallback applies the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
 import contextlib
+import sys
 import threading
 import warnings
 
@@ -153,6 +154,11 @@ class _FusedMixin:
     _tfclip_kind = None  # set per class
 
     def _tfclip_init(self, nonfinite, lazy_sparse):
+        # A tf_keras (Keras 2) program handing this optimizer to its model: tfclip.tf_keras wraps
+        # tf_keras's optimizers.get so that the error names tfclip.tf_keras.<Class> (only where
+        # tf_keras is loaded already).
+        if "tf_keras" in sys.modules:
+            import tfclip.tf_keras  # noqa: F401
         _opcall.check_policy(nonfinite)
         # The learning rate and weight decay as numbers (a schedule or callable: per step, by
         # the op): finite, the one refusal of tfclip's own (README: deliberate differences).
