@@ -13,7 +13,7 @@ import pytest
 
 tf_keras = pytest.importorskip(
     "tf_keras", reason="tf-keras (the optional Keras 2 package) is not installed: "
-    "pip install '.[tf_keras]' to test tfclip.tf_keras")
+    "pip install '.[tf-keras]' to test tfclip.tf_keras")
 
 import tensorflow as tf  # noqa: E402
 

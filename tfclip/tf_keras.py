@@ -42,7 +42,7 @@ try:
     import tf_keras as _tf_keras
 except ImportError as _e:  # pragma: no cover - the optional dependency is absent
     raise ImportError("tfclip.tf_keras subclasses the optimizers of the tf-keras package (Keras 2), "
-                      f"which is not installed ({_e}): pip install \"tfclip[tf_keras]\" (or "
+                      f"which is not installed ({_e}): pip install \"tfclip[tf-keras]\" (or "
                       "pip install tf-keras matching your TensorFlow). For Keras 3 use tfclip.keras.") from None
 
 from tensorflow.python.ops import control_flow_util
