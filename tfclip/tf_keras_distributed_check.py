@@ -17,17 +17,8 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-GLOBAL_BATCH = 32
-STEPS = 6
-
-
-def _data():
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 8)).astype("float32")
-    y = (x @ rng.normal(size=(8, 1)) * 5 + rng.normal(size=(GLOBAL_BATCH * STEPS, 1))).astype("float32")
-    return x, y
+# The same global batches as the Keras 3 run (tfclip/distributed_check.py).
+from tfclip.distributed_check import GLOBAL_BATCH, STEPS, _data  # noqa: E402,F401
 
 
 def _model():
