@@ -50,14 +50,20 @@ cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.exe
 run() {
   local label="$1" k="$2"
   shift 2
-  local log="$BUILD/planted/$label.log" t0=$SECONDS
-  if env "$@" TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE" "$PY" -m pytest -q -x \
-      -p no:cacheprovider tests/gpu -k "$k" >"$log" 2>&1; then
+  local log="$BUILD/planted/$label.log" t0=$SECONDS rc=0
+  # A time limit per run: a fault that hangs the suite must not hang CI (a subset takes seconds).
+  env "$@" TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE" timeout "${PLANT_TIMEOUT:-300}" "$PY" -m pytest \
+    -q -x -p no:cacheprovider tests/gpu -k "$k" >"$log" 2>&1 || rc=$?
+  if [ "$rc" = 0 ]; then
     printf '  %-34s PASS (%ds)\n' "$label" $((SECONDS - t0))
     return 1
   fi
   local why
-  why="$(grep -m1 -o 'tfclip CUDA emulation: .*' "$log" || grep -m1 '^FAILED' "$log" || tail -n 1 "$log")"
+  if [ "$rc" = 124 ]; then
+    why="the suite hung (stopped after ${PLANT_TIMEOUT:-300} s)"
+  else
+    why="$(grep -m1 -o 'tfclip CUDA emulation: .*' "$log" || grep -m1 '^FAILED' "$log" || tail -n 1 "$log")"
+  fi
   printf '  %-34s FAIL (%ds): %s\n' "$label" $((SECONDS - t0)) "${why:0:240}"
 }
 

@@ -52,3 +52,48 @@ def pytest_runtest_makereport(item, call):
         return
     rep.outcome = "failed"
     rep.longrepr = f"TFCLIP_REQUIRE_GPU=1, and this test was skipped: {rep.longrepr}"
+
+
+# ---------------------------------------------------------------- short failure messages for buffers
+# The suites compare raw buffers (`a.tobytes() == b.tobytes()`, lists of them). On a failure,
+# pytest's own explanation diffs the reprs with difflib, which is quadratic in their length: a
+# planted fault (scripts/planted_faults.sh) once left one such comparison of six 256 KiB buffers
+# computing its message for over an hour in CI. For bytes, and lists or tuples of bytes, past a
+# small size this hook says instead which buffers differ and where.
+_SHORT = 512
+
+
+def _first_difference(a, b):
+    n = min(len(a), len(b))
+    a8, b8 = np.frombuffer(a[:n], np.uint8), np.frombuffer(b[:n], np.uint8)
+    diff = np.flatnonzero(a8 != b8)
+    where = int(diff[0]) if diff.size else n
+    return (f"{len(a)} vs {len(b)} bytes, {int(diff.size)} of the first {n} differ, the first at byte {where}"
+            f" ({a[where:where + 8].hex() or 'end'} vs {b[where:where + 8].hex() or 'end'})")
+
+
+def _buffers(x):
+    if isinstance(x, (bytes, bytearray)):
+        return None
+    if isinstance(x, (list, tuple)) and x and all(isinstance(e, (bytes, bytearray)) for e in x):
+        return list(x)
+    return False
+
+
+def pytest_assertrepr_compare(config, op, left, right):
+    if op != "==":
+        return None
+    lb, rb = _buffers(left), _buffers(right)
+    if lb is None and rb is None:  # two bytes objects
+        if max(len(left), len(right)) <= _SHORT:
+            return None
+        return [f"two buffers differ: {_first_difference(left, right)}"]
+    if lb and rb:
+        if sum(map(len, lb)) + sum(map(len, rb)) <= _SHORT:
+            return None
+        lines = [f"lists of {len(lb)} and {len(rb)} buffers differ"]
+        for i, (a, b) in enumerate(zip(lb, rb)):
+            if a != b:
+                lines.append(f"  [{i}]: {_first_difference(a, b)}")
+        return lines
+    return None
