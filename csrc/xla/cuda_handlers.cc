@@ -74,11 +74,7 @@ ffi::Error NormCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingA
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "f64_norm", &f64));
   const int n = static_cast<int>(args.size());
   std::vector<TensorView> views(n);
-  for (int i = 0; i < n; ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (b.has_error()) return b.error();
-    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(*b, "t_list", i, &views[i]));
-  }
+  TFCLIP_FFI_RETURN_IF_ERROR(ViewArgs(args, 0, n, "t_list", views.data()));
   // The apply ops' norm call wants the fp64 norm (result 0: the groups' use_norm); the norm op
   // its Tnorm norm (result 1). The per-tensor norms (result 2) either way.
   auto r = rets.get<ffi::AnyBuffer>(f64 ? 0 : 1);
@@ -96,40 +92,22 @@ ffi::Error NormCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingA
 
 ffi::Error ClipCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
                     ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  int64_t given = 0;
-  TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "use_given_norm", &given));
-  const int n = static_cast<int>(args.size()) - 2;
-  std::vector<TensorView> in(n), out(n);
-  for (int i = 0; i < n; ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (b.has_error()) return b.error();
-    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(*b, "t_list", i, &in[i]));
-    auto o = rets.get<ffi::AnyBuffer>(i);
-    if (o.has_error()) return o.error();
-    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(**o, "t_list", i, &out[i]));
-  }
-  auto c = args.get<ffi::AnyBuffer>(n);
-  auto u = args.get<ffi::AnyBuffer>(n + 1);
-  auto rn = rets.get<ffi::AnyBuffer>(n);
-  auto rt = rets.get<ffi::AnyBuffer>(n + 1);
-  if (c.has_error()) return c.error();
-  if (u.has_error()) return u.error();
-  if (rn.has_error()) return rn.error();
-  if (rt.has_error()) return rt.error();
+  ClipCall call;
+  TFCLIP_FFI_RETURN_IF_ERROR(call.Decode(args, rets, attrs));
   // clip_norm and use_norm stay in device memory, as in the TF GPU kernel (a clip_norm that is
   // not finite and > 0 makes every output NaN there: the host never reads it).
   cuda::ClipOpScalars dev;
-  dev.clip_norm = c->untyped_data();
-  if (given) dev.use_norm = u->untyped_data();
-  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(c->element_type(), &dev.dtype));
+  dev.clip_norm = call.clip_norm->untyped_data();
+  if (call.given) dev.use_norm = call.use_norm->untyped_data();
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(call.clip_norm->element_type(), &dev.dtype));
   cuda::CudaOutputs o;
-  o.norm = (*rn)->untyped_data();
-  o.tensor_norms = (*rt)->untyped_data();
-  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*rn)->element_type(), &o.norm_dtype));
+  o.norm = call.norm->untyped_data();
+  o.tensor_norms = call.tensor_norms->untyped_data();
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(call.norm->element_type(), &o.norm_dtype));
   o.tensor_norms_dtype = o.norm_dtype;
   XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, 256); });
-  return CudaError(cuda::CudaClipByGlobalNorm(in.data(), out.data(), n, 0.0, given != 0, 0.0, dev,
-                                              &mem, o, stream));
+  return CudaError(cuda::CudaClipByGlobalNorm(call.in.data(), call.out.data(), call.n, 0.0, call.given,
+                                              0.0, dev, &mem, o, stream));
 }
 
 ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const ffi::RemainingArgs& args,
@@ -181,27 +159,18 @@ ffi::Error ApplyCuda(void* stream, ffi::ScratchAllocator scratch, ffi::Remaining
                        attrs);
 }
 
-XLA_FFI_DEFINE_HANDLER(kNormCuda, NormCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<void*>>()
-                           .Ctx<ffi::ScratchAllocator>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER(kClipCuda, ClipCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<void*>>()
-                           .Ctx<ffi::ScratchAllocator>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER(kApplyCuda, ApplyCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<void*>>()
-                           .Ctx<ffi::ScratchAllocator>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs<ffi::Dictionary>());
+// Every CUDA handler binds the same: XLA's stream, its scratch allocator, operands, results, attributes.
+#define TFCLIP_CUDA_HANDLER(name, fn)                                                              \
+  XLA_FFI_DEFINE_HANDLER(name, fn,                                                                 \
+                         ffi::Ffi::Bind()                                                          \
+                             .Ctx<ffi::PlatformStream<void*>>()                                    \
+                             .Ctx<ffi::ScratchAllocator>()                                         \
+                             .RemainingArgs()                                                      \
+                             .RemainingRets()                                                      \
+                             .Attrs<ffi::Dictionary>())
+TFCLIP_CUDA_HANDLER(kNormCuda, NormCuda);
+TFCLIP_CUDA_HANDLER(kClipCuda, ClipCuda);
+TFCLIP_CUDA_HANDLER(kApplyCuda, ApplyCuda);
 
 #if !TFCLIP_XLA_EMULATED_TEST
 // (The emulated-CUDA _core runs ApplyCudaStep without XLA: emulated_entry.cc.)

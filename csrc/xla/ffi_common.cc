@@ -36,6 +36,49 @@ ffi::Error ViewBuffer(const ffi::AnyBuffer& b, const char* what, int i, TensorVi
   return ffi::Error::Success();
 }
 
+ffi::Error ViewArgs(const ffi::RemainingArgs& args, size_t first, int n, const char* what, TensorView* out) {
+  for (int i = 0; i < n; ++i) {
+    auto b = args.get<ffi::AnyBuffer>(first + static_cast<size_t>(i));
+    if (b.has_error()) return b.error();
+    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(*b, what, i, &out[i]));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ViewRets(const ffi::RemainingRets& rets, size_t first, int n, const char* what, TensorView* out) {
+  for (int i = 0; i < n; ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(first + static_cast<size_t>(i));
+    if (b.has_error()) return b.error();
+    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(**b, what, i, &out[i]));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ClipCall::Decode(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                            const ffi::Dictionary& attrs) {
+  int64_t g = 0;
+  TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "use_given_norm", &g));
+  given = g != 0;
+  n = static_cast<int>(args.size()) - 2;
+  in.resize(static_cast<size_t>(n));
+  out.resize(static_cast<size_t>(n));
+  TFCLIP_FFI_RETURN_IF_ERROR(ViewArgs(args, 0, n, "t_list", in.data()));
+  TFCLIP_FFI_RETURN_IF_ERROR(ViewRets(rets, 0, n, "t_list", out.data()));
+  auto c = args.get<ffi::AnyBuffer>(n);
+  auto u = args.get<ffi::AnyBuffer>(n + 1);
+  auto rn = rets.get<ffi::AnyBuffer>(n);
+  auto rt = rets.get<ffi::AnyBuffer>(n + 1);
+  if (c.has_error()) return c.error();
+  if (u.has_error()) return u.error();
+  if (rn.has_error()) return rn.error();
+  if (rt.has_error()) return rt.error();
+  clip_norm.emplace(*c);
+  use_norm.emplace(*u);
+  norm.emplace(**rn);
+  tensor_norms.emplace(**rt);
+  return ffi::Error::Success();
+}
+
 ffi::Error GetI64(const ffi::Dictionary& attrs, const char* name, int64_t* out) {
   auto v = attrs.get<int64_t>(name);
   if (v.has_error()) return ffi::Error::Internal(std::string("tfclip custom call: attribute ") + name);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,26 @@ bool ToCoreDType(::xla::ffi::DataType t, DType* out);
 ::xla::ffi::Error GetI64(const ::xla::ffi::Dictionary& attrs, const char* name, int64_t* out);
 ::xla::ffi::Error GetI64s(const ::xla::ffi::Dictionary& attrs, const char* name,
                           std::vector<int64_t>* out);
+
+// Operands (results) [first, first + n) of a call as tensor views; an error names `what`[i].
+::xla::ffi::Error ViewArgs(const ::xla::ffi::RemainingArgs& args, size_t first, int n, const char* what,
+                           TensorView* out);
+::xla::ffi::Error ViewRets(const ::xla::ffi::RemainingRets& rets, size_t first, int n, const char* what,
+                           TensorView* out);
+
+// One tfclip_clip call, decoded (custom_calls.h): n tensors in and out, then the clip_norm and
+// use_norm operands and the norm and tensor_norms results. The Host and CUDA handlers differ only
+// in where they read the scalars.
+struct ClipCall {
+  int n = 0;
+  bool given = false;  // use_given_norm: no norm pass
+  std::vector<TensorView> in, out;
+  std::optional<::xla::ffi::AnyBuffer> clip_norm, use_norm, norm, tensor_norms;
+
+  ::xla::ffi::Error Decode(const ::xla::ffi::RemainingArgs& args,
+                           const ::xla::ffi::RemainingRets& rets,
+                           const ::xla::ffi::Dictionary& attrs);
+};
 
 // A host scalar buffer (f32 or f64) as double.
 double ReadScalar(const ::xla::ffi::AnyBuffer& b);

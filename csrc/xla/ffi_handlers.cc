@@ -93,11 +93,7 @@ ffi::Error NormHost(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remainin
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64s(attrs, "widths", &widths));
   const int n = static_cast<int>(args.size() - sparse.size());
   std::vector<TensorView> views(n);
-  for (int i = 0; i < n; ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (b.has_error()) return b.error();
-    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(*b, "t_list", i, &views[i]));
-  }
+  TFCLIP_FFI_RETURN_IF_ERROR(ViewArgs(args, 0, n, "t_list", views.data()));
   if (!sparse.empty()) {
     // The apply op's IndexedSlices indices, checked by the core's own planner before any apply
     // call runs (the apply calls take this call's norm, so they run after it).
@@ -140,39 +136,22 @@ ffi::Error NormHost(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remainin
 // ---------------------------------------------------------------- tfclip_clip
 ffi::Error ClipHost(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     ffi::Dictionary attrs) {
-  int64_t given = 0;
-  TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "use_given_norm", &given));
-  const int n = static_cast<int>(args.size()) - 2;
-  std::vector<TensorView> in(n), out(n);
-  for (int i = 0; i < n; ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (b.has_error()) return b.error();
-    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(*b, "t_list", i, &in[i]));
-    auto o = rets.get<ffi::AnyBuffer>(i);
-    if (o.has_error()) return o.error();
-    TFCLIP_FFI_RETURN_IF_ERROR(ViewBuffer(**o, "t_list", i, &out[i]));
-  }
-  auto c = args.get<ffi::AnyBuffer>(n);
-  auto u = args.get<ffi::AnyBuffer>(n + 1);
-  if (c.has_error()) return c.error();
-  if (u.has_error()) return u.error();
-  const double clip_norm = ReadScalar(*c), use_norm = ReadScalar(*u);
+  ClipCall call;
+  TFCLIP_FFI_RETURN_IF_ERROR(call.Decode(args, rets, attrs));
+  const int n = call.n;
+  const double clip_norm = ReadScalar(*call.clip_norm), use_norm = ReadScalar(*call.use_norm);
   const std::string err = ValidateClipNorm(clip_norm, "clip_norm");
   if (!err.empty()) return ffi::Error::InvalidArgument(err);
-  auto rn = rets.get<ffi::AnyBuffer>(n);
-  auto rt = rets.get<ffi::AnyBuffer>(n + 1);
-  if (rn.has_error()) return rn.error();
-  if (rt.has_error()) return rt.error();
   const CpuExecutor exec = PoolExecutor(&pool);
   std::vector<double> norms(n);
   double norm = use_norm;
-  if (given) TensorNorms(nullptr, n, norms.data());  // no norm pass: NaN
-  else norm = GlobalNormCpu(in.data(), n, exec, norms.data());
-  WriteNorms(norms.data(), n, (*rt)->untyped_data(), (*rt)->element_type());
+  if (call.given) TensorNorms(nullptr, n, norms.data());  // no norm pass: NaN
+  else norm = GlobalNormCpu(call.in.data(), n, exec, norms.data());
+  WriteNorms(norms.data(), n, call.tensor_norms->untyped_data(), call.tensor_norms->element_type());
   // As the TF kernel: the scale comes from the norm rounded to Tnorm.
-  WriteNorms(&norm, 1, (*rn)->untyped_data(), (*rn)->element_type());
-  const double norm_t = ReadScalar(**rn);
-  ScaleListCpu(in.data(), out.data(), n, GlobalClipScale(clip_norm, norm_t), exec);
+  WriteNorms(&norm, 1, call.norm->untyped_data(), call.norm->element_type());
+  const double norm_t = ReadScalar(*call.norm);
+  ScaleListCpu(call.in.data(), call.out.data(), n, GlobalClipScale(clip_norm, norm_t), exec);
   return ffi::Error::Success();
 }
 
@@ -215,24 +194,17 @@ ffi::Error ApplyHost(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remaini
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kNormHost, NormHost,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER(kClipHost, ClipHost,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER(kApplyHost, ApplyHost,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs<ffi::Dictionary>());
+// Every Host handler binds the same: the FFI's thread pool, operands, results, attributes.
+#define TFCLIP_HOST_HANDLER(name, fn)                                                              \
+  XLA_FFI_DEFINE_HANDLER(name, fn,                                                                 \
+                         ffi::Ffi::Bind()                                                          \
+                             .Ctx<ffi::ThreadPool>()                                               \
+                             .RemainingArgs()                                                      \
+                             .RemainingRets()                                                      \
+                             .Attrs<ffi::Dictionary>())
+TFCLIP_HOST_HANDLER(kNormHost, NormHost);
+TFCLIP_HOST_HANDLER(kClipHost, ClipHost);
+TFCLIP_HOST_HANDLER(kApplyHost, ApplyHost);
 
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kNormTarget, "Host", kNormHost);
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kClipTarget, "Host", kClipHost);
