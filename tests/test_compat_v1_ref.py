@@ -609,3 +609,47 @@ def test_resource_op_keeps_its_eager_path():
     v = tf.Variable([1.0, 2.0])
     tfclip.compat.v1.GradientDescentOptimizer(0.5).apply_gradients([(tf.constant([1.0, 1.0]), v)])
     np.testing.assert_allclose(v.numpy(), [0.5, 1.5])
+
+
+AUTO_JIT_PROGRAM = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow.compat.v1 as tf
+    tf.disable_v2_behavior()
+    import tfclip
+
+    def run(jit):
+        g = tf.Graph()
+        with g.as_default():
+            w = tf.get_variable("w", initializer=np.linspace(-1, 1, 12).reshape(4, 3).astype("float32"))
+            b = tf.get_variable("b", initializer=np.zeros(3, "float32"), use_resource=True)
+            x = tf.constant(np.random.default_rng(0).normal(size=(8, 4)).astype("float32"))
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w) + b) ** 2)
+            train = tfclip.compat.v1.AdamOptimizer(0.1, global_clipnorm=0.5).minimize(
+                loss, global_step=tf.train.get_or_create_global_step())
+        config = tf.ConfigProto()
+        if jit:
+            config.graph_options.optimizer_options.global_jit_level = tf.OptimizerOptions.ON_1
+        with tf.Session(graph=g, config=config) as s:
+            s.run(tf.global_variables_initializer())
+            for _ in range(5):
+                s.run(train)
+            return s.run([w, b])
+
+    a, b = run(False), run(True)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    print("SAME", a[0].ravel()[:3])
+""")
+
+
+def test_tf1_auto_clustering_leaves_the_ref_step_alone(tmp_path):
+    """XLA auto-clustering (global_jit_level ON_1, on CPU too) over a TF1 graph whose var_list
+    mixes a ref and a resource variable: the ref op has no XLA kernel, so it stays a TF op, and
+    the result is the unclustered one."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3",
+           "TF_XLA_FLAGS": "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit"}
+    r = subprocess.run([sys.executable, "-c", AUTO_JIT_PROGRAM], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SAME" in r.stdout
