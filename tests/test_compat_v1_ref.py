@@ -653,3 +653,33 @@ def test_tf1_auto_clustering_leaves_the_ref_step_alone(tmp_path):
                        cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SAME" in r.stdout
+
+
+def test_ref_op_lists_that_disagree_with_ref_are_named():
+    """The ref op called directly: resource and ref lists that do not fit `ref` (the positions of
+    the refs among the gradients), and `ref` itself out of order, are errors naming them."""
+    from tfclip import _opcall
+
+    with tf.Graph().as_default():
+        a = v1.Variable([1.0, 2.0], name="a", use_resource=False)
+        b = v1.Variable([3.0, 4.0], name="b", use_resource=False)
+        r = v1.Variable([5.0, 6.0], name="r", use_resource=True)
+        g = [tf.constant([1.0, 1.0])] * 2
+
+        def call(var, refs):
+            return _opcall.apply("sgd", var, [], g, {"lr": 0.1, "weight_decay": 0.0}, refs=refs,
+                                 clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64),
+                                 iterations=[], indices=[], sparse=[])
+
+        bad_counts = call([r.handle], ([0], [a, b], []))  # 1 + 2 variables for 2 gradients
+        with v1.Session() as s:
+            s.run(v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"got 1 resource and 2 ref vars for 2 gradients, of which `ref` names 1"):
+                s.run(bad_counts)
+            np.testing.assert_array_equal(s.run([a, b, r]), [[1, 2], [3, 4], [5, 6]])
+            ok = call([r.handle], ([1], [a], []))  # r at 0, a at 1
+            s.run(ok)
+            np.testing.assert_allclose(s.run([r, a]), [[4.9, 5.9], [0.9, 1.9]], rtol=1e-6)
+            with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="ref must list gradient positions"):
+                s.run(call([], ([1, 0], [a, b], [])))

@@ -536,14 +536,18 @@ class ClipApplyOp : public OpKernel {
   absl::Status AddList(OpKernelContext* ctx, VarLookup* lookup, const std::string& input,
                        const char* label, std::vector<VarRef>* refs) {
     if (!with_refs_) return lookup->Add(input.c_str(), label, n_, refs);
-    const size_t first = refs->size();
-    TF_RETURN_IF_ERROR(lookup->Add(input.c_str(), label, n_ - num_ref_, refs));
     int start, stop;
     TF_RETURN_IF_ERROR(ctx->op_kernel().InputRange(input + "_ref", &start, &stop));
-    if (stop - start != num_ref_) {
-      return tf::errors::InvalidArgument("got ", stop - start, " ", label, " ref variables for ",
-                                         num_ref_, " ref positions");
+    int64_t num_resources = 0;
+    TF_RETURN_IF_ERROR(lookup->Count(input.c_str(), &num_resources));
+    if (stop - start != num_ref_ || num_resources != n_ - num_ref_) {
+      return tf::errors::InvalidArgument(
+          "got ", num_resources, " resource and ", stop - start, " ref ", label, " for ", n_,
+          " gradients, of which `ref` names ", num_ref_, " positions: there must be ", n_ - num_ref_,
+          " and ", num_ref_);
     }
+    const size_t first = refs->size();
+    TF_RETURN_IF_ERROR(lookup->Add(input.c_str(), label, n_ - num_ref_, refs));
     const std::vector<VarRef> resources(refs->begin() + static_cast<std::ptrdiff_t>(first), refs->end());
     refs->resize(first);
     int r = 0, k = 0;
