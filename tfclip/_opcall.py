@@ -164,19 +164,23 @@ def _snake(name):
 _OP_FUNCS = {}
 
 
-def _op(rule):
-    f = _OP_FUNCS.get(rule)
+def _op(rule, key="op"):
+    f = _OP_FUNCS.get((rule, key))
     if f is None:
-        f = _OP_FUNCS[rule] = getattr(_loader.ops(), _snake(RULES[rule]["op"]))
+        f = _OP_FUNCS[(rule, key)] = getattr(_loader.ops(), _snake(RULES[rule][key]))
     return f
 
 
-def apply(rule, var, slots, grad, hparams, flags=None, **common):
+def apply(rule, var, slots, grad, hparams, flags=None, *, refs=None, **common):
     """Calls the rule's apply op.
 
     rule: a name of the rule table ("sgd", "adam", ...). var: the variables' handles. slots: the
     handle lists of the slots the step uses, in the table's order (Adam: [m, v] or [m, v, vhat]),
     or a dict by the table's slot names.
+    refs: TF1 ref variables (graph mode), None when there are none: (positions, variables,
+    slot lists), the gradient positions whose variable is a ref (ascending), those variables and
+    their slots' lists (ref variables, in the order of `slots`); `var` and `slots` then hold the
+    other positions' handles. The rule's ref op (TfclipClipApplyRef<Op>) runs the step.
     grad: the gradient values (see op_grads). hparams: every hyper-parameter the rule takes, by
     the table's name (numbers, tensors or variables; optional ones, Adam's beta powers, may be
     left out); flags: its bool options by attr name. common: the inputs and attrs every apply op
@@ -189,14 +193,10 @@ def apply(rule, var, slots, grad, hparams, flags=None, **common):
     if unknown or missing:
         raise TypeError(f"rule '{rule}' takes the hyper-parameters {names}; "
                         f"missing {missing}, unknown {sorted(unknown)}")
-    if isinstance(slots, dict):  # by the table's slot names (the ones the flags leave out absent)
-        if set(slots) - set(row["slots"]):
-            raise TypeError(f"rule '{rule}' has the slots {row['slots']}, got {sorted(slots)}")
-    elif not row["min_slots"] <= len(slots) <= len(row["slots"]):
-        raise TypeError(f"rule '{rule}' takes {row['min_slots']} to {len(row['slots'])} slot lists "
-                        f"({row['slots']}), got {len(slots)}")
-    else:
-        slots = dict(zip(row["slots"], slots))
+    slots = _slot_dict(rule, row, slots)
+    if refs is not None:
+        positions, ref_vars, ref_slots = refs
+        ref_slots = _slot_dict(rule, row, ref_slots)
     flags = flags or {}
     if set(flags) - set(row["flags"]):
         raise TypeError(f"rule '{rule}' takes the flags {row['flags']}, got {sorted(flags)}")
@@ -205,4 +205,20 @@ def apply(rule, var, slots, grad, hparams, flags=None, **common):
         kw[s] = slots.get(s, [])
     for f in row["flags"]:
         kw[f] = bool(flags.get(f, False))
-    return _op(rule)(var=var, grad=grad, **kw, **common)
+    if refs is None:
+        return _op(rule)(var=var, grad=grad, **kw, **common)
+    for s in row["slots"]:
+        kw[s + "_ref"] = ref_slots.get(s, [])
+    return _op(rule, "ref_op")(var=var, var_ref=list(ref_vars), grad=grad, ref=list(positions), **kw,
+                               **common)
+
+
+def _slot_dict(rule, row, slots):
+    if isinstance(slots, dict):  # by the table's slot names (the ones the flags leave out absent)
+        if set(slots) - set(row["slots"]):
+            raise TypeError(f"rule '{rule}' has the slots {row['slots']}, got {sorted(slots)}")
+        return slots
+    if not row["min_slots"] <= len(slots) <= len(row["slots"]):
+        raise TypeError(f"rule '{rule}' takes {row['min_slots']} to {len(row['slots'])} slot lists "
+                        f"({row['slots']}), got {len(slots)}")
+    return dict(zip(row["slots"], slots))

@@ -31,6 +31,7 @@ py::dict RuleTable() {
     }
     py::dict d;
     d["op"] = std::string("TfclipClipApply") + r.op;
+    d["ref_op"] = std::string("TfclipClipApplyRef") + r.op;  // TF1 ref variables too (csrc/tf/ops.cc)
     d["slots"] = r.slots();
     d["min_slots"] = r.min_slots;
     d["hparams"] = hps;

@@ -316,8 +316,8 @@ absl::Status CheckSparse(int i, const Tensor& var, const Tensor& values,
 }
 
 
-// TfclipClipApply<Op>: one kernel class for every rule, which it finds by the op's name in the
-// rule table.
+// TfclipClipApply<Op> and TfclipClipApplyRef<Op> (TF1 ref variables too; ops.cc): one kernel
+// class for every rule, which it finds by the op's name in the rule table.
 template <typename D>
 class ClipApplyOp : public OpKernel {
  public:
@@ -326,6 +326,10 @@ class ClipApplyOp : public OpKernel {
     const RuleInfo* info = nullptr;
     for (const RuleInfo& r : AllRules()) {
       if (op == std::string("TfclipClipApply") + r.op) info = &r;
+      if (op == std::string("TfclipClipApplyRef") + r.op) {
+        info = &r;
+        with_refs_ = true;
+      }
     }
     OP_REQUIRES(c, info != nullptr, tf::errors::Internal("no rule for op ", op));
     rule_ = *info;
@@ -360,6 +364,19 @@ class ClipApplyOp : public OpKernel {
       sparse_of_[i] = static_cast<int>(k);
     }
     num_sparse_ = static_cast<int>(sparse.size());
+    is_ref_.assign(static_cast<size_t>(n_), false);
+    if (with_refs_) {
+      std::vector<int32_t> ref;
+      OP_REQUIRES_OK(c, c->GetAttr("ref", &ref));
+      for (size_t k = 0; k < ref.size(); ++k) {
+        const int32_t i = ref[k];
+        OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > ref[k - 1]),
+                    tf::errors::InvalidArgument("ref must list gradient positions in [0, ", n_,
+                                                ") in increasing order; got ", i, " at ", k));
+        is_ref_[i] = true;
+      }
+      num_ref_ = static_cast<int>(ref.size());
+    }
     for (int k = 0; k < kNumFlags; ++k) {
       if ((rule_.flags >> k) & 1u) {
         bool v = false;
@@ -390,6 +407,18 @@ class ClipApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, LookUp(ctx, &lookup, &refs));
     LockSet locks;
     OP_REQUIRES_OK(ctx, lock_order_.Lock(refs, &locks));
+    // Ref variables: their tensors, read under their mutexes (an Assign may have replaced the
+    // buffer), as TF's ApplyX ops read theirs. They share the variables' buffers: the core
+    // updates the variables in place (TF1 semantics: no copy-on-write for refs).
+    std::vector<Tensor> ref_tensors;
+    if (with_refs_) {
+      ref_tensors.reserve(static_cast<size_t>(num_ref_ * (nslots_ + 1)));
+      for (VarRef& r : refs) {
+        if (r.ref_input < 0) continue;
+        ref_tensors.push_back(ctx->mutable_input(r.ref_input, /*lock_held=*/true));
+        r.ref = &ref_tensors.back();
+      }
+    }
     void* gpu_stream = nullptr;
 #if TFCLIP_WITH_CUDA
     if constexpr (kGpu<D>) gpu_stream = GpuStream(ctx);
@@ -475,17 +504,22 @@ class ClipApplyOp : public OpKernel {
   // momentum without has_momentum) is an empty input; the others follow in the table's order.
   absl::Status LookUp(OpKernelContext* ctx, VarLookup* lookup, std::vector<VarRef>* refs) {
     refs->reserve(static_cast<size_t>((nslots_ + 1) * n_ + 1));
-    TF_RETURN_IF_ERROR(lookup->Add("var", "vars", n_, refs));
+    TF_RETURN_IF_ERROR(AddList(ctx, lookup, "var", "vars", refs));
     int used = 0;
     for (const std::string& s : slots_) {
       int64_t count = 0;
       TF_RETURN_IF_ERROR(lookup->Count(s.c_str(), &count));
+      if (with_refs_) {
+        int start, stop;
+        TF_RETURN_IF_ERROR(ctx->op_kernel().InputRange(s + "_ref", &start, &stop));
+        count += stop - start;
+      }
       if (count == 0) continue;
       if (used == nslots_) {
         return tf::errors::InvalidArgument("got ", count, " ", s, " slots, but with these flags rule '",
                                            rule_.name, "' takes ", nslots_, " slot lists");
       }
-      TF_RETURN_IF_ERROR(lookup->Add(s.c_str(), s.c_str(), n_, refs));
+      TF_RETURN_IF_ERROR(AddList(ctx, lookup, s, s.c_str(), refs));
       ++used;
     }
     if (used != nslots_) {
@@ -493,6 +527,44 @@ class ClipApplyOp : public OpKernel {
                                          " slot lists, got ", used);
     }
     if (has_iterations_) TF_RETURN_IF_ERROR(lookup->Add("iterations", "iterations", 1, refs));
+    return absl::OkStatus();
+  }
+
+  // One variable or slot list: its n_ entries in gradient order. Without refs the resource list
+  // alone; with them the resource list holds the positions `ref` leaves out, in order, and
+  // `<input>_ref` those it names (ops.cc).
+  absl::Status AddList(OpKernelContext* ctx, VarLookup* lookup, const std::string& input,
+                       const char* label, std::vector<VarRef>* refs) {
+    if (!with_refs_) return lookup->Add(input.c_str(), label, n_, refs);
+    int start, stop;
+    TF_RETURN_IF_ERROR(ctx->op_kernel().InputRange(input + "_ref", &start, &stop));
+    int64_t num_resources = 0;
+    TF_RETURN_IF_ERROR(lookup->Count(input.c_str(), &num_resources));
+    if (stop - start != num_ref_ || num_resources != n_ - num_ref_) {
+      return tf::errors::InvalidArgument(
+          "got ", num_resources, " resource and ", stop - start, " ref ", label, " for ", n_,
+          " gradients, of which `ref` names ", num_ref_, " positions: there must be ", n_ - num_ref_,
+          " and ", num_ref_);
+    }
+    const size_t first = refs->size();
+    TF_RETURN_IF_ERROR(lookup->Add(input.c_str(), label, n_ - num_ref_, refs));
+    const std::vector<VarRef> resources(refs->begin() + static_cast<std::ptrdiff_t>(first), refs->end());
+    refs->resize(first);
+    int r = 0, k = 0;
+    for (int i = 0; i < n_; ++i) {
+      if (is_ref_[i]) {
+        VarRef v{label, i, nullptr};
+        v.ref_input = start + r++;
+        v.ref_mu = ctx->input_ref_mutex(v.ref_input);
+        v.node = &ctx->op_kernel().requested_input(v.ref_input);
+        if (v.ref_mu == nullptr) return tf::errors::Internal(v.name(), " has no mutex");
+        refs->push_back(v);
+      } else {
+        VarRef v = resources[static_cast<size_t>(k++)];
+        v.index = i;
+        refs->push_back(v);
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -506,11 +578,11 @@ class ClipApplyOp : public OpKernel {
                        std::vector<std::vector<int64_t>>* sparse_rows, int64_t** counter) {
     std::vector<ApplyTensor>& ts = *ts_out;
     for (int i = 0; i < n_; ++i) {
-      tf::Var* var = refs[i].var;
-      if (!var->is_initialized) return tf::errors::FailedPrecondition("vars[", i, "] is not initialized");
-      const Tensor& vt = *var->tensor();
+      const VarRef& vr = refs[i];
+      if (!vr.initialized()) return tf::errors::FailedPrecondition(vr.name(), " is not initialized");
+      const Tensor& vt = *vr.tensor();
       if (!ToCoreDType(vt.dtype(), &ts[i].var_dtype)) {
-        return tf::errors::InvalidArgument("vars[", i, "] has dtype ", tf::DataTypeString(vt.dtype()),
+        return tf::errors::InvalidArgument(vr.name(), " has dtype ", tf::DataTypeString(vt.dtype()),
                                            "; only half, bfloat16, float and double variables");
       }
       if (!ToCoreDType(grads[i].dtype(), &ts[i].grad_dtype)) {
@@ -523,28 +595,28 @@ class ClipApplyOp : public OpKernel {
         if (vt.NumElements() != grads[i].NumElements()) {
           return tf::errors::InvalidArgument(
               "grads[", i, "] has ", grads[i].NumElements(), " elements (shape ",
-              grads[i].shape().DebugString(), ") but vars[", i, "] has ", vt.NumElements(),
+              grads[i].shape().DebugString(), ") but ", vr.name(), " has ", vt.NumElements(),
               " (shape ", vt.shape().DebugString(), ")");
         }
         return tf::errors::InvalidArgument("grads[", i, "] has shape ", grads[i].shape().DebugString(),
-                                           " but vars[", i, "] has shape ", vt.shape().DebugString());
+                                           " but ", vr.name(), " has shape ", vt.shape().DebugString());
       }
       ts[i].size = vt.NumElements();
-      TF_RETURN_IF_ERROR(EnsureExclusive(ctx, var, gpu_stream));
-      ts[i].var = const_cast<char*>(var->tensor()->tensor_data().data());
+      if (vr.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, vr.var, gpu_stream));
+      ts[i].var = const_cast<char*>(vr.tensor()->tensor_data().data());
       ts[i].grad = grads[i].tensor_data().data();
       for (int k = 0; k < nslots_; ++k) {
         const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
-        if (!s.var->is_initialized) return tf::errors::FailedPrecondition(s.name(), " is not initialized");
-        const Tensor& st = *s.var->tensor();
+        if (!s.initialized()) return tf::errors::FailedPrecondition(s.name(), " is not initialized");
+        const Tensor& st = *s.tensor();
         if (st.dtype() != vt.dtype() || st.shape() != vt.shape()) {
           return tf::errors::InvalidArgument(
-              s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but vars[",
-              i, "] is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
+              s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ",
+              vr.name(), " is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
               "; a slot must match its variable");
         }
-        TF_RETURN_IF_ERROR(EnsureExclusive(ctx, s.var, gpu_stream));
-        ts[i].slots[k] = const_cast<char*>(s.var->tensor()->tensor_data().data());
+        if (s.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, s.var, gpu_stream));
+        ts[i].slots[k] = const_cast<char*>(s.tensor()->tensor_data().data());
       }
     }
     *counter = nullptr;
@@ -589,6 +661,9 @@ class ClipApplyOp : public OpKernel {
   bool has_iterations_ = false;  // an `iterations` input: see ops.cc
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
+  bool with_refs_ = false;  // TfclipClipApplyRef<Op>
+  std::vector<bool> is_ref_;  // per gradient: its variable (and slots) a ref
+  int num_ref_ = 0;
   LockOrder lock_order_;
   tf::mutex scratch_mu_;
   StepScratch scratch_ TF_GUARDED_BY(scratch_mu_);
@@ -603,18 +678,21 @@ OpKernel* CreateClipApply(OpKernelConstruction* c) {
 // One kernel per rule and device, from the rule table. On GPU only the resource handles and the
 // IndexedSlices indices (planned on the host) are in host memory; every scalar stays on the
 // device, where the step reads it without a host round trip.
+// (The ref op's ref inputs are the variables' own tensors, in device memory.)
 bool RegisterApplyKernels() {
   for (const RuleInfo& r : AllRules()) {
-    const std::string op = std::string("TfclipClipApply") + r.op;
-    tf::kernel_factory::OpKernelRegistrar cpu(
-        tf::KernelDefBuilder(op.c_str()).Device(tf::DEVICE_CPU).Build(), "ClipApplyOp",
-        &CreateClipApply<OnCpu>);
+    for (const char* prefix : {"TfclipClipApply", "TfclipClipApplyRef"}) {
+      const std::string op = std::string(prefix) + r.op;
+      tf::kernel_factory::OpKernelRegistrar cpu(
+          tf::KernelDefBuilder(op.c_str()).Device(tf::DEVICE_CPU).Build(), "ClipApplyOp",
+          &CreateClipApply<OnCpu>);
 #if TFCLIP_WITH_CUDA
-    tf::KernelDefBuilder gpu(op.c_str());
-    gpu.Device(tf::DEVICE_GPU).HostMemory("var").HostMemory("indices").HostMemory("iterations");
-    for (const std::string& s : r.slots()) gpu.HostMemory(s.c_str());
-    tf::kernel_factory::OpKernelRegistrar reg(gpu.Build(), "ClipApplyOp", &CreateClipApply<OnGpu>);
+      tf::KernelDefBuilder gpu(op.c_str());
+      gpu.Device(tf::DEVICE_GPU).HostMemory("var").HostMemory("indices").HostMemory("iterations");
+      for (const std::string& s : r.slots()) gpu.HostMemory(s.c_str());
+      tf::kernel_factory::OpKernelRegistrar reg(gpu.Build(), "ClipApplyOp", &CreateClipApply<OnGpu>);
 #endif
+    }
   }
   return true;
 }

@@ -102,43 +102,62 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // under the step's locks (the rule's t is then iterations + `step`). `clip`: 0 is no clip.
 // Adam: bias correction from t, as Keras: alpha = lr*sqrt(1-b2^t)/(1-b1^t); `beta_1_power` and
 // `beta_2_power`, when not NaN, are b1^t and b2^t themselves (TF1 AdamOptimizer's accumulators).
+//
+// TfclipClipApplyRef<Op>: the same step for TF1 graphs, whose variables (tf.disable_v2_behavior(),
+// use_resource=False) are ref variables. Each resource list keeps its place, any length (one
+// handle a tensor), and is followed by a ref list, `<list>_ref: Ref(T<list>_ref)`: `ref` lists
+// the gradient positions (ascending) whose variable is a ref; its slots are refs too (TF1 makes a
+// ref variable's slots refs), the others' resources, so a var_list mixing both is one step (one
+// norm pass). Refs are updated in place under their mutexes, locked with the resources' in one
+// address order. A separate op: an op with a ref input has no eager wrapper in Python, and the
+// resource op must keep its eager path. No XLA kernel: ref variables live only in TF1 graphs.
 namespace {
-bool RegisterApplyOps() {
+void AddApplyOp(const RuleInfo& r, bool with_refs) {
   namespace reg = ::tensorflow::register_op;
+  const std::string name = std::string(with_refs ? "TfclipClipApplyRef" : "TfclipClipApply") + r.op;
+  reg::OpDefBuilderWrapper w(name.c_str());
+  w.Input("var: N * resource");
+  if (with_refs) w.Input("var_ref: Ref(Tvar_ref)").Attr(TypeAttr("Tvar_ref", " >= 0"));
+  for (const std::string& slot : r.slots()) {
+    w.Input(slot + ": N_" + slot + " * resource");
+    w.Attr("N_" + slot + ": int >= 0");
+    if (with_refs) {
+      w.Input(slot + "_ref: Ref(T" + slot + "_ref)").Attr(TypeAttr(("T" + slot + "_ref").c_str(), " >= 0"));
+    }
+  }
+  w.Input("grad: Tgrad");
+  for (int k = 0; k < kNumHParams; ++k) {
+    if ((r.hparams >> k) & 1u) w.Input(std::string(GetHParamInfo(static_cast<HP>(k)).input) + ": double");
+  }
+  for (int k = 0; k < kNumFlags; ++k) {
+    if ((r.flags >> k) & 1u) w.Attr(std::string(FlagAttr(static_cast<Flag>(k))) + ": bool = false");
+  }
+  w.Input("indices: Tindices")
+      .Input("clip: double")
+      .Input("use_norm: double")
+      .Input("iterations: Niterations * resource")
+      .Output("global_norm: float")
+      .Output("applied: bool")
+      .Output("tensor_norms: float")
+      .Attr(with_refs ? "N: int >= 0" : "N: int >= 1")
+      .Attr("Niterations: int >= 0 = 0")
+      .Attr(TypeAttr("Tgrad", " >= 1"))
+      .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'")
+      .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")
+      .Attr("use_given_norm: bool = false")
+      .Attr("Tindices: list({int32, int64}) >= 0")
+      .Attr("sparse: list(int) = []")
+      .Attr("lazy: bool = false")
+      .Attr("sum_of_squares: bool = false")
+      .SetShapeFn(ApplyShapes);
+  if (with_refs) w.Attr("ref: list(int) = []");
+  w();
+}
+
+bool RegisterApplyOps() {
   for (const RuleInfo& r : AllRules()) {
-    const std::string name = std::string("TfclipClipApply") + r.op;
-    reg::OpDefBuilderWrapper w(name.c_str());
-    w.Input("var: N * resource");
-    for (const std::string& slot : r.slots()) {
-      w.Input(slot + ": N_" + slot + " * resource");
-      w.Attr("N_" + slot + ": int >= 0");
-    }
-    w.Input("grad: Tgrad");
-    for (int k = 0; k < kNumHParams; ++k) {
-      if ((r.hparams >> k) & 1u) w.Input(std::string(GetHParamInfo(static_cast<HP>(k)).input) + ": double");
-    }
-    for (int k = 0; k < kNumFlags; ++k) {
-      if ((r.flags >> k) & 1u) w.Attr(std::string(FlagAttr(static_cast<Flag>(k))) + ": bool = false");
-    }
-    w.Input("indices: Tindices")
-        .Input("clip: double")
-        .Input("use_norm: double")
-        .Input("iterations: Niterations * resource")
-        .Output("global_norm: float")
-        .Output("applied: bool")
-        .Output("tensor_norms: float")
-        .Attr("N: int >= 1")
-        .Attr("Niterations: int >= 0 = 0")
-        .Attr(TypeAttr("Tgrad", " >= 1"))
-        .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'")
-        .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")
-        .Attr("use_given_norm: bool = false")
-        .Attr("Tindices: list({int32, int64}) >= 0")
-        .Attr("sparse: list(int) = []")
-        .Attr("lazy: bool = false")
-        .Attr("sum_of_squares: bool = false")
-        .SetShapeFn(ApplyShapes);
-    w();
+    AddApplyOp(r, false);
+    AddApplyOp(r, true);
   }
   return true;
 }

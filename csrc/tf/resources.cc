@@ -74,27 +74,27 @@ absl::Status LockOrder::Lock(const std::vector<VarRef>& refs, LockSet* locks) {
   {
     tf::mutex_lock l(mu_);
     bool same = key_.size() == refs.size();
-    for (size_t k = 0; same && k < refs.size(); ++k) same = key_[k] == refs[k].var;
+    for (size_t k = 0; same && k < refs.size(); ++k) same = key_[k] == Key(refs[k]);
     if (same) order = order_;
   }
   if (order.empty()) {
     // (The keys are gathered first: a sort that chases refs[k].var->mu() per comparison cost
     // more; benchmarks/NOTES.md, "Figures behind the code": T1.)
     std::vector<std::pair<tf::mutex*, int>> sorted(refs.size());
-    for (size_t k = 0; k < refs.size(); ++k) sorted[k] = {refs[k].var->mu(), static_cast<int>(k)};
+    for (size_t k = 0; k < refs.size(); ++k) sorted[k] = {refs[k].mu(), static_cast<int>(k)};
     std::sort(sorted.begin(), sorted.end());
     for (size_t k = 1; k < sorted.size(); ++k) {
       const VarRef& a = refs[sorted[k - 1].second];
       const VarRef& b = refs[sorted[k].second];
-      if (a.var == b.var) {
+      if (sorted[k - 1].first == sorted[k].first) {  // one mutex: one variable
         return tf::errors::InvalidArgument(b.name(), " and ", a.name(),
                                            " are the same variable; each may appear once");
       }
     }
     order.reserve(sorted.size());
     for (const auto& o : sorted) order.push_back(o.first);
-    std::vector<tf::Var*> key(refs.size());
-    for (size_t k = 0; k < refs.size(); ++k) key[k] = refs[k].var;
+    std::vector<const void*> key(refs.size());
+    for (size_t k = 0; k < refs.size(); ++k) key[k] = Key(refs[k]);
     tf::mutex_lock l(mu_);
     key_ = std::move(key);
     order_ = order;

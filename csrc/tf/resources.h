@@ -14,13 +14,26 @@
 namespace tfclip {
 namespace tf = ::tensorflow;
 
-// One resource variable input: where it came from (for errors) and its Var. The Var stays
-// alive for all of Compute: see VarLookup.
+// One variable input: where it came from (for errors) and its Var. The Var stays alive for all
+// of Compute: see VarLookup. A TF1 ref variable (TfclipClipApplyRef<Op>, ops.cc) has no Var:
+// `var` is null, `ref_mu` its mutex, `ref_input` the op input, `ref` its tensor (sharing the
+// variable's buffer), set once its mutex is held; `node` the variable's node, for errors.
 struct VarRef {
   const char* label;  // the input list: "vars", "m", ...
   int index;
   tf::Var* var;
-  std::string name() const { return absl::StrCat(label, "[", index, "]"); }  // errors only
+  tf::mutex* ref_mu = nullptr;
+  int ref_input = -1;
+  tf::Tensor* ref = nullptr;
+  const std::string* node = nullptr;
+  tf::mutex* mu() const { return var != nullptr ? var->mu() : ref_mu; }
+  // The tensor to update: the Var's, or the ref's.
+  tf::Tensor* tensor() const { return var != nullptr ? var->tensor() : ref; }
+  bool initialized() const { return var != nullptr ? var->is_initialized : ref->IsInitialized(); }
+  std::string name() const {  // errors only
+    return node == nullptr ? absl::StrCat(label, "[", index, "]")
+                           : absl::StrCat(label, "[", index, "] (", *node, ")");
+  }
 };
 
 // Holds the locks of a step's variables, released in reverse order.
@@ -66,19 +79,24 @@ class VarLookup {
   std::vector<tf::core::RefCountPtr<tf::Var>> owned_;
 };
 
-// Locks the step's variables in increasing mutex address, as TF's own multi-variable ops do.
+// Locks the step's variables in increasing mutex address, as TF's own multi-variable ops do
+// (resource Vars' and ref variables' mutexes in the one order, as TF's ops lock a mix).
 // The same variable twice would be updated twice (and would deadlock a naive lock): sorted, it
 // is adjacent, and named. One per kernel: the order of the last step's Vars is kept, and a
 // repeated step (the same Vars) skips the sort and the check. Var pointers alone fix the mutex
 // addresses (a member of the Var), so the key stays right even for a Var freed and another
-// allocated at its address; the pointers are never followed from here.
+// allocated at its address; the pointers are never followed from here. A ref variable's key
+// is its mutex itself.
 class LockOrder {
  public:
   absl::Status Lock(const std::vector<VarRef>& refs, LockSet* locks);
 
  private:
+  static const void* Key(const VarRef& r) {
+    return r.var != nullptr ? static_cast<const void*>(r.var) : static_cast<const void*>(r.ref_mu);
+  }
   tf::mutex mu_;
-  std::vector<tf::Var*> key_ TF_GUARDED_BY(mu_);
+  std::vector<const void*> key_ TF_GUARDED_BY(mu_);
   std::vector<tf::mutex*> order_ TF_GUARDED_BY(mu_);
 };
 

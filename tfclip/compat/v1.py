@@ -26,11 +26,18 @@ Differences from the stock classes, on purpose: `nonfinite="skip"` by default (a
 global norm is inf/NaN writes nothing, Adam's beta powers included; `global_step` still
 advances), a non-finite hyper-parameter is refused (by the op, nothing written), the clip under
 `tf.distribute` sees the replicas' summed gradient (the stock classes sum too, and a clip put
-between `compute_gradients` and `apply_gradients` would see each replica's own), and resource
-variables are required (TF2's default; in a TF1 graph,
-`tf.compat.v1.enable_resource_variables()`). Under `tf.distribute` the step runs as the stock
-one: the replicas' gradients summed, then one update of every copy. Shared by threads, an
-optimizer makes its slots once and runs one step at a time.
+between `compute_gradients` and `apply_gradients` would see each replica's own). Under
+`tf.distribute` the step runs as the stock one: the replicas' gradients summed, then one update
+of every copy. Shared by threads, an optimizer makes its slots once and runs one step at a time.
+
+Resource variables (TF2's) and TF1 ref variables (`tf.disable_v2_behavior()`, or
+`use_resource=False`) are both taken, as the stock classes take both, in one step even when a
+`var_list` mixes them (one norm pass): a ref variable's slots and Adam's beta powers are ref
+variables, made as the stock class makes them, and the step updates refs in place, each under
+its variable's lock (always held, in the one address order of every variable the step
+locks, as TF's own multi-variable ops lock; an unlocked in-place write would let a concurrent
+step or `assign` interleave with half an update). As the stock classes, a ref variable's
+gradient must have its dtype.
 
 `IndexedSlices` gradients (embeddings) are applied without densifying them, as the stock
 classes apply them: SGD as a scatter, Momentum on the touched rows only (duplicates summed),
@@ -52,6 +59,24 @@ from tfclip.rules import _check_number
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
            "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer"]
+
+
+def _is_ref(v):
+    """A TF1 ref variable (dtype float32_ref, ...): what tf.get_variable makes without resource
+    variables."""
+    return isinstance(v, tf.Variable) and v.dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def _check_ref_pair(i, g, v):
+    base = v.dtype.base_dtype
+    if not base.is_floating:
+        raise TypeError(f"grads_and_vars[{i}]: {v.name} is a {base.name} variable; tfclip updates "
+                        "float16, bfloat16, float32 and float64 variables")
+    gd = g.dtype.base_dtype
+    if gd != base:
+        raise TypeError(f"grads_and_vars[{i}]: the gradient of {v.name} is {gd.name} but the variable "
+                        f"is {base.name}; a ref variable's gradient must have its dtype (as the stock "
+                        "TF1 optimizers require)")
 
 
 def _f64(x, name):
@@ -188,11 +213,14 @@ class _Fused(tf.compat.v1.train.Optimizer):
                 where.append(None)
                 continue
             where.append(len(var_list))
-            if not (isinstance(v, tf.distribute.DistributedValues) or hasattr(v, "handle")):
-                raise TypeError(f"grads_and_vars[{i}]: {v.name} is not a resource variable; tfclip "
-                                "needs resource variables (tf.compat.v1.enable_resource_variables())")
+            ref = _is_ref(v)
+            if not (ref or isinstance(v, tf.distribute.DistributedValues) or hasattr(v, "handle")):
+                raise TypeError(f"grads_and_vars[{i}]: {getattr(v, 'name', v)!r} is not a variable; tfclip "
+                                "updates resource and ref variables")
             if not isinstance(g, (tf.IndexedSlices, tf.distribute.DistributedValues)):
                 g = tf.convert_to_tensor(g)
+            if ref:
+                _check_ref_pair(i, g, v)
             grads.append(g)
             var_list.append(v)
         if not var_list:
@@ -241,13 +269,29 @@ class _Fused(tf.compat.v1.train.Optimizer):
         values, sparse_kw = _opcall.op_grads(grads)
         kind, hparams, flags = self._op_inputs()
         hparams = {k: _f64(v, k) for k, v in hparams.items()}
+        names = self._op_slot_names or self._slot_names
+        positions = [i for i, v in enumerate(var_list) if _is_ref(v)]
+        refs = None
+        if positions:  # TF1 ref variables: the ref op, which takes them with any resources
+            ref_vars = [var_list[i] for i in positions]
+            var_list = [v for v in var_list if not _is_ref(v)]
+            refs = (positions, ref_vars, [[self._slot_of(v, s, True) for v in ref_vars] for s in names])
         return _opcall.apply(
             kind, [v.handle for v in var_list],
-            [[self.get_slot(v, s).handle for v in var_list] for s in self._op_slot_names or self._slot_names],
+            [[self._slot_of(v, s, False).handle for v in var_list] for s in names],
             values,
-            hparams, flags, clip=tf.constant(self._clip, tf.float64),
+            hparams, flags, refs=refs, clip=tf.constant(self._clip, tf.float64),
             use_norm=tf.constant(0.0, tf.float64), iterations=[], clip_mode=self._clip_mode,
             nonfinite=self._nonfinite, lazy=self._lazy_sparse, **sparse_kw)
+
+    def _slot_of(self, v, name, ref):
+        slot = self.get_slot(v, name)
+        if _is_ref(slot) != ref:
+            kinds = ("a resource variable", "a ref variable")
+            raise TypeError(f"slot '{name}' of {v.name} is {kinds[_is_ref(slot)]} but {v.name} is "
+                            f"{kinds[ref]}; the step takes a variable's slots of its own kind (as "
+                            "slot_creator makes them)")
+        return slot
 
     # The stock per-variable hooks are not used: everything goes through apply_gradients.
     def _apply_dense(self, grad, var):
