@@ -43,6 +43,7 @@ same results; `nonfinite="skip"` is then honoured without a strategy, under a st
 fallback applies the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
 import contextlib
+import numbers
 import sys
 import threading
 import warnings
@@ -586,13 +587,21 @@ if _StockScheduleFree is not None:
         ScheduleFreeAdamWRule). Its `momentum` slots start as copies of the variables, made by
         the stock build. Extra: `nonfinite`."""
 
-        _checked = ("beta_1", "beta_2", "epsilon", "warmup_steps")
+        _checked = ("beta_1", "beta_2", "epsilon")
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # Stock tests `warmup_steps > 0` in Python at each step: a number (<= 0: no warmup).
+            w = self.warmup_steps
+            if isinstance(w, bool) or not isinstance(w, numbers.Real):
+                raise ValueError(f"warmup_steps must be a number, got {w!r}")
+            _check_number("warmup_steps", float(w))
 
         def _op_inputs(self, keras_vars):
             return ("schedule_free_adamw", [self._slot_handles(self._momentums, keras_vars),
                                             self._slot_handles(self._velocities, keras_vars)],
                     {"beta_1": self._hp("beta_1"), "beta_2": self._hp("beta_2"), "epsilon": self.epsilon,
-                     "warmup_steps": self.warmup_steps, "step": self._step()}, {})
+                     "warmup_steps": float(self.warmup_steps), "step": self._step()}, {})
 
 
 def __getattr__(name):

@@ -682,9 +682,10 @@ class ScheduleFreeAdamW(_BetasEpsilonStep):
             return super()._slot_initial_value(name, var)
         if tf.executing_eagerly():
             return tf.identity(var.read_value())
-        # A TF1 graph: the slot's initializer reads the variable once that one is initialized
-        # (global_variables_initializer runs the initializers in no set order).
-        return var.initialized_value()
+        # A TF1 graph: global_variables_initializer runs the initializers in no set order, so the
+        # slot's reads the variable once that one is initialized, else its initial value.
+        return tf.cond(tf.compat.v1.is_variable_initialized(var), var.read_value,
+                       lambda: tf.convert_to_tensor(var.initial_value))
 
     def _op_hparams(self, has_counter):
         return {**super()._op_hparams(has_counter), "warmup_steps": self.warmup_steps}
