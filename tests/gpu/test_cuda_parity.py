@@ -499,7 +499,7 @@ def test_tensor_over_2_pow_31_elements():
 
 
 # ---------------------------------------------------------------- IndexedSlices (sparse kernel)
-SPARSE_RULES = ["sgd", "keras_momentum", "momentum", "adam", "amsgrad", "lamb"]
+SPARSE_RULES = ["sgd", "keras_momentum", "momentum", "adam", "amsgrad", "lamb", "schedule_free_adamw"]
 
 
 def test_adam_with_given_beta_powers_matches_cpu(rng):
