@@ -12,7 +12,7 @@ parameter (4 to read the gradient for the norm, 16 to read grad/var/m/v, 12 to w
 at the speed of a multi-threaded copy that moves as many bytes, timed in the same interleaved
 loop as the methods (a bandwidth read once at the start swung the ratios by 20% between runs).
 
-Extras: every rule (SGD ... Lamb) on the BERT-base set against its own floor (16 + 8 B/param per
+Extras: every rule (SGD ... Lamb, ScheduleFreeAdamW) on the BERT-base set against its own floor (16 + 8 B/param per
 slot; Lamb 44, its three passes) and against the stock Keras optimizer's tf.function step; float16/bfloat16 gradients for float32 variables, per parameter,
 against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
 `tf.function`. Machines are shared and noisy: compare ratios within one run.
@@ -245,6 +245,8 @@ RULES = {
     "Ftrl": (lambda: tfclip.rules.Ftrl(1e-9), lambda: keras.optimizers.Ftrl(1e-9, global_clipnorm=1.0), _bytes(2)),
     "Lamb": (lambda: tfclip.rules.Lamb(1e-9), lambda: keras.optimizers.Lamb(1e-9, global_clipnorm=1.0),
              LAMB_BYTES),
+    "ScheduleFreeAdamW": (lambda: tfclip.rules.ScheduleFreeAdamW(1e-9),
+                          lambda: keras.optimizers.ScheduleFreeAdamW(1e-9, global_clipnorm=1.0), _bytes(2)),
 }
 
 

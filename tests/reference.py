@@ -79,6 +79,8 @@ def step(rule, var, slots, g, hp, t, gsq=None, slot_dtype=None):
         w_norm, u_norm = np.sqrt(np.sum(var * var)), np.sqrt(np.sum(u * u))
         ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
         return var - ratio * lr * u
+    if rule == "schedule_free_adamw":  # slots: momentum (z), velocity
+        return schedule_free_adamw(var, slots, g, hp, t, gsq)
     gg = g * g if gsq is None else gsq
     eps = hp.get("epsilon", 1e-7)
     if rule == "adagrad":
@@ -126,11 +128,29 @@ def step(rule, var, slots, g, hp, t, gsq=None, slot_dtype=None):
     raise ValueError(rule)
 
 
+def schedule_free_adamw(var, slots, g, hp, t, gsq=None, paper=False):
+    """ScheduleFreeAdamW (Defazio et al. 2024) as keras.optimizers.ScheduleFreeAdamW writes it: y
+    (the variable), z (slot 0, `momentum`), Adam's v (slot 1). The averaged x is recovered from
+    y and z; Keras on TensorFlow reads z there after its update (its `momentum.value` is the
+    variable), the paper (`paper=True`) before."""
+    lr = hp.get("learning_rate", 0.01)
+    b1, b2, eps = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999), hp.get("epsilon", 1e-7)
+    warmup = hp.get("warmup_steps", 0)
+    if warmup > 0:
+        lr = lr * min(t / warmup, 1.0)
+    z_old = slots[0].copy()
+    slots[1][...] = slots[1] + ((g * g if gsq is None else gsq) - slots[1]) * (1 - b2)
+    slots[0][...] = slots[0] - lr * g / (np.sqrt(slots[1] / (1 - b2 ** t)) + eps)
+    x = (var - (1 - b1) * (z_old if paper else slots[0])) / b1
+    x = (1 - 1 / t) * x + (1 / t) * slots[0]
+    return (1 - b1) * slots[0] + b1 * x
+
+
 def num_slots(rule, hp):
     if rule == "rmsprop":
         return 1 + bool(hp.get("has_momentum")) + bool(hp.get("centered"))
     if rule == "tf_rmsprop":
         return 3 if hp.get("centered") else 2
     fixed = {"sgd": 0, "momentum": 1, "keras_momentum": 1, "adagrad": 1, "adadelta": 2, "adamax": 2,
-             "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2, "lamb": 2}
+             "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2, "lamb": 2, "schedule_free_adamw": 2}
     return fixed.get(rule, 3 if hp.get("amsgrad") else 2)

@@ -35,6 +35,8 @@ CONFIGS = {  # name: (class name, constructor kwargs)
     "lion": ("Lion", dict(learning_rate=0.001)),
     "ftrl": ("Ftrl", dict(learning_rate=0.05, l1_regularization_strength=0.01, beta=0.1)),
     "lamb": ("Lamb", dict(learning_rate=0.01, weight_decay=0.01, global_clipnorm=0.5)),
+    "schedule_free_adamw": ("ScheduleFreeAdamW", dict(learning_rate=0.01, warmup_steps=3, weight_decay=0.01,
+                                                      clipnorm=0.5)),
 }
 
 
@@ -105,7 +107,8 @@ def load(model, opt, x, path, how):
                                        ("sgd_momentum", "embedding"), ("adamw_accumulate", "dense"),
                                        ("nadam", "dense"), ("rmsprop_centered_momentum", "embedding"),
                                        ("ftrl", "embedding"), ("adamax", "embedding"),
-                                       ("lamb", "embedding")])
+                                       ("lamb", "embedding"), ("schedule_free_adamw", "embedding"),
+                                       ("schedule_free_adamw", "dense")])
 def test_checkpoints_resume_across_stock_and_tfclip(tmp_path, name, kind, direction, how):
     src_mod, dst_mod = ((keras.optimizers, tfclip.keras) if direction == "stock_to_tfclip"
                         else (tfclip.keras, keras.optimizers))

@@ -1,5 +1,5 @@
 """The Keras drop-ins of the other element-wise Keras 3 optimizers (issue 21): RMSprop, Adagrad,
-Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb against the stock classes, step by step, on dense gradients
+Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb, ScheduleFreeAdamW against the stock classes, step by step, on dense gradients
 and on IndexedSlices with duplicate rows, each clip mode; fit with XLA / mixed precision / EMA /
 accumulation; non-finite steps; bad arguments."""
 import numpy as np
@@ -35,8 +35,9 @@ OPTS = {
     "ftrl": lambda m, kw: m.Ftrl(0.05, l1_regularization_strength=0.001, l2_regularization_strength=0.01,
                                  l2_shrinkage_regularization_strength=0.01, beta=0.1, **kw),
     "lamb_wd": lambda m, kw: m.Lamb(0.01, weight_decay=0.01, **kw),
+    "schedule_free_warmup_wd": lambda m, kw: m.ScheduleFreeAdamW(0.01, warmup_steps=4, weight_decay=0.01, **kw),
 }
-NEW = ["RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb"]
+NEW = ["RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb", "ScheduleFreeAdamW"]
 
 
 # Stock Keras 3.15 cannot run centered RMSprop on IndexedSlices with duplicate rows (its sparse
@@ -67,7 +68,8 @@ def test_dense_steps_are_bitwise_stock(name, clip):
     """Without a norm clip (whose scale is float32 in Keras, float64 here) the fused step does
     the stock operations in the stock order: the same bits, every step."""
     make = {n: OPTS[k] for n, k in zip(NEW, ["rmsprop_momentum_centered_wd", "adagrad", "adadelta",
-                                             "adamax_schedule", "nadam", "lion", "ftrl", "lamb_wd"])}[name]
+                                             "adamax_schedule", "nadam", "lion", "ftrl", "lamb_wd",
+                                             "schedule_free_warmup_wd"])}[name]
     rng = np.random.default_rng(5)
     init = [rng.normal(size=s).astype("float32") for s in [(7, 5), (33,), ()]]
     out = []
@@ -153,6 +155,8 @@ def test_config_round_trip_and_registration(name):
     ("Nadam", {"beta_2": float("inf")}, "beta_2 must be finite"),
     ("Lion", {"beta_2": float("nan")}, "beta_2 must be finite"),
     ("Ftrl", {"beta": float("inf")}, "beta must be finite"),
+    ("ScheduleFreeAdamW", {"warmup_steps": float("nan")}, "warmup_steps must be finite"),
+    ("ScheduleFreeAdamW", {"beta_1": float("inf")}, "beta_1 must be finite"),
     ("Ftrl", {"l1_regularization_strength": -1.0}, "needs to be positive or zero"),  # stock's own
     ("Ftrl", {"learning_rate_power": 0.5}, "needs to be negative"),  # stock Keras's own check
     ("Adagrad", {"nonfinite": "ignore"}, "nonfinite must be one of"),

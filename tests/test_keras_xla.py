@@ -21,6 +21,7 @@ CLASSES = {
     "SGD": dict(momentum=0.9, nesterov=True), "Adam": dict(amsgrad=True), "AdamW": {}, "RMSprop":
     dict(momentum=0.5, centered=True), "Adagrad": {}, "Adadelta": {}, "Adamax": {}, "Nadam": {},
     "Lion": {}, "Ftrl": dict(l1_regularization_strength=0.01), "Lamb": {},
+    "ScheduleFreeAdamW": dict(warmup_steps=2, weight_decay=0.01),
 }
 
 
@@ -82,7 +83,7 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("name", ["Adam", "Nadam", "SGD"])
+@pytest.mark.parametrize("name", ["Adam", "Nadam", "SGD", "ScheduleFreeAdamW"])
 def test_fit_with_jit_compile_trains_as_without_xla(name, feature):
     x, y = _data()
     out = []

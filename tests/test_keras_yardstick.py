@@ -12,10 +12,14 @@ import keras
 import tfclip
 
 CLASSES = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb"]
+# ScheduleFreeAdamW where this Keras has it (its test file is then in the wheel too).
+CLASSES += ["ScheduleFreeAdamW"] if hasattr(keras.optimizers, "ScheduleFreeAdamW") else []
 TFCLIP = {**{c: getattr(tfclip.keras, c) for c in CLASSES}, "get": tfclip.keras.get}
+# The test file of each class, where its name is not the lowercased class name.
+TEST_FILE = {"ScheduleFreeAdamW": "schedule_free_adamw_test"}
 # module: the names in its namespace that are the stock classes (optimizer_test imports the
 # whole `optimizers` package and reaches SGD/Adam/AdamW through it).
-MODULES = {**{f"{c.lower()}_test": [c] for c in CLASSES}, "optimizer_test": ["optimizers"]}
+MODULES = {**{TEST_FILE.get(c, f"{c.lower()}_test"): [c] for c in CLASSES}, "optimizer_test": ["optimizers"]}
 
 
 # Cases that may build no tfclip class: the parameterized tests' cases 3-10 (Adagrad, RMSprop, ...,

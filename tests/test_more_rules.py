@@ -1,5 +1,5 @@
 """The element-wise rules beyond SGD/Momentum/Adam (issue 21): Adagrad, RMSprop
-(momentum, centered), Adadelta, Adamax, Lion, Nadam, Ftrl, Lamb as tfclip.rules, fused_clip_apply
+(momentum, centered), Adadelta, Adamax, Lion, Nadam, Ftrl, Lamb, ScheduleFreeAdamW as tfclip.rules, fused_clip_apply
 against stock Keras 3 step by step (dense gradients, each clip mode, weight decay), and the core
 against NumPy float64 (TF1's RMSProp kernel order too). The Keras drop-ins: test_keras_more.py."""
 import keras
@@ -33,6 +33,8 @@ CASES = {
                    lambda kw: keras.optimizers.Ftrl(0.05, learning_rate_power=-0.7, l2_regularization_strength=0.01,
                                                     **kw)),
     "lamb": (lambda: tfclip.rules.Lamb(0.01), lambda kw: keras.optimizers.Lamb(0.01, **kw)),
+    "schedule_free_adamw": (lambda: tfclip.rules.ScheduleFreeAdamW(0.01, warmup_steps=5),
+                            lambda kw: keras.optimizers.ScheduleFreeAdamW(0.01, warmup_steps=5, **kw)),
 }
 CLIPS = {"none": {}, "global_clipnorm": {"global_clipnorm": 0.5}, "clipnorm": {"clipnorm": 0.3},
          "clipvalue": {"clipvalue": 0.05}}
@@ -83,7 +85,7 @@ def test_trajectory_matches_stock_keras(case, clip):
     assert int(rule.iterations.numpy()) == 20
 
 
-@pytest.mark.parametrize("case", ["adagrad", "rmsprop", "adamax", "lion", "nadam", "lamb"])
+@pytest.mark.parametrize("case", ["adagrad", "rmsprop", "adamax", "lion", "nadam", "lamb", "schedule_free_adamw"])
 def test_decoupled_weight_decay_as_keras(case):
     ours, theirs, _ = _side_by_side(case, 10, 5, {}, {}, weight_decay=0.05)
     for a, b in zip(ours, theirs):
@@ -105,6 +107,8 @@ def test_decoupled_weight_decay_as_keras(case):
     ("ftrl_sqrt", 2, {"lr": 0.05, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.03, "beta": 0.2}, {}),
     ("tf_rmsprop", 3, {"lr": 0.01, "rho": 0.8, "momentum": 0.5, "epsilon": 1e-6}, {"centered": True}),
     ("lamb", 2, {"lr": 0.01, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6, "weight_decay": 0.1}, {}),
+    ("schedule_free_adamw", 2, {"lr": 0.01, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6, "warmup_steps": 3,
+                                "weight_decay": 0.1}, {}),
 ])
 def test_core_rules_against_numpy_float64(rule, nslots, hp, flags):
     from tfclip import _core
@@ -115,7 +119,7 @@ def test_core_rules_against_numpy_float64(rule, nslots, hp, flags):
     v_ref, s_ref = v[0].copy(), [x[0].copy() for x in s]
     for t in range(1, 6):
         g = [rng.normal(size=(50,))]
-        step = {"step": float(t)} if rule in ("adamax", "nadam", "lamb") else {}
+        step = {"step": float(t)} if rule in ("adamax", "nadam", "lamb", "schedule_free_adamw") else {}
         _core.clip_apply(rule, v, g, s, {**hp, **flags, **step})
         v_ref = reference.step(rule, v_ref, s_ref, g[0], {**hp, **flags, "learning_rate": hp["lr"]}, t)
         if rule == "lamb":  # one step's exact value, so the checks cannot lag a whole step
@@ -126,7 +130,7 @@ def test_core_rules_against_numpy_float64(rule, nslots, hp, flags):
 
 
 @pytest.mark.parametrize("case", ["adagrad", "rmsprop_momentum_centered", "adadelta", "adamax", "lion", "nadam",
-                                  "ftrl", "lamb"])
+                                  "ftrl", "lamb", "schedule_free_adamw"])
 def test_indexed_slices_give_the_densified_gradients_update(case):
     """IndexedSlices with duplicate rows, without densifying: the same bits as the rule given the
     dense gradient (untouched rows get the zero-gradient update, as a dense zero row does)."""

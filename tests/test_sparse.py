@@ -112,6 +112,7 @@ KERAS_OPTS = {
     "lion": lambda m, kw: m.Lion(0.01, **kw),
     "ftrl": lambda m, kw: m.Ftrl(0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.01,
                                  **kw),
+    "schedule_free_adamw": lambda m, kw: m.ScheduleFreeAdamW(0.05, warmup_steps=2, weight_decay=0.01, **kw),
 }
 KERAS_CLIPS = {"none": {}, "global_clipnorm": {"global_clipnorm": 1.0}, "clipnorm": {"clipnorm": 0.5}}
 

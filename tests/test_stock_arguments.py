@@ -21,7 +21,8 @@ import tensorflow as tf
 import tfclip
 
 PROBES = [-1.5, -0.1, 0.0, 0.5, 1.0, 1.5, float("nan"), float("inf"), float("-inf")]
-KERAS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb"]
+KERAS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb",
+         "ScheduleFreeAdamW"]
 TF1 = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
        "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer"]
 # Constructor arguments of the base classes: not hyper-parameters of an update rule.

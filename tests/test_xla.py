@@ -110,6 +110,7 @@ PY_RULES = {
     "nadam": lambda: tfclip.rules.Nadam(0.01),
     "ftrl": lambda: tfclip.rules.Ftrl(0.05, l1_regularization_strength=0.01),
     "lamb": lambda: tfclip.rules.Lamb(0.01),
+    "schedule_free_adamw": lambda: tfclip.rules.ScheduleFreeAdamW(0.01, warmup_steps=2, weight_decay=0.01),
 }
 MODES = {"none": {}, "global_norm": {"global_clipnorm": 0.7}, "norm": {"clipnorm": 0.4},
          "value": {"clipvalue": 0.3}}
@@ -157,7 +158,7 @@ def test_adam_matches_float64_reference(rng):
 # added to the table runs under XLA with nothing added to csrc/xla.
 HP_VALUES = {"lr": 0.01, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7,
              "weight_decay": 0.01, "rho": 0.9, "step": 3.0, "u_product": 0.7,
-             "lr_power": -0.6, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.01, "beta": 0.1}
+             "lr_power": -0.6, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.01, "beta": 0.1, "warmup_steps": 5.0}
 
 
 def _table_cases():

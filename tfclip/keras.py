@@ -5,8 +5,9 @@ Change one line::
     optimizer = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)   # before
     optimizer = tfclip.keras.Adam(1e-3, global_clipnorm=1.0)        # after
 
-`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion`, `Ftrl` and
-`Lamb` subclass the stock Keras classes and take the same constructor arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
+`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion`, `Ftrl`,
+`Lamb` and `ScheduleFreeAdamW` (with a Keras that has it) subclass the stock Keras classes and
+take the same constructor arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
 `weight_decay`, `use_ema`, `loss_scale_factor`, `gradient_accumulation_steps`, ...), create the
 same slot variables, and follow the same trajectories step by step. `optimizer.variables` is the
 stock list (tfclip's `global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and
@@ -42,6 +43,7 @@ same results; `nonfinite="skip"` is then honoured without a strategy, under a st
 fallback applies the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
 import contextlib
+import numbers
 import sys
 import threading
 import warnings
@@ -59,7 +61,8 @@ from tfclip import _loader, _opcall
 from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
-           "Lamb", "GradientNormLogger", "get"]
+           "Lamb", "GradientNormLogger", "get"] + (
+    ["ScheduleFreeAdamW"] if hasattr(keras.optimizers, "ScheduleFreeAdamW") else [])
 
 
 def _in_xla_context():
@@ -574,6 +577,40 @@ class Lamb(_Generic, keras.optimizers.Lamb):
                  "step": self._step()}, {})
 
 
+# keras.optimizers.ScheduleFreeAdamW is recent (Keras 3.15 has it): with a Keras without it tfclip.keras has
+# no ScheduleFreeAdamW either (the module's __getattr__ says why).
+_StockScheduleFree = getattr(keras.optimizers, "ScheduleFreeAdamW", None)
+if _StockScheduleFree is not None:
+    class ScheduleFreeAdamW(_Generic, _StockScheduleFree):
+        """keras.optimizers.ScheduleFreeAdamW (warmup_steps, decoupled weight decay) as one fused
+        op, on the trajectory stock Keras follows on TensorFlow (csrc/core/rules.h,
+        ScheduleFreeAdamWRule). Its `momentum` slots start as copies of the variables, made by
+        the stock build. Extra: `nonfinite`."""
+
+        _checked = ("beta_1", "beta_2", "epsilon")
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # Stock tests `warmup_steps > 0` in Python at each step: a number (<= 0: no warmup).
+            w = self.warmup_steps
+            if isinstance(w, bool) or not isinstance(w, numbers.Real):
+                raise ValueError(f"warmup_steps must be a number, got {w!r}")
+            _check_number("warmup_steps", float(w))
+
+        def _op_inputs(self, keras_vars):
+            return ("schedule_free_adamw", [self._slot_handles(self._momentums, keras_vars),
+                                            self._slot_handles(self._velocities, keras_vars)],
+                    {"beta_1": self._hp("beta_1"), "beta_2": self._hp("beta_2"), "epsilon": self.epsilon,
+                     "warmup_steps": float(self.warmup_steps), "step": self._step()}, {})
+
+
+def __getattr__(name):
+    if name == "ScheduleFreeAdamW":
+        raise AttributeError(f"tfclip.keras.ScheduleFreeAdamW subclasses keras.optimizers.ScheduleFreeAdamW, "
+                             f"which this Keras ({keras.__version__}) does not have")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def get(identifier):
     """keras.optimizers.get, giving tfclip's class where tfclip has one: `get("adam")` is a
     `tfclip.keras.Adam`, `get("lion")` a `tfclip.keras.Lion`; configs and instances as Keras."""
@@ -585,7 +622,8 @@ def get(identifier):
     return keras.optimizers.get(identifier)
 
 
-_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb)
+_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb) + (
+    (ScheduleFreeAdamW,) if _StockScheduleFree is not None else ())
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 # Registered so model.save / keras.models.load_model find them without custom_objects.

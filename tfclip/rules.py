@@ -15,20 +15,22 @@ TF1 graph mode, build the step before `tf.compat.v1.global_variables_initializer
 
 The rules match TF's own training ops and the Keras 3 optimizers:
 
-=================  ==========================================================================
-`SGD`              keras.optimizers.SGD (plain, momentum, nesterov)
-`Momentum`         tf.compat.v1.train.MomentumOptimizer (ResourceApplyMomentum)
-`Adam`             keras.optimizers.Adam / ResourceApplyAdam (amsgrad too)
-`AdamW`            keras.optimizers.AdamW (decoupled weight decay before the step)
-`Adagrad`          keras.optimizers.Adagrad / ResourceApplyAdagradV2
-`RMSprop`          keras.optimizers.RMSprop (momentum, centered)
-`Adadelta`         keras.optimizers.Adadelta
-`Adamax`           keras.optimizers.Adamax
-`Lion`             keras.optimizers.Lion
-`Nadam`            keras.optimizers.Nadam (its momentum-cache product carried across steps)
-`Ftrl`             keras.optimizers.Ftrl / ResourceApplyFtrlV2
-`Lamb`             keras.optimizers.Lamb (a per-tensor trust ratio: three passes, not two)
-=================  ==========================================================================
+===================  =========================================================================
+`SGD`                keras.optimizers.SGD (plain, momentum, nesterov)
+`Momentum`           tf.compat.v1.train.MomentumOptimizer (ResourceApplyMomentum)
+`Adam`               keras.optimizers.Adam / ResourceApplyAdam (amsgrad too)
+`AdamW`              keras.optimizers.AdamW (decoupled weight decay before the step)
+`Adagrad`            keras.optimizers.Adagrad / ResourceApplyAdagradV2
+`RMSprop`            keras.optimizers.RMSprop (momentum, centered)
+`Adadelta`           keras.optimizers.Adadelta
+`Adamax`             keras.optimizers.Adamax
+`Lion`               keras.optimizers.Lion
+`Nadam`              keras.optimizers.Nadam (its momentum-cache product carried across steps)
+`Ftrl`               keras.optimizers.Ftrl / ResourceApplyFtrlV2
+`Lamb`               keras.optimizers.Lamb (a per-tensor trust ratio: three passes, not two)
+`ScheduleFreeAdamW`  keras.optimizers.ScheduleFreeAdamW (warmup_steps; slot `momentum` starts
+                     as a copy of the variable)
+===================  =========================================================================
 
 Adagrad, RMSprop, Adadelta, Adamax and Lion match stock Keras bit for bit on dense gradients
 (clip by value or none; a norm clip differs in the scale's last bit, Keras's norm being
@@ -109,7 +111,7 @@ class Rule:
                 if got is None:
                     base = var.name.split(":")[0]
                     got = {
-                        s: tf.Variable(tf.fill(var.shape, tf.cast(self._slot_initial(s), var.dtype)),
+                        s: tf.Variable(self._slot_initial_value(s, var),
                                        trainable=False, name=f"{base}/{self.name}/{s}",
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
                         for s in self.slot_names
@@ -141,6 +143,10 @@ class Rule:
     def _slot_initial(self, name):
         """A slot's initial value (Adagrad's accumulator: initial_accumulator_value)."""
         return 0.0
+
+    def _slot_initial_value(self, name, var):
+        """A slot's initial tensor for `var`: `_slot_initial(name)` everywhere by default."""
+        return tf.fill(var.shape, tf.cast(self._slot_initial(name), var.dtype))
 
     # -- hyper-parameters ---------------------------------------------------------------
     def current_learning_rate(self):
@@ -648,3 +654,38 @@ class Lamb(_BetasEpsilonStep):
 
     kind = "lamb"
     slot_names = ("m", "v")
+
+
+class ScheduleFreeAdamW(_BetasEpsilonStep):
+    """Keras ScheduleFreeAdamW (Defazio et al. 2024) as stock Keras runs it on TensorFlow: the
+    variable is the interpolation y, slot `momentum` the sequence z the gradient steps move
+    (a copy of the variable when the slots are made, as Keras's build makes it), slot
+    `velocity` Adam's second moment; `warmup_steps` > 0 scales the learning rate by
+    min(t / warmup_steps, 1). Weight decay (decoupled, first) uses the learning rate without
+    warmup, as Keras. The averaged sequence x, for evaluation, is
+    (var - (1 - beta_1) * momentum) / beta_1. See csrc/core/rules.h, ScheduleFreeAdamWRule, for
+    the one place it departs from the paper (with stock Keras)."""
+
+    kind = "schedule_free_adamw"
+    slot_names = ("momentum", "velocity")
+
+    def __init__(self, learning_rate=0.0025, beta_1=0.9, beta_2=0.999, epsilon=1e-8, warmup_steps=0,
+                 weight_decay=0.0, name=None):
+        self.warmup_steps = warmup_steps
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, weight_decay, name)
+
+    def _config_numbers(self):
+        return {**super()._config_numbers(), "warmup_steps": self.warmup_steps}
+
+    def _slot_initial_value(self, name, var):
+        if name != "momentum":
+            return super()._slot_initial_value(name, var)
+        if tf.executing_eagerly():
+            return tf.identity(var.read_value())
+        # A TF1 graph: global_variables_initializer runs the initializers in no set order, so the
+        # slot's reads the variable once that one is initialized, else its initial value.
+        return tf.cond(tf.compat.v1.is_variable_initialized(var), var.read_value,
+                       lambda: tf.convert_to_tensor(var.initial_value))
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "warmup_steps": self.warmup_steps}

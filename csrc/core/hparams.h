@@ -35,7 +35,8 @@ namespace tfclip {
   X(l1, "l1_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
   X(l2, "l2_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
   X(l2_shrinkage, "l2_shrinkage_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
-  X(beta, "beta", 0.0, -INFINITY, false, INFINITY, false)
+  X(beta, "beta", 0.0, -INFINITY, false, INFINITY, false)             \
+  X(warmup_steps, "warmup_steps", 0.0, -INFINITY, false, INFINITY, false)
 
 // X(field, op attr name): the rules' boolean options.
 #define TFCLIP_FOR_EACH_FLAG(X) \

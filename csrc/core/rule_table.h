@@ -60,6 +60,11 @@ namespace tfclip {
   X(kLamb, LambRule, "Lamb", "lamb", "m,v",                                                    \
     0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
         TFCLIP_H(step),                                                                        \
+    0u)                                                                                        \
+  X(kScheduleFreeAdamW, ScheduleFreeAdamWRule, "ScheduleFreeAdamW", "schedule_free_adamw",      \
+    "momentum_slot,velocity",                                                                  \
+    0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
+        TFCLIP_H(step) TFCLIP_H(warmup_steps),                                                 \
     0u)
 
 enum class RuleKind : int {

@@ -15,6 +15,7 @@
 //   AdamRule           ResourceApplyAdam / keras Adam, AdamW (decoupled weight decay), amsgrad
 //   AdagradRule, RmsPropRule, AdadeltaRule, AdamaxRule, LionRule, NadamRule, FtrlRule, LambRule: keras's
 //                      optimizers of the same names (LambRule: a per-tensor trust ratio)
+//   ScheduleFreeAdamWRule  keras ScheduleFreeAdamW (as it runs on the TensorFlow backend)
 #pragma once
 
 #include <cmath>
@@ -40,6 +41,8 @@ struct StepConsts {
   M u_next, one_minus_u_product_next, one_minus_u_t, one_minus_u_product, one_minus_beta_2_power;
   // Ftrl: l1, 2*l2_shrinkage, -lr_power, 2*(l2 + beta/(2*lr))
   M l1, two_l2_shrinkage, neg_lr_power, two_l2_reg;
+  // ScheduleFreeAdamW: lr * min(t / warmup_steps, 1) (lr when warmup_steps <= 0), 1/t, 1 - 1/t
+  M warm_lr, inv_step, one_minus_inv_step;
   bool nesterov, amsgrad, decay, sum_of_squares, centered, has_momentum;
 };
 
@@ -81,6 +84,15 @@ TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.two_l2_shrinkage = static_cast<M>(2.0 * hp.l2_shrinkage);
   c.neg_lr_power = static_cast<M>(-hp.lr_power);
   c.two_l2_reg = M(2) * (static_cast<M>(hp.l2) + static_cast<M>(hp.beta) / (M(2) * c.lr));
+  // ScheduleFreeAdamW, as keras in the dtype: lr * minimum(t / warmup_steps, 1.0) when
+  // warmup_steps > 0 (a Python test there: a value <= 0 is no warmup); weight = 1.0 / t.
+  c.warm_lr = c.lr;
+  if (hp.warmup_steps > 0.0) {
+    const M f = t / static_cast<M>(hp.warmup_steps);
+    c.warm_lr = c.lr * (f < M(1) ? f : M(1));
+  }
+  c.inv_step = M(1) / t;
+  c.one_minus_inv_step = M(1) - c.inv_step;
   c.weight_decay = static_cast<M>(hp.weight_decay);
   c.decay = hp.weight_decay != 0.0;
   c.nesterov = hp.nesterov;
@@ -355,6 +367,32 @@ struct LambRule : RuleBase {
   }
 };
 using FtrlSqrtRule = FtrlRule<true>;
+
+struct ScheduleFreeAdamWRule : RuleBase {
+  // keras ScheduleFreeAdamW (Defazio et al. 2024), the 1 - b in the dtype. The variable is y,
+  // slot m is z (a copy of the variable at build), slot v Adam's second moment:
+  //   v += (g^2 - v)(1 - b2); z = m - warm_lr*g / (sqrt(v / (1 - b2^t)) + eps);
+  //   x = (y - (1 - b1) z) / b1; x' = (1 - 1/t) x + (1/t) z; y = (1 - b1) z + b1 x'.
+  // x is recovered from the NEW z, not the old one the paper (and keras's comment) uses: on the
+  // TensorFlow backend keras's `momentum_old = momentum.value` is the variable itself, read
+  // after `assign_sub`, so stock Keras computes this; a drop-in follows its trajectory
+  // (tests/test_schedule_free.py checks both that stock does and that this matches it).
+  // Slots: momentum (z), velocity (v).
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+    const M v = s[1] + (gsq - s[1]) * c.one_minus_beta_2_m;
+    s[1] = v;
+    const M denom = std::sqrt(v / c.one_minus_beta_2_power) + c.epsilon;
+    const M z = s[0] - (c.warm_lr * g) / denom;
+    s[0] = z;
+    const M x = (var - c.one_minus_beta_1_m * z) / c.beta_1;
+    const M x_new = c.one_minus_inv_step * x + c.inv_step * z;
+    var = c.one_minus_beta_1_m * z + c.beta_1 * x_new;
+  }
+};
 
 struct TfRmsPropRule : RuleBase {
   // TF's ResourceApplyRMSProp / ResourceApplyCenteredRMSProp (tf.compat.v1 RMSPropOptimizer),

@@ -195,6 +195,8 @@ RULES = {
     "tf_rmsprop": (["rms", "mom", "mg"], {"learning_rate": 0.01, "rho": 0.8, "momentum": 0.5,
                                           "centered": True}),
     "lamb": (["m", "v"], {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.004}),
+    "schedule_free_adamw": (["momentum", "velocity"], {"learning_rate": 0.01, "beta_1": 0.8, "warmup_steps": 3,
+                                                       "weight_decay": 0.004}),
 }
 TAKES_STEP = {r for r, row in core.rule_table().items() if "step" in row["hparams"]}
 MODES = {"none": 0.0, "global_norm": 1.0, "norm": 0.3, "value": 0.01}
@@ -497,7 +499,7 @@ def test_tensor_over_2_pow_31_elements():
 
 
 # ---------------------------------------------------------------- IndexedSlices (sparse kernel)
-SPARSE_RULES = ["sgd", "keras_momentum", "momentum", "adam", "amsgrad", "lamb"]
+SPARSE_RULES = ["sgd", "keras_momentum", "momentum", "adam", "amsgrad", "lamb", "schedule_free_adamw"]
 
 
 def test_adam_with_given_beta_powers_matches_cpu(rng):
