@@ -105,6 +105,11 @@ def test_decoupled_weight_decay_as_keras(case):
     ("ftrl_sqrt", 2, {"lr": 0.05, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.03, "beta": 0.2}, {}),
     ("tf_rmsprop", 3, {"lr": 0.01, "rho": 0.8, "momentum": 0.5, "epsilon": 1e-6}, {"centered": True}),
     ("lamb", 2, {"lr": 0.01, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6, "weight_decay": 0.1}, {}),
+    ("proximal_gradient_descent", 0, {"lr": 0.05, "l1": 0.01, "l2": 0.2}, {}),
+    ("proximal_gradient_descent", 0, {"lr": 0.05, "l1": 0.0, "l2": 0.2}, {}),
+    ("proximal_adagrad", 1, {"lr": 0.05, "l1": 0.01, "l2": 0.2}, {}),
+    ("adagrad_da", 2, {"lr": 0.05, "l1": 0.02, "l2": 0.2, "global_step": 3.0}, {}),
+    ("adagrad_da", 2, {"lr": 0.05, "l1": 0.0, "l2": 0.2, "global_step": 7.0}, {}),
 ])
 def test_core_rules_against_numpy_float64(rule, nslots, hp, flags):
     from tfclip import _core
