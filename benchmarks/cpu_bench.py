@@ -332,12 +332,12 @@ def tf1_table(args, rng):
 
         @tf.function
         def fused():
-            return ours.apply_gradients(zip(grads, variables), global_step=gs)
+            ours.apply_gradients(zip(grads, variables), global_step=gs)
 
         @tf.function
         def stock_step():
             clipped, _ = tf.clip_by_global_norm(grads, 1.0)
-            return stock.apply_gradients(zip(clipped, variables), global_step=gs)
+            stock.apply_gradients(zip(clipped, variables), global_step=gs)
 
         fused()  # creates the slots, so the harness can capture them too
         slots = [ours.get_slot(v, s).handle for s in ours.get_slot_names() for v in variables]
