@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,grad_dtypes,overhead]
+                                   [--extras rules,tf1,grad_dtypes,overhead]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -13,7 +13,10 @@ at the speed of a multi-threaded copy that moves as many bytes, timed in the sam
 loop as the methods (a bandwidth read once at the start swung the ratios by 20% between runs).
 
 Extras: every rule (SGD ... Lamb, ScheduleFreeAdamW) on the BERT-base set against its own floor (16 + 8 B/param per
-slot; Lamb 44, its three passes) and against the stock Keras optimizer's tf.function step; float16/bfloat16 gradients for float32 variables, per parameter,
+slot; Lamb 44, its three passes) and against the stock Keras optimizer's tf.function step; the
+TF1-only optimizers (ProximalGradientDescent, ProximalAdagrad, AdagradDA: tfclip.compat.v1)
+against their floor and the stock tf.compat.v1.train class after tf.clip_by_global_norm, in
+tf.function; float16/bfloat16 gradients for float32 variables, per parameter,
 against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
 `tf.function`. Machines are shared and noisy: compare ratios within one run.
 """
@@ -292,6 +295,68 @@ def rules_table(args, rng):
         del rule, stock, fused, harness, keras_step
 
 
+# TF1-only rules (tf.compat.v1.train classes with no Keras counterpart): the tfclip.compat.v1
+# drop-in (global_clipnorm=1.0) against the stock TF1 class with tf.clip_by_global_norm between
+# the gradients and apply_gradients, the recipe TF1 code uses. Both run as TF2 runs a TF1
+# optimizer's graph, in tf.function (a Session runs the same ops), with the global step
+# advanced by apply_gradients. lr and the l1/l2 strengths 1e-9 (the l1 branch runs; the weights
+# stay where they are). AdagradDA's bytes count the variable's read: its update overwrites the
+# variable from the slots, but the store brings the line in anyway (write-allocate), as the
+# floor copy's stores do.
+TF1_RULES = {
+    "ProximalGradientDescent": (lambda m, gs, kw: m.ProximalGradientDescentOptimizer(
+        1e-9, l1_regularization_strength=1e-9, l2_regularization_strength=1e-9, **kw), _bytes(0)),
+    "ProximalAdagrad": (lambda m, gs, kw: m.ProximalAdagradOptimizer(
+        1e-9, l1_regularization_strength=1e-9, l2_regularization_strength=1e-9, **kw), _bytes(1)),
+    "AdagradDA": (lambda m, gs, kw: m.AdagradDAOptimizer(
+        1e-9, gs, l1_regularization_strength=1e-9, l2_regularization_strength=1e-9, **kw), _bytes(2)),
+}
+
+
+def tf1_table(args, rng):
+    """The TF1-only rules on the BERT-base set: tfclip.compat.v1 against its own floor and against
+    the stock tf.compat.v1.train class (+ tf.clip_by_global_norm) in tf.function, whole calls.
+    One rule at a time, interleaved with the floor copy and the harness (variables, slots, global
+    step and gradients passed to a no-op)."""
+    shapes, variables, grads = make_set("bert_base", rng)
+    n = sum(int(np.prod(s)) for s in shapes)
+    print(f"\nbert_base ({n / 1e6:.1f}M params), TF1-only optimizers: tfclip.compat.v1 (global_clipnorm=1.0) "
+          f"against its floor and against the stock tf.compat.v1.train class after tf.clip_by_global_norm, "
+          f"both in tf.function (whole calls)")
+    print(f"{'optimizer':<24} {'B/param':>7} {'ms/call':>8} {'net ms':>8} {'floor ms':>9} {'x floor':>8} "
+          f"{'stock ms':>9} {'x stock':>8}")
+    only = set(args.rules.split(",")) if args.rules else None
+    for label, (make, nbytes) in TF1_RULES.items():
+        if only and label not in only:
+            continue
+        gs = tf.Variable(0, dtype=tf.int64)
+        ours, stock = make(tfclip.compat.v1, gs, {"global_clipnorm": 1.0}), make(tf.compat.v1.train, gs, {})
+
+        @tf.function
+        def fused():
+            ours.apply_gradients(zip(grads, variables), global_step=gs)
+
+        @tf.function
+        def stock_step():
+            clipped, _ = tf.clip_by_global_norm(grads, 1.0)
+            stock.apply_gradients(zip(clipped, variables), global_step=gs)
+
+        fused()  # creates the slots, so the harness can capture them too
+        slots = [ours.get_slot(v, s).handle for s in ours.get_slot_names() for v in variables]
+
+        @tf.function
+        def harness():
+            return consume([v.handle for v in variables] + slots + [gs.handle] + list(grads))
+
+        r = interleaved_medians({"fused": fused, "harness": harness, "stock": stock_step,
+                                 "floor": floor_copy(n)}, args.repeats)
+        floor = r["floor"] * nbytes / BYTES_PER_PARAM
+        net = r["fused"] - r["harness"]
+        print(f"{label:<24} {nbytes:7d} {r['fused'] * 1e3:8.2f} {net * 1e3:8.2f} {floor * 1e3:9.2f} "
+              f"{net / floor:8.2f} {r['stock'] * 1e3:9.2f} {r['fused'] / r['stock']:8.2f}", flush=True)
+        del ours, stock, fused, stock_step, harness, slots
+
+
 def grad_dtypes_table(args, rng):
     """Float32 variables with float32, float16 and bfloat16 gradients: time per parameter."""
     shapes = SETS["bert_base"]()
@@ -435,9 +500,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--rules", default="", help="rules table: only these labels (comma-separated)")
-    p.add_argument("--extras", default="rules,grad_dtypes,overhead",
-                   help="comma list of rules, grad_dtypes, overhead (or empty)")
+    p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
+    p.add_argument("--extras", default="rules,tf1,grad_dtypes,overhead",
+                   help="comma list of rules, tf1, grad_dtypes, overhead (or empty)")
     args = p.parse_args(argv)
 
     isa = tfclip._core.cpu_isa()
@@ -449,6 +514,8 @@ def main(argv=None):
     extras = [e for e in args.extras.split(",") if e]
     if "rules" in extras:
         rules_table(args, rng)
+    if "tf1" in extras:
+        tf1_table(args, rng)
     if "grad_dtypes" in extras:
         grad_dtypes_table(args, rng)
     if "overhead" in extras:

@@ -125,6 +125,21 @@ def step(rule, var, slots, g, hp, t, gsq=None, slot_dtype=None):
         out = var - lr * np.sign(slots[0] * b1 + g * (1 - b1))
         slots[0][...] = slots[0] * b2 + g * (1 - b2)
         return out
+    l1, l2 = hp.get("l1", 0.0), hp.get("l2", 0.0)
+    if rule == "proximal_gradient_descent":  # FOBOS (Duchi & Singer 2009) with a fixed step
+        p = var - lr * g
+        return np.sign(p) * np.maximum(np.abs(p) - lr * l1, 0.0) / (1 + lr * l2)
+    if rule == "proximal_adagrad":  # FOBOS with Adagrad's per-element step lr / sqrt(accum)
+        slots[0][...] = slots[0] + gg
+        a = lr / np.sqrt(slots[0])
+        p = var - a * g
+        return np.sign(p) * np.maximum(np.abs(p) - a * l1, 0.0) / (1 + a * l2)
+    if rule == "adagrad_da":  # dual averaging: var from the sums of g and g^2 at global step t
+        t = hp["global_step"]
+        slots[0][...] = slots[0] + g
+        slots[1][...] = slots[1] + gg
+        return -np.sign(slots[0]) * lr * np.maximum(np.abs(slots[0]) - t * l1, 0.0) / (
+            t * lr * l2 + np.sqrt(slots[1]))
     raise ValueError(rule)
 
 
@@ -152,5 +167,6 @@ def num_slots(rule, hp):
     if rule == "tf_rmsprop":
         return 3 if hp.get("centered") else 2
     fixed = {"sgd": 0, "momentum": 1, "keras_momentum": 1, "adagrad": 1, "adadelta": 2, "adamax": 2,
-             "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2, "lamb": 2, "schedule_free_adamw": 2}
+             "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2, "lamb": 2, "proximal_gradient_descent": 0,
+             "proximal_adagrad": 1, "adagrad_da": 2, "schedule_free_adamw": 2}
     return fixed.get(rule, 3 if hp.get("amsgrad") else 2)

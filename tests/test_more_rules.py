@@ -109,6 +109,11 @@ def test_decoupled_weight_decay_as_keras(case):
     ("lamb", 2, {"lr": 0.01, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6, "weight_decay": 0.1}, {}),
     ("schedule_free_adamw", 2, {"lr": 0.01, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6, "warmup_steps": 3,
                                 "weight_decay": 0.1}, {}),
+    ("proximal_gradient_descent", 0, {"lr": 0.05, "l1": 0.01, "l2": 0.2}, {}),
+    ("proximal_gradient_descent", 0, {"lr": 0.05, "l1": 0.0, "l2": 0.2}, {}),
+    ("proximal_adagrad", 1, {"lr": 0.05, "l1": 0.01, "l2": 0.2}, {}),
+    ("adagrad_da", 2, {"lr": 0.05, "l1": 0.02, "l2": 0.2, "global_step": 3.0}, {}),
+    ("adagrad_da", 2, {"lr": 0.05, "l1": 0.0, "l2": 0.2, "global_step": 7.0}, {}),
 ])
 def test_core_rules_against_numpy_float64(rule, nslots, hp, flags):
     from tfclip import _core
@@ -188,3 +193,44 @@ def test_every_hyperparameter_out_of_range_is_named_and_writes_nothing(rule, nam
         _core.clip_apply(rule, var, [rng.normal(size=(9,))], slots, hp)
     for a, b in zip([var[0]] + [s[0] for s in slots], before):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("rule,nslots,hp", [
+    ("proximal_gradient_descent", 0, {"lr": 0.05, "l1": 0.01, "l2": 0.2}),
+    ("proximal_adagrad", 1, {"lr": 0.05, "l1": 0.01, "l2": 0.2}),
+    ("adagrad_da", 2, {"lr": 0.05, "l1": 0.02, "l2": 0.2, "global_step": 4.0}),
+    ("sgd", 0, {"lr": 0.05}),
+])
+@pytest.mark.parametrize("lazy", [False, True], ids=["all_rows", "lazy"])
+def test_tf1_rules_indexed_slices_equal_the_summed_dense_gradient(rule, nslots, hp, lazy):
+    """TF1's rules on IndexedSlices (duplicate rows): lazy, the touched rows as the dense step on
+    the duplicates' sum (TF1's base optimizer sums them before the sparse kernel), the others
+    untouched; not lazy, every row as the dense step, a zero gradient still shrinking a proximal
+    rule's weights (SGD's untouched rows stay put either way)."""
+    from tfclip import _core
+
+    rng = np.random.default_rng(12)
+    rows, width = 6, 3
+    idx = np.array([4, 1, 4, 4], np.int64)
+    vals = rng.normal(size=(len(idx), width))
+    dense = np.zeros((rows, width))
+    np.add.at(dense, idx, vals)
+    init = rng.normal(size=(rows, width))
+    slots0 = [np.abs(rng.normal(size=(rows, width))) + 0.1 for _ in range(nslots)]
+    a, sa = init.copy(), [s.copy() for s in slots0]
+    b, sb = init.copy(), [s.copy() for s in slots0]
+    _core.clip_apply(rule, [a], [vals], [[s] for s in sa], hp, indices=[idx], lazy=lazy)
+    _core.clip_apply(rule, [b], [dense], [[s] for s in sb], hp)
+    touched = [1, 4]
+    keep = [r for r in range(rows) if r not in touched]
+    if rule == "sgd":  # a scatter: each duplicate in turn, not their sum (an ulp apart)
+        np.testing.assert_allclose(a[touched], b[touched], rtol=1e-14)
+    else:
+        np.testing.assert_array_equal(a[touched], b[touched])
+    for x, y in zip(sa, sb):
+        np.testing.assert_array_equal(x[touched], y[touched])
+    if lazy or rule == "sgd":
+        np.testing.assert_array_equal(a[keep], init[keep])
+    else:
+        np.testing.assert_array_equal(a[keep], b[keep])
+        assert rule == "adagrad_da" or np.all(np.abs(a[keep]) < np.abs(init[keep]))  # shrunk

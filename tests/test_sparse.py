@@ -214,6 +214,21 @@ V1 = {
                                                      l2_shrinkage_regularization_strength=0.03, beta=0.1),
              lambda **kw: tfclip.compat.v1.FtrlOptimizer(0.2, l1_regularization_strength=0.01,
                                                         l2_shrinkage_regularization_strength=0.03, beta=0.1, **kw)),
+    "proximal_gd": (lambda: tf.compat.v1.train.ProximalGradientDescentOptimizer(
+                        0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.2),
+                    lambda **kw: tfclip.compat.v1.ProximalGradientDescentOptimizer(
+                        0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.2, **kw)),
+    "proximal_adagrad": (lambda: tf.compat.v1.train.ProximalAdagradOptimizer(
+                             0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.2),
+                         lambda **kw: tfclip.compat.v1.ProximalAdagradOptimizer(
+                             0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.2, **kw)),
+    # (a global step of 4: the op is given t = 5 every step, as no apply advances it here)
+    "adagrad_da": (lambda: tf.compat.v1.train.AdagradDAOptimizer(
+                       0.1, tf.Variable(4, dtype=tf.int64), l1_regularization_strength=0.01,
+                       l2_regularization_strength=0.2),
+                   lambda **kw: tfclip.compat.v1.AdagradDAOptimizer(
+                       0.1, tf.Variable(4, dtype=tf.int64), l1_regularization_strength=0.01,
+                       l2_regularization_strength=0.2, **kw)),
 }
 
 

@@ -4,8 +4,9 @@ For every drop-in (Keras 3, tf.compat.v1) and every rule, each float hyper-param
 class's constructor is probed with a spread of values: both constructors are called, and where
 both accept the value two steps are taken with each and compared. tfclip's one deliberate
 refusal, a non-finite value (stock would write NaN or inf into every variable), must come at
-construction with an error naming the argument; any other disagreement is a failure. (The README's
-"Deliberate differences from stock" lists the same.)
+construction with an error naming the argument; so may a value stock refuses only when its step
+runs (a kernel's check, as ProximalAdagrad's lr > 0); any other disagreement is a failure. (The
+README's "Deliberate differences from stock" lists the same.)
 
 Also: every mismatch between the lengths of the gradient and variable lists either matches stock
 or names both lengths."""
@@ -24,7 +25,8 @@ PROBES = [-1.5, -0.1, 0.0, 0.5, 1.0, 1.5, float("nan"), float("inf"), float("-in
 KERAS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb",
          "ScheduleFreeAdamW"]
 TF1 = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
-       "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer"]
+       "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer", "ProximalGradientDescentOptimizer",
+       "ProximalAdagradOptimizer", "AdagradDAOptimizer"]
 # Constructor arguments of the base classes: not hyper-parameters of an update rule.
 _BASE_ARGS = {"clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
               "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps", "name"}
@@ -73,7 +75,20 @@ KNOWN = {
     # TF1 FtrlOptimizer at learning_rate 0: TF's kernel leaves the variables at 0, the core
     # computes Keras's Ftrl arithmetic (l2 + beta / (2 * lr)), which gives NaN there as Keras does.
     ("FtrlOptimizer", "learning_rate", 0.0),
+    # TF1 ProximalGradientDescent and AdagradDA: a negative l1/l2 strength is refused (their
+    # documentation requires >= 0, as TF's ProximalAdagrad kernel checks; their kernels do not).
+    *((cls, arg, v) for cls in ("ProximalGradientDescentOptimizer", "AdagradDAOptimizer")
+      for arg in ("l1_regularization_strength", "l2_regularization_strength") for v in (-1.5, -0.1)),
 }
+
+
+def _stock_step_refuses(step):
+    """Whether the stock step fails on the value (a kernel's own check, when the step runs)."""
+    try:
+        step()
+    except tf.errors.InvalidArgumentError:
+        return True
+    return False
 
 
 def _probe(name, args, make_stock, make_tfclip, steps, problems, required=()):
@@ -90,6 +105,12 @@ def _probe(name, args, make_stock, make_tfclip, steps, problems, required=()):
                 if our_err is None:
                     problems.append(f"{what}: tfclip accepted a non-finite value")
                 elif arg not in str(our_err) and stock_err is None:
+                    problems.append(f"{what}: tfclip's error does not name {arg}: {our_err}")
+                continue
+            if stock_err is None and our_err is not None and _stock_step_refuses(lambda: steps(stock)):
+                # Stock refuses it when its step runs (TF's ProximalAdagrad kernel: lr > 0, l1,
+                # l2 >= 0); tfclip at construction, naming the argument.
+                if arg not in str(our_err):
                     problems.append(f"{what}: tfclip's error does not name {arg}: {our_err}")
                 continue
             if (stock_err is None) != (our_err is None):
@@ -131,11 +152,15 @@ def _tf1_steps(opt):
 @pytest.mark.parametrize("name", TF1)
 def test_tf1_dropins_accept_what_stock_accepts(name):
     stock_cls, ours_cls = getattr(tf.compat.v1.train, name), getattr(tfclip.compat.v1, name)
+    # Required arguments that are no hyper-parameter: AdagradDA's step counter (a variable).
+    fixed = {"global_step": lambda: tf.Variable(2, dtype=tf.int64)} if name == "AdagradDAOptimizer" else {}
     required = [n for n, p in inspect.signature(stock_cls.__init__).parameters.items()
-                if p.default is inspect.Parameter.empty and n != "self"]
+                if p.default is inspect.Parameter.empty and n != "self" and n not in fixed]
     args = sorted(set(_float_args(stock_cls)) | set(required))
     problems = []
-    _probe(name, args, stock_cls, ours_cls, _tf1_steps, problems, required=required)
+    _probe(name, args, lambda **kw: stock_cls(**{k: f() for k, f in fixed.items()}, **kw),
+           lambda **kw: ours_cls(**{k: f() for k, f in fixed.items()}, **kw), _tf1_steps, problems,
+           required=required)
     assert not problems, "\n".join(problems)
 
 

@@ -158,7 +158,8 @@ def test_adam_matches_float64_reference(rng):
 # added to the table runs under XLA with nothing added to csrc/xla.
 HP_VALUES = {"lr": 0.01, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7,
              "weight_decay": 0.01, "rho": 0.9, "step": 3.0, "u_product": 0.7,
-             "lr_power": -0.6, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.01, "beta": 0.1, "warmup_steps": 5.0}
+             "lr_power": -0.6, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.01, "beta": 0.1, "warmup_steps": 5.0,
+             "global_step": 3.0}
 
 
 def _table_cases():

@@ -16,9 +16,12 @@ namespace tfclip {
 // The ranges are the stock classes' (Keras 3, tf.compat.v1.train): a value any of them accepts is
 // accepted here and gives the stock arithmetic, NaN included (a negative learning rate ascends;
 // Adam's beta_1 = 1 divides by zero as stock does). Stock checks only Ftrl's (learning_rate_power
-// <= 0, the l1/l2/shrinkage strengths >= 0; Keras SGD's momentum and Lion's beta_1 are checked by
-// those classes themselves). The one refusal of tfclip's own: a non-finite value (stock would
-// write NaN or inf into every variable), and `step` (tfclip's own t) below 1.
+// <= 0, the l1/l2/shrinkage strengths >= 0; TF's ProximalAdagrad kernel the same l1/l2; Keras
+// SGD's momentum and Lion's beta_1 are checked by those classes themselves). tfclip's own
+// refusals: a non-finite value (stock would write NaN or inf into every variable), `step`
+// (tfclip's own t) below 1, and a negative l1/l2 for TF1's ProximalGradientDescent and AdagradDA,
+// whose documentation requires >= 0 and whose kernels do not check. `global_step` is the step
+// TF1's AdagradDA feeds its op (the stock class gives its global_step + 1).
 #define TFCLIP_FOR_EACH_HPARAM(X)                                      \
   X(lr, "learning_rate", 0.0, -INFINITY, false, INFINITY, false)      \
   X(momentum, "momentum", 0.0, -INFINITY, false, INFINITY, false)      \
@@ -35,8 +38,9 @@ namespace tfclip {
   X(l1, "l1_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
   X(l2, "l2_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
   X(l2_shrinkage, "l2_shrinkage_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
-  X(beta, "beta", 0.0, -INFINITY, false, INFINITY, false)             \
-  X(warmup_steps, "warmup_steps", 0.0, -INFINITY, false, INFINITY, false)
+  X(beta, "beta", 0.0, -INFINITY, false, INFINITY, false)               \
+  X(warmup_steps, "warmup_steps", 0.0, -INFINITY, false, INFINITY, false) \
+  X(global_step, "global_step", 1.0, -INFINITY, false, INFINITY, false)
 
 // X(field, op attr name): the rules' boolean options.
 #define TFCLIP_FOR_EACH_FLAG(X) \

@@ -65,7 +65,14 @@ namespace tfclip {
     "momentum_slot,velocity",                                                                  \
     0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
         TFCLIP_H(step) TFCLIP_H(warmup_steps),                                                 \
-    0u)
+    0u)                                                                                      \
+  X(kProximalSgd, ProximalSgdRule, "ProximalGradientDescent", "proximal_gradient_descent", "",  \
+    0u TFCLIP_H(lr) TFCLIP_H(l1) TFCLIP_H(l2), 0u)                                             \
+  X(kProximalAdagrad, ProximalAdagradRule, "ProximalAdagrad", "proximal_adagrad", "accumulator", \
+    0u TFCLIP_H(lr) TFCLIP_H(l1) TFCLIP_H(l2), 0u)                                             \
+  X(kAdagradDa, AdagradDaRule, "AdagradDa", "adagrad_da",                                      \
+    "gradient_accumulator,gradient_squared_accumulator",                                       \
+    0u TFCLIP_H(lr) TFCLIP_H(l1) TFCLIP_H(l2) TFCLIP_H(global_step), 0u)
 
 enum class RuleKind : int {
 #define TFCLIP_RULE_ENUM(kind, ...) kind,
@@ -147,6 +154,14 @@ TFCLIP_HD int NumSlots(RuleKind rule, const HParams& hp) {
   int n = 0;
   DispatchRule(rule, [&](auto r) { n = decltype(r)::NumSlots(hp); });
   return n;
+}
+
+// Whether a zero gradient leaves an element as it is (SGD: an IndexedSlices pass may skip the
+// rows no slice touches; a proximal rule still shrinks them).
+TFCLIP_HD bool RuleZeroGradKeeps(RuleKind rule) {
+  bool k = false;
+  DispatchRule(rule, [&](auto r) { k = decltype(r)::kZeroGradKeeps; });
+  return k;
 }
 
 // Whether a rule scales its step by a per-tensor trust ratio (rules.h): a third pass.

@@ -16,6 +16,9 @@
 //   AdagradRule, RmsPropRule, AdadeltaRule, AdamaxRule, LionRule, NadamRule, FtrlRule, LambRule: keras's
 //                      optimizers of the same names (LambRule: a per-tensor trust ratio)
 //   ScheduleFreeAdamWRule  keras ScheduleFreeAdamW (as it runs on the TensorFlow backend)
+//   TfRmsPropRule      ResourceApplyRMSProp / ResourceApplyCenteredRMSProp (tf.compat.v1)
+//   ProximalSgdRule, ProximalAdagradRule, AdagradDaRule: ResourceApplyProximalGradientDescent,
+//                      ResourceApplyProximalAdagrad, ResourceApplyAdagradDA (tf.compat.v1 only)
 #pragma once
 
 #include <cmath>
@@ -43,6 +46,11 @@ struct StepConsts {
   M l1, two_l2_shrinkage, neg_lr_power, two_l2_reg;
   // ScheduleFreeAdamW: lr * min(t / warmup_steps, 1) (lr when warmup_steps <= 0), 1/t, 1 - 1/t
   M warm_lr, inv_step, one_minus_inv_step;
+  // TF1's proximal rules and AdagradDA, as TF's kernels compute their scalars in the dtype:
+  // l2; lr*l1 and 1 + l2*lr (ProximalGradientDescent); AdagradDA's global step t as float (the
+  // kernel's static_cast<float>) then the dtype, t*l1 and l2*(t*lr).
+  M l2, lr_l1, one_plus_l2_lr, da_t_l1, da_l2_t_lr;
+  bool l1_on;  // l1 > 0: the kernels' branch to the l1 shrinkage
   bool nesterov, amsgrad, decay, sum_of_squares, centered, has_momentum;
 };
 
@@ -93,6 +101,13 @@ TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
   }
   c.inv_step = M(1) / t;
   c.one_minus_inv_step = M(1) - c.inv_step;
+  c.l2 = static_cast<M>(hp.l2);
+  c.lr_l1 = c.lr * c.l1;
+  c.one_plus_l2_lr = M(1) + c.l2 * c.lr;
+  const M da_t = static_cast<M>(static_cast<float>(hp.global_step));
+  c.da_t_l1 = da_t * c.l1;
+  c.da_l2_t_lr = c.l2 * (da_t * c.lr);
+  c.l1_on = c.l1 > M(0);
   c.weight_decay = static_cast<M>(hp.weight_decay);
   c.decay = hp.weight_decay != 0.0;
   c.nesterov = hp.nesterov;
@@ -120,6 +135,7 @@ TFCLIP_HD M DecayVar(const StepConsts<M>& c, M var) {
 // slots) writes the variable.
 struct RuleBase {
   static constexpr bool kTrustRatio = false;
+  static constexpr bool kZeroGradKeeps = false;  // a zero gradient leaves var and slots as they are
   template <typename M>
   static TFCLIP_HD M Second(M g) { return g * g; }
 };
@@ -128,6 +144,7 @@ struct RuleBase {
 // than summed), kMinSlots..kMaxSlots and NumSlots(hp) (the slot count a step uses), Update.
 struct SgdRule : RuleBase {
   static constexpr bool kScatter = true;  // keras SGD on IndexedSlices: scatter_sub(g * lr)
+  static constexpr bool kZeroGradKeeps = true;
   static constexpr int kMinSlots = 0, kMaxSlots = 0;
   static TFCLIP_HD int NumSlots(const HParams&) { return 0; }
   template <typename M>
@@ -420,6 +437,67 @@ struct TfRmsPropRule : RuleBase {
     const M mom = s[1] * c.momentum + (g * c.lr) / std::sqrt(den);
     s[1] = mom;
     var = var - mom;
+  }
+};
+
+// The l1 shrinkage of TF's proximal kernels, sign(x) * max(|x| - k, 0), with their NaN: a NaN x
+// (or k) stays NaN, as Eigen's sign(NaN) * max(NaN, 0) does.
+template <typename M>
+TFCLIP_HD M Shrink(M x, M k) {
+  const M sign = x > M(0) ? M(1) : (x < M(0) ? M(-1) : M(0));
+  const M a = (x < M(0) ? -x : x) - k;
+  return sign * (a != a || a > M(0) ? a : M(0));
+}
+
+// TF1's ProximalGradientDescentOptimizer (ResourceApplyProximalGradientDescent, FOBOS):
+// p = var - g*lr; var = [l1 > 0: sign(p) * max(|p| - lr*l1, 0), else p] / (1 + l2*lr).
+// IndexedSlices: the touched rows, a row's duplicates summed first (TF1's optimizer sums them
+// before its sparse kernel runs; its loop over the slices then meets each row once).
+struct ProximalSgdRule : RuleBase {
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 0, kMaxSlots = 0;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 0; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* /*slots*/) {
+    const M p = var - g * c.lr;
+    var = (c.l1_on ? Shrink(p, c.lr_l1) : p) / c.one_plus_l2_lr;
+  }
+};
+
+// TF1's ProximalAdagradOptimizer (ResourceApplyProximalAdagrad): accum += g^2;
+// a = lr * rsqrt(accum); p = var - g*a; var = [l1 > 0: sign(p) * max(|p| - a*l1, 0), else p]
+// / (1 + l2*a). Slot: accumulator. IndexedSlices: as ProximalSgdRule.
+struct ProximalAdagradRule : RuleBase {
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 1, kMaxSlots = 1;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+    const M accum = s[0] + gsq;
+    s[0] = accum;
+    const M a = c.lr * (M(1) / std::sqrt(accum));
+    const M p = var - g * a;
+    var = (c.l1_on ? Shrink(p, a * c.l1) : p) / (M(1) + c.l2 * a);
+  }
+};
+
+// TF1's AdagradDAOptimizer (ResourceApplyAdagradDA, dual averaging): ga += g; gga += g^2;
+// var = -lr * [l1 > 0: sign(ga) * max(|ga| - t*l1, 0), else ga] / (l2*(t*lr) + sqrt(gga)), t the
+// global step the op is given. The variable is recomputed from the slots, not stepped. Slots:
+// gradient_accumulator, gradient_squared_accumulator. IndexedSlices: as ProximalSgdRule.
+struct AdagradDaRule : RuleBase {
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
+  template <typename M>
+  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+    const M ga = s[0] + g;
+    const M gga = s[1] + gsq;
+    s[0] = ga;
+    s[1] = gga;
+    const M den = c.da_l2_t_lr + std::sqrt(gga);
+    // TF's order: (lr * -1) * sign(ga) * max(..) / den, and (lr * ga) * -1 / den.
+    var = c.l1_on ? (-c.lr * Shrink(ga, c.da_t_l1)) / den : -(c.lr * ga) / den;
   }
 };
 

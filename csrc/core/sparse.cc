@@ -9,7 +9,7 @@ namespace tfclip {
 
 bool SparseAllRows(RuleKind rule, const HParams& hp, bool lazy, bool hparams_on_device) {
   if (lazy) return false;
-  return NumSlots(rule, hp) > 0 || hp.weight_decay != 0.0 || hparams_on_device;
+  return !RuleZeroGradKeeps(rule) || hp.weight_decay != 0.0 || hparams_on_device;
 }
 
 std::string PlanSparse(const ApplyTensor* ts, int n, RuleKind rule, const HParams& hp, bool lazy,

@@ -12,7 +12,8 @@
 //       touched rows only: lazy updates, and SGD without weight decay (a scatter: an untouched
 //         row would not change anyway);
 //       all rows: what stock Keras does for Momentum, Adam and AdamW (their slots decay on every
-//         row, and weight decay touches every row): untouched rows run the rule with a zero
+//         row, and weight decay touches every row), and what a dense gradient would do with any
+//         rule a zero gradient moves (RuleZeroGradKeeps): untouched rows run the rule with a zero
 //         gradient, touched rows with their slices. No dense gradient is ever materialized.
 //   - units: blocks of about kChunkElems elements (rows or touched rows), the thread pool's or
 //     the CUDA grid's work items. Results do not depend on the partition.
@@ -47,7 +48,7 @@ struct SparsePlan {
 };
 
 // Whether a sparse tensor's pass walks every row (stock Keras semantics for rules with slots or
-// weight decay) or only the touched ones (lazy, or plain SGD). `hparams_on_device`: the weight
+// weight decay; a rule a zero gradient moves) or only the touched ones (lazy, or plain SGD). `hparams_on_device`: the weight
 // decay is read on the device (CUDA), so the plan cannot know it is 0 and walks every row (an
 // untouched row then gets an exact no-op when it is).
 bool SparseAllRows(RuleKind rule, const HParams& hp, bool lazy, bool hparams_on_device = false);

@@ -21,6 +21,8 @@ RULES = {
     "keras_momentum": (1, {"lr": 0.05, "momentum": 0.8, "weight_decay": 0.02}, {}),
     "adam": (3, {"lr": 0.01, "beta_1": 0.85, "beta_2": 0.99, "epsilon": 1e-6, "weight_decay": 0.004,
                  "step": 3.0}, {"amsgrad": True}),
+    # TF1's AdagradDA: its global step (a device value under a TF graph) read on the device too.
+    "adagrad_da": (2, {"lr": 0.05, "l1": 0.02, "l2": 0.2, "global_step": 6.0}, {}),
 }
 
 

@@ -197,6 +197,10 @@ RULES = {
     "lamb": (["m", "v"], {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.004}),
     "schedule_free_adamw": (["momentum", "velocity"], {"learning_rate": 0.01, "beta_1": 0.8, "warmup_steps": 3,
                                                        "weight_decay": 0.004}),
+    "proximal_gradient_descent": ([], {"learning_rate": 0.05, "l1": 0.01, "l2": 0.2}),
+    "proximal_adagrad": (["accumulator"], {"learning_rate": 0.05, "l1": 0.01, "l2": 0.2}),
+    "adagrad_da": (["gradient_accumulator", "gradient_squared_accumulator"],
+                   {"learning_rate": 0.05, "l1": 0.02, "l2": 0.2, "global_step": 3.0}),
 }
 TAKES_STEP = {r for r, row in core.rule_table().items() if "step" in row["hparams"]}
 MODES = {"none": 0.0, "global_norm": 1.0, "norm": 0.3, "value": 0.01}

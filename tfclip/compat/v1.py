@@ -42,7 +42,17 @@ gradient must have its dtype.
 `IndexedSlices` gradients (embeddings) are applied without densifying them, as the stock
 classes apply them: SGD as a scatter, Momentum on the touched rows only (duplicates summed),
 Adam on every row (its slots decay everywhere; duplicates summed before squaring for `v`),
-RMSProp and Adagrad on the touched rows only (duplicates summed), as their sparse kernels do.
+RMSProp, Adagrad, Adadelta, Ftrl, ProximalGradientDescent, ProximalAdagrad and AdagradDA on the
+touched rows only (duplicates summed, as the stock base class sums them before its sparse kernel).
+
+ProximalGradientDescent, ProximalAdagrad and AdagradDA run TF's kernel arithmetic (the core
+rules `proximal_gradient_descent`, `proximal_adagrad`, `adagrad_da`). AdagradDA's update uses
+the constructor's `global_step` + 1 as read when the step runs, as the stock class; a missing
+one is refused at construction. Their l1/l2 strengths must be >= 0 (stock documents it; its
+ProximalAdagrad kernel checks it, with lr > 0, when the step runs: tfclip refuses a number at
+construction, a tensor when the step runs, before anything is written). With float64 variables
+Python-number hyper-parameters work (the stock proximal classes pass them to their ops as
+float32, which fails).
 
 RMSProp runs TF's own kernel order (the core rule `tf_rmsprop`; keras's RMSprop rounds
 differently, which a centered RMSProp with a small epsilon shows). Adagrad runs the Keras rule
@@ -58,7 +68,8 @@ from tfclip import _opcall
 from tfclip.rules import _check_number
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
-           "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer"]
+           "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer", "ProximalGradientDescentOptimizer",
+           "ProximalAdagradOptimizer", "AdagradDAOptimizer"]
 
 
 def _is_ref(v):
@@ -107,6 +118,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
         for name, v in named.items():
             if isinstance(v, numbers.Real) and not isinstance(v, bool):
                 _check_number(name, float(v))
+
+    @staticmethod
+    def _check_strengths(**named):
+        """l1/l2 strengths given as numbers: >= 0, as the stock classes document (TF's
+        ProximalAdagrad kernel refuses a negative one when the step runs; the op refuses a
+        negative tensor value, before it writes anything)."""
+        for name, v in named.items():
+            if isinstance(v, numbers.Real) and not isinstance(v, bool) and v < 0.0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
 
     def _create_slots(self, var_list):
         for v in var_list:
@@ -486,3 +506,107 @@ class FtrlOptimizer(_Fused):
         kind, power = _opcall.ftrl_variant(self._power)
         return kind, {"lr": self._learning_rate, **power, "l1": self._l1, "l2": self._l2,
                       "l2_shrinkage": self._l2_shrinkage, "beta": self._beta, "weight_decay": 0.0}, {}
+
+
+class ProximalGradientDescentOptimizer(_Fused):
+    """tf.compat.v1.train.ProximalGradientDescentOptimizer (FOBOS: a gradient step, then the l1
+    and l2 proximal steps; ResourceApplyProximalGradientDescent) with fused clipping. No slots.
+    IndexedSlices: the touched rows, each duplicate in turn, as TF's sparse kernel."""
+
+    _lazy_sparse = True  # ResourceSparseApplyProximalGradientDescent updates only the touched rows
+
+    def __init__(self, learning_rate, l1_regularization_strength=0.0, l2_regularization_strength=0.0,
+                 use_locking=False, name="ProximalGradientDescent", *, global_clipnorm=None, clipnorm=None,
+                 clipvalue=None, nonfinite="skip"):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate, l1_regularization_strength=l1_regularization_strength,
+                            l2_regularization_strength=l2_regularization_strength)
+        self._check_strengths(l1_regularization_strength=l1_regularization_strength,
+                              l2_regularization_strength=l2_regularization_strength)
+        self._learning_rate = learning_rate
+        self._l1, self._l2 = l1_regularization_strength, l2_regularization_strength
+
+    def _op_inputs(self):
+        return "proximal_gradient_descent", {"lr": self._learning_rate, "l1": self._l1, "l2": self._l2}, {}
+
+
+class ProximalAdagradOptimizer(_Fused):
+    """tf.compat.v1.train.ProximalAdagradOptimizer (slot `accumulator`, starting at
+    `initial_accumulator_value`; ResourceApplyProximalAdagrad) with fused clipping. As TF's
+    kernel, a learning rate <= 0 is refused: a number at construction (ValueError), a tensor
+    when the step runs (InvalidArgumentError, nothing written). IndexedSlices: the touched rows,
+    each duplicate in turn, as TF's sparse kernel."""
+
+    _slot_names = ("accumulator",)
+    _lazy_sparse = True  # ResourceSparseApplyProximalAdagrad updates only the touched rows
+
+    def __init__(self, learning_rate, initial_accumulator_value=0.1, l1_regularization_strength=0.0,
+                 l2_regularization_strength=0.0, use_locking=False, name="ProximalAdagrad", *,
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+        if initial_accumulator_value <= 0.0:  # the stock class's check and words
+            raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value,
+                            l1_regularization_strength=l1_regularization_strength,
+                            l2_regularization_strength=l2_regularization_strength)
+        if isinstance(learning_rate, numbers.Real) and not isinstance(learning_rate, bool) and learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0 (TF's ProximalAdagrad kernel refuses it), got {learning_rate}")
+        self._check_strengths(l1_regularization_strength=l1_regularization_strength,
+                              l2_regularization_strength=l2_regularization_strength)
+        self._learning_rate, self._initial = learning_rate, initial_accumulator_value
+        self._l1, self._l2 = l1_regularization_strength, l2_regularization_strength
+
+    def _slot_initial(self, name):
+        return self._initial
+
+    def _op_inputs(self):
+        lr = self._learning_rate
+        if not isinstance(lr, numbers.Real):  # a tensor or callable: checked when the step runs
+            lr = _f64(lr, "learning_rate")
+            check = tf.debugging.assert_positive(
+                lr, message="learning_rate must be > 0 (TF's ProximalAdagrad kernel refuses it)")
+            with tf.control_dependencies([check]):
+                lr = tf.identity(lr)
+        return "proximal_adagrad", {"lr": lr, "l1": self._l1, "l2": self._l2}, {}
+
+
+class AdagradDAOptimizer(_Fused):
+    """tf.compat.v1.train.AdagradDAOptimizer (slots `gradient_accumulator` and
+    `gradient_squared_accumulator`, the latter starting at
+    `initial_gradient_squared_accumulator_value`; ResourceApplyAdagradDA) with fused clipping.
+    As the stock class, the step is given `global_step + 1`, read when the step runs (the
+    constructor's `global_step`, a tensor or variable; required). IndexedSlices: the touched
+    rows, each duplicate accumulated in turn, as TF's sparse kernel."""
+
+    _slot_names = ("gradient_accumulator", "gradient_squared_accumulator")
+    _lazy_sparse = True  # ResourceSparseApplyAdagradDA updates only the touched rows
+
+    def __init__(self, learning_rate, global_step, initial_gradient_squared_accumulator_value=0.1,
+                 l1_regularization_strength=0.0, l2_regularization_strength=0.0, use_locking=False,
+                 name="AdagradDA", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+        if initial_gradient_squared_accumulator_value <= 0.0:  # the stock class's check and words
+            raise ValueError("initial_gradient_squared_accumulator_value must be positive: "
+                             f"{initial_gradient_squared_accumulator_value}")
+        if global_step is None:
+            # The stock class fails only when the step is built, converting None to a tensor.
+            raise ValueError("AdagradDAOptimizer needs global_step, the training step counter (a tensor or "
+                             "variable, e.g. tf.compat.v1.train.get_or_create_global_step()): its update "
+                             "uses global_step + 1; got None")
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        self._check_numbers(learning_rate=learning_rate,
+                            initial_gradient_squared_accumulator_value=initial_gradient_squared_accumulator_value,
+                            l1_regularization_strength=l1_regularization_strength,
+                            l2_regularization_strength=l2_regularization_strength)
+        self._check_strengths(l1_regularization_strength=l1_regularization_strength,
+                              l2_regularization_strength=l2_regularization_strength)
+        self._learning_rate, self._initial = learning_rate, initial_gradient_squared_accumulator_value
+        self._l1, self._l2 = l1_regularization_strength, l2_regularization_strength
+        self._global_step = global_step
+
+    def _slot_initial(self, name):
+        return self._initial if name == "gradient_squared_accumulator" else 0.0
+
+    def _op_inputs(self):
+        gs = self._global_step
+        gs = tf.cast(gs() if callable(gs) else gs, tf.float64) + 1.0  # the stock class's global_step + 1
+        return "adagrad_da", {"lr": self._learning_rate, "l1": self._l1, "l2": self._l2, "global_step": gs}, {}
