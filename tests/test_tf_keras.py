@@ -326,17 +326,21 @@ import tfclip.tf_keras
 assert tf.keras.optimizers.Adam is tf_keras.optimizers.Adam, tf.keras.optimizers.Adam
 assert issubclass(tfclip.tf_keras.Adam, tf.keras.optimizers.Adam)
 assert issubclass(tfclip.tf_keras.legacy.Adam, tf.keras.optimizers.legacy.Adam)
-assert issubclass(tfclip.tf_keras.legacy.SGD, tf.keras.optimizers.legacy.SGD)
+for n in ("SGD", "Adam", "RMSprop", "Adadelta", "Adamax", "Ftrl"):
+    assert issubclass(getattr(tfclip.tf_keras.legacy, n), getattr(tf.keras.optimizers.legacy, n)), n
+for n in ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl"):
+    assert issubclass(getattr(tfclip.tf_keras, n), getattr(tf.keras.optimizers, n)), n
 x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32"); y = x.sum(1, keepdims=True)
 out = []
-pairs = [(tf.keras.optimizers.Adam, tfclip.tf_keras.Adam), (tf.keras.optimizers.legacy.Adam, tfclip.tf_keras.legacy.Adam)]
+pairs = [(tf.keras.optimizers.Adam, tfclip.tf_keras.Adam), (tf.keras.optimizers.legacy.Adam, tfclip.tf_keras.legacy.Adam),
+         (tf.keras.optimizers.legacy.Adamax, tfclip.tf_keras.legacy.Adamax)]
 for opt in [c(0.1, global_clipnorm=1.0) for pair in pairs for c in pair]:
     tf.keras.utils.set_random_seed(0)
     m = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
     m.compile(optimizer=opt, loss="mse")
     m.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
     out.append(m.get_weights())
-for want, got in ((out[0], out[1]), (out[2], out[3])):
+for want, got in ((out[0], out[1]), (out[2], out[3]), (out[4], out[5])):
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=3e-6, atol=1e-7)
 print("LEGACY-OK", type(m.optimizer).__module__)
@@ -371,14 +375,21 @@ def test_mirrored_strategy_subprocess(tmp_path):
 
 # -- tf_keras.optimizers.legacy (OptimizerV2, TF's training ops) ------------------------------
 LEGACY_CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.8, "nesterov": True}),
-                ("Adam", {}), ("Adam", {"amsgrad": True}), ("Adam", {"learning_rate": 0.1, "decay": 0.1})]
+                ("Adam", {}), ("Adam", {"amsgrad": True}), ("Adam", {"learning_rate": 0.1, "decay": 0.1}),
+                ("RMSprop", {"momentum": 0.9}), ("RMSprop", {"momentum": 0.5, "centered": True, "rho": 0.8}),
+                ("Adadelta", {"learning_rate": 1.0}), ("Adadelta", {"rho": 0.8, "epsilon": 1e-5}),
+                ("Adamax", {}), ("Adamax", {"learning_rate": 0.1, "decay": 0.1}),
+                ("Ftrl", {}), ("Ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
+                                        "l2_shrinkage_regularization_strength": 0.1, "beta": 0.1}),
+                ("Ftrl", {"learning_rate_power": -0.7, "initial_accumulator_value": 0.5})]
 
 
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "-".join(c) or "noclip")
 @pytest.mark.parametrize("case", LEGACY_CASES, ids=_ids)
 def test_legacy_trajectory_matches_stock(case, clip):
-    """IndexedSlices included: legacy SGD with momentum updates only the touched rows
-    (ResourceSparseApplyKerasMomentum), legacy Adam every row; duplicates summed first."""
+    """IndexedSlices included: legacy SGD with momentum, RMSprop with momentum, Adadelta, Adamax
+    and Ftrl update only the touched rows (TF's ResourceSparseApply* ops; Adamax's own scatter),
+    legacy Adam every row; duplicates summed first."""
     name, kw = case
     kw = {**kw, **clip}
     for sparse in (False, True):
@@ -412,13 +423,93 @@ def test_legacy_variables_config_and_checkpoints(tmp_path):
         assert b.get_config() == a.get_config()
 
 
+def test_legacy_sparse_updates_only_the_touched_rows():
+    """The rows an IndexedSlices gradient leaves out keep their values and slots (stock's sparse
+    ops), for the classes whose stock sparse update is lazy."""
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adadelta", {"learning_rate": 1.0}), ("Adamax", {}),
+                     ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1})):
+        opt, got = _train(getattr(tk.legacy, name), kw, steps=3, sparse=True)
+        v0 = np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1
+        np.testing.assert_array_equal(got[0][[1, 3, 4]], v0[[1, 3, 4]], err_msg=name)
+        assert not np.allclose(got[0][[0, 2]], v0[[0, 2]]), name
+        assert opt.lazy_sparse is True
+
+
+@pytest.mark.parametrize("name,kw", [("RMSprop", {}), ("RMSprop", {"centered": True, "clipnorm": 0.5})])
+def test_legacy_rmsprop_without_momentum_runs_the_stock_step(name, kw):
+    """Stock legacy RMSprop without momentum computes var -= lr*g / (sqrt(rms) + epsilon) (epsilon
+    outside the square root): no tfclip rule computes that, so the stock step runs, said once."""
+    tk._LEGACY_WARNED.clear()
+    for sparse in (False, True):
+        _, want = _train(getattr(stock.legacy, name), kw, sparse=sparse)
+        if not sparse:
+            with pytest.warns(UserWarning, match="momentum is 0.*stock tf_keras ops"):
+                opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse)
+        else:
+            opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse)
+        _assert_same(got, want, 0, 0)  # the stock ops themselves
+        assert int(opt.iterations.numpy()) == 4
+
+
+def test_legacy_adagrad_and_nadam_have_no_drop_in():
+    """Stock legacy Adagrad (ResourceApplyAdagradV2: lr*g / (sqrt(accum) + epsilon), epsilon never
+    0 there) and legacy Nadam (momentum schedule 0.96^(0.004 t)) compute what no tfclip rule does."""
+    assert not hasattr(tk.legacy, "Adagrad") and not hasattr(tk.legacy, "Nadam")
+    # (the Adagrad difference is real: with a small accumulator epsilon's place changes the step)
+    v = tf.Variable([1.0])
+    opt = stock.legacy.Adagrad(1.0, initial_accumulator_value=0.0, epsilon=1e-3)
+    opt.apply_gradients([(tf.constant([1e-4]), v)])
+    np.testing.assert_allclose(1.0 - v.numpy(), 1e-4 / (1e-4 + 1e-3), rtol=1e-5)  # not 1e-4/sqrt(1e-8+1e-3)
+
+
+def test_legacy_nonfinite_skip_for_every_class():
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adadelta", {}), ("Adamax", {}), ("Ftrl", {})):
+        for sparse in (False, True):
+            opt, got = _train(getattr(tk.legacy, name), {**kw, "global_clipnorm": 1.0}, steps=4, sparse=sparse,
+                              grads_fn=_nan_grads)
+            assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 4
+            v1 = tf.Variable(np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1)
+            v2 = tf.Variable(np.linspace(-1, 1, 6).astype(np.float32))
+            ref = getattr(stock.legacy, name)(**kw, global_clipnorm=1.0)
+            for s in range(4):
+                if s == 2:
+                    ref._create_all_weights([v1, v2])
+                    ref.iterations.assign_add(1)
+                    continue
+                ref.apply_gradients(zip(_grads(s, sparse), [v1, v2]))
+            _assert_same(got, [v1.numpy(), v2.numpy()] + [v.numpy() for v in ref.variables()])
+
+
+def test_legacy_loss_scale_optimizer_mixed_precision():
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adamax", {}), ("Ftrl", {"global_clipnorm": 1.0})):
+        res = []
+        for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+            tf_keras.mixed_precision.set_global_policy("mixed_float16")
+            try:
+                tf_keras.utils.set_random_seed(2)
+                m = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(3),
+                                         tf_keras.layers.Dense(1, dtype="float32")])
+                opt = tf_keras.mixed_precision.LossScaleOptimizer(cls(0.01, **kw))
+                m.compile(optimizer=opt, loss="mse")
+                m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+                res.append([w.numpy() for w in m.weights])
+            finally:
+                tf_keras.mixed_precision.set_global_policy("float32")
+        _assert_same(res[1], res[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "jit_compile"])
-@pytest.mark.parametrize("name,kw", [("Adam", {"global_clipnorm": 0.5}), ("SGD", {"momentum": 0.9, "clipnorm": 0.1})])
+@pytest.mark.parametrize("name,kw", [("Adam", {"global_clipnorm": 0.5}), ("SGD", {"momentum": 0.9, "clipnorm": 0.1}),
+                                     ("RMSprop", {"momentum": 0.9, "clipvalue": 0.1}), ("Adadelta", {"clipnorm": 0.2}),
+                                     ("Adamax", {"global_clipnorm": 0.5}), ("Ftrl", {"global_clipnorm": 0.5})])
 def test_legacy_model_fit_embedding(jit, name, kw):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, (32, 5)).astype("int32")
     y = rng.normal(size=(32, 1)).astype("float32")
-    # (stock legacy SGD's sparse momentum op has no XLA kernel: the reference runs without jit)
+    # (stock legacy sparse ops (SGD's momentum, RMSprop's, Ftrl's, ...) have no XLA kernel: the
+    # reference runs without jit)
     _, want = _fit(getattr(stock.legacy, name)(0.05, **kw), False, x, y)
     _, got = _fit(getattr(tk.legacy, name)(0.05, **kw), jit, x, y)
     _assert_same(got, want, rtol=1e-5, atol=1e-6)

@@ -499,7 +499,14 @@ class _LegacyFusedMixin(_FusedMixin):
             return "none", 0.0
         return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
 
+    def _no_rule_reason(self):
+        """Why this configuration's update matches no tfclip core rule (then the stock step runs)."""
+        return None
+
     def _stock_reason(self):
+        no_rule = self._no_rule_reason()
+        if no_rule is not None:
+            return no_rule
         if self.gradient_transformers:
             return "gradient_transformers are set (stock runs them after the clip)"
         if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
@@ -624,15 +631,120 @@ class _LegacyAdam(_LegacyFusedMixin, _legacy_stock.Adam):
                                 "beta_2_power": tf.pow(beta_2, step)}, {"amsgrad": bool(self.amsgrad)})
 
 
-_LegacySGD.__name__ = _LegacySGD.__qualname__ = "SGD"
-_LegacyAdam.__name__ = _LegacyAdam.__qualname__ = "Adam"
+class _LegacyRMSprop(_LegacyFusedMixin, _legacy_stock.RMSprop):
+    """tf_keras.optimizers.legacy.RMSprop with momentum as one fused op: TF's
+    ResourceApplyRMSProp / ResourceApplyCenteredRMSProp (tfclip's `tf_rmsprop` rule; slots `rms`,
+    `momentum`, `mg`), and for IndexedSlices, as stock's ResourceSparseApply(Centered)RMSProp,
+    only the rows the gradient touches (`lazy_sparse` defaults to True).
+
+    Without momentum stock legacy RMSprop computes `var -= lr * g / (sqrt(rms) + epsilon)`
+    (epsilon outside the square root), which no tfclip rule computes: that configuration runs the
+    stock step, with a warning once."""
+
+    _checked = ("rho", "momentum", "epsilon")
+
+    _lazy_default = True
+
+    def _no_rule_reason(self):
+        if not self._momentum:
+            return ("momentum is 0 (stock legacy RMSprop then adds epsilon outside the square root, "
+                    "which no tfclip rule computes; with momentum > 0 the step is fused)")
+        return None
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        slots = [self._slot_handles("rms", tvars), self._slot_handles("momentum", tvars)]
+        if self.centered:
+            slots.append(self._slot_handles("mg", tvars))
+        return ("tf_rmsprop", slots, {"rho": tf.identity(self._get_hyper("rho", dtype)),
+                                      "momentum": tf.identity(self._get_hyper("momentum", dtype)),
+                                      "epsilon": self.epsilon}, {"centered": bool(self.centered)})
+
+
+class _LegacyAdadelta(_LegacyFusedMixin, _legacy_stock.Adadelta):
+    """tf_keras.optimizers.legacy.Adadelta as one fused op: TF's ResourceApplyAdadelta (tfclip's
+    `adadelta` rule; slots `accum_grad`, `accum_var`), and for IndexedSlices, as stock's
+    ResourceSparseApplyAdadelta, only the rows the gradient touches (`lazy_sparse` defaults to
+    True)."""
+
+    _checked = ("rho", "epsilon")
+
+    _lazy_default = True
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        return ("adadelta", [self._slot_handles("accum_grad", tvars), self._slot_handles("accum_var", tvars)],
+                {"rho": tf.identity(self._get_hyper("rho", dtype)), "epsilon": self.epsilon}, {})
+
+
+class _LegacyAdamax(_LegacyFusedMixin, _legacy_stock.Adamax):
+    """tf_keras.optimizers.legacy.Adamax as one fused op: TF's ResourceApplyAdaMax (tfclip's
+    `adamax` rule, beta_1 and its power in the variables' dtype as stock; slots `m`, `v`), and for
+    IndexedSlices, as stock's own sparse update, only the rows the gradient touches
+    (`lazy_sparse` defaults to True)."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+
+    _lazy_default = True
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        step = tf.cast(self.iterations + 1, dtype)
+        beta_1 = tf.identity(self._get_hyper("beta_1", dtype))
+        return ("adamax", [self._slot_handles("m", tvars), self._slot_handles("v", tvars)],
+                {"beta_1": beta_1, "beta_2": tf.identity(self._get_hyper("beta_2", dtype)),
+                 "epsilon": self.epsilon, "step": tf.cast(step, tf.float64)}, {})
+
+
+class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
+    """tf_keras.optimizers.legacy.Ftrl as one fused op: TF's ResourceApplyFtrl / FtrlV2 (l2
+    shrinkage), l2 adjusted by beta / (2 lr) as stock (tfclip's `ftrl` / `ftrl_sqrt` rules; slots
+    `accumulator`, `linear`), and for IndexedSlices, as stock's ResourceSparseApplyFtrl(V2), only
+    the rows the gradient touches (`lazy_sparse` defaults to True)."""
+
+    _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
+                "beta")
+
+    _lazy_default = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The power as constructed (a number, or a tensor / callable): it picks the rule.
+        self._tfclip_lr_power = self._hyper["learning_rate_power"]
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        kind, power = _opcall.ftrl_variant(self._tfclip_lr_power)
+        if power:
+            power = {"lr_power": tf.identity(self._get_hyper("learning_rate_power", dtype))}
+        return (kind, [self._slot_handles("accumulator", tvars), self._slot_handles("linear", tvars)],
+                {**power, "l1": tf.identity(self._get_hyper("l1_regularization_strength", dtype)),
+                 "l2": tf.identity(self._get_hyper("l2_regularization_strength", dtype)),
+                 "l2_shrinkage": self._l2_shrinkage_regularization_strength,
+                 "beta": tf.identity(self._get_hyper("beta", dtype))}, {})
+
+
+for _cls, _name in ((_LegacySGD, "SGD"), (_LegacyAdam, "Adam"), (_LegacyRMSprop, "RMSprop"),
+                    (_LegacyAdadelta, "Adadelta"), (_LegacyAdamax, "Adamax"), (_LegacyFtrl, "Ftrl")):
+    _cls.__name__ = _cls.__qualname__ = _name
 
 
 class legacy:  # noqa: N801 (a namespace, as tf_keras.optimizers.legacy)
-    """tfclip.tf_keras.legacy.SGD and .Adam: drop-ins for tf_keras.optimizers.legacy.SGD / Adam."""
+    """Drop-ins for tf_keras.optimizers.legacy.SGD, Adam, RMSprop, Adadelta, Adamax and Ftrl.
+
+    legacy Adagrad (ResourceApplyAdagradV2: epsilon outside the square root) and legacy Nadam
+    (its momentum schedule 0.96^(0.004 t)) compute updates no tfclip rule computes: they have no
+    drop-in here."""
 
     SGD = _LegacySGD
     Adam = _LegacyAdam
+    RMSprop = _LegacyRMSprop
+    Adadelta = _LegacyAdadelta
+    Adamax = _LegacyAdamax
+    Ftrl = _LegacyFtrl
+
+
+_LEGACY_CLASSES = (legacy.SGD, legacy.Adam, legacy.RMSprop, legacy.Adadelta, legacy.Adamax, legacy.Ftrl)
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 
@@ -673,7 +785,7 @@ def _refuse_tf_keras(obj):
 # Registered so tf_keras's load_model finds them without custom_objects.
 for _cls in _CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip")(_cls)
-for _cls in (legacy.SGD, legacy.Adam):
+for _cls in _LEGACY_CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip", name="legacy." + _cls.__name__)(_cls)
 
 
