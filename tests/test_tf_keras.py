@@ -4,7 +4,9 @@ schedules, IndexedSlices with duplicate rows, weight decay, EMA, model.fit (and 
 the variable list, tf.train.Checkpoint both ways, the non-finite policies, MirroredStrategy (in a
 subprocess), TF_USE_LEGACY_KERAS=1, and the Keras 3 / tf_keras mix-up errors."""
 import inspect
+import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -366,11 +368,56 @@ def test_mirrored_strategy_subprocess(tmp_path):
     assert int(m["replicas"]) == 2
     # tf_keras sums across replicas, then clips: stock and tfclip both move by clip(3 + 3) = 1.
     np.testing.assert_allclose(m["two_replica_clip"], [-1.0, -1.0], rtol=1e-6)
-    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy"):
+    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy", "fit_legacyrms", "custom_legacyrms"):
         keys = sorted(k for k in m.files if k.startswith(prefix + "_tfclip_"))
         assert keys
         for k in keys:
             np.testing.assert_allclose(m[k], m[k.replace("_tfclip_", "_stock_")], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _check(mode, out, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
+    return subprocess.Popen([sys.executable, "-m", "tfclip.tf_keras_distributed_check", mode, str(out)],
+                            env=env, cwd=os.path.dirname(str(out)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_multi_worker_mirrored_two_processes(tmp_path):
+    """MultiWorkerMirroredStrategy, 2 worker processes on localhost (one CPU replica each):
+    model.fit and a custom loop with tfclip.tf_keras.Adam, legacy.Adam and legacy.RMSprop. After
+    every step both workers hold bit-identical weights and optimizer variables, and they follow
+    the one-device run of the same global batches, as stock tf_keras does."""
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = [_check("worker", tmp_path / f"w{i}.npz",
+                    {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})})
+             for i in range(2)]
+    procs.append(_check("single", tmp_path / "s.npz"))
+    for p in procs:
+        out, _ = p.communicate(timeout=500)
+        assert p.returncode == 0, out[-3000:]
+    w0, w1, single = (np.load(tmp_path / f) for f in ("w0.npz", "w1.npz", "s.npz"))
+    assert int(w0["replicas"]) == 2 and int(w1["replicas"]) == 2
+    assert (int(w0["task"]), int(w1["task"])) == (0, 1)
+    hists = sorted(k for k in w0.files if k.startswith("hist_"))
+    assert len(hists) == 12
+    for k in hists:
+        assert w0[k].shape[0] == single[k].shape[0] > 1, k
+        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)  # the copies alike, step by step
+        np.testing.assert_allclose(w0[k], single[k], rtol=1e-5, atol=2e-6, err_msg=k)
+        if "_tfclip" in k:  # and tfclip's steps are stock's
+            np.testing.assert_allclose(w0[k], w0[k.replace("_tfclip", "_stock")], rtol=1e-5, atol=2e-6,
+                                       err_msg=k)
 
 
 # -- tf_keras.optimizers.legacy (OptimizerV2, TF's training ops) ------------------------------
