@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -603,3 +604,134 @@ def test_model_save_and_load_keep_the_class(tmp_path, fmt):
         loaded = tf_keras.models.load_model(path).optimizer
         assert type(loaded) is cls
         assert loaded.nonfinite == opt.nonfinite
+
+
+# -- the behaviours tf-keras's own optimizer tests check (optimizer_test.py, legacy/*_test.py),
+#    as our own cases against the stock classes ------------------------------------------------
+LEGACY_NEW = [("RMSprop", {"momentum": 0.9}), ("Adadelta", {"learning_rate": 1.0}), ("Adamax", {}),
+              ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1})]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+@pytest.mark.parametrize("name,kw", LEGACY_NEW + [("SGD", {"momentum": 0.9}), ("Adam", {})])
+def test_legacy_other_float_dtypes(name, kw, dtype):
+    """legacy/*_test.py run half, float32 and float64 variables; complex ones (which tfclip's
+    kernels do not take) run the stock step, said once."""
+    res = []
+    for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+        v = tf.Variable(np.array([[1.0, -2.0], [0.5, 3.0]], dtype))
+        opt = cls(**kw)
+        for s in range(3):
+            opt.apply_gradients([(tf.constant(np.array([[0.1, -0.2], [0.3, 0.05]]) * (s + 1), dtype), v)])
+        res.append([v.numpy()] + [x.numpy() for x in opt.variables()])
+    # float64: a few ulps of the values summed in Ftrl's linear slot (which cancel) remain
+    tol = 2e-3 if dtype == "float16" else 1e-9
+    _assert_same(res[1], res[0], rtol=tol, atol=tol)
+
+
+def test_legacy_complex_variables_run_the_stock_step():
+    tk._LEGACY_WARNED.clear()
+    res = []
+    for cls in (stock.legacy.Adam, tk.legacy.Adam):
+        v = tf.Variable([1 + 1j, 2 - 1j], dtype=tf.complex64)
+        opt = cls(0.1)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            opt.apply_gradients([(tf.constant([0.5 + 0.5j, -1j], tf.complex64), v)])
+        res.append(v.numpy())
+    assert any("not complex64" in str(w.message) and "stock tf_keras ops" in str(w.message) for w in rec)
+    np.testing.assert_array_equal(res[1], res[0])
+
+
+@pytest.mark.parametrize("name,kw", LEGACY_NEW + [("Adam", {})])
+def test_legacy_callable_hyperparameters(name, kw):
+    """Hyper-parameters given as callables (legacy tests' use_callable_params), read per step."""
+    calls = {"lr": 0.2}
+    callables = {"learning_rate": lambda: calls["lr"]}
+    if name == "RMSprop":
+        callables.update(rho=lambda: 0.8, momentum=lambda: 0.5)
+    if name == "Adadelta":
+        callables.update(rho=lambda: 0.9)
+    if name == "Adamax":
+        callables.update(beta_1=lambda: 0.8)
+    res = []
+    for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+        calls["lr"] = 0.2
+        v = tf.Variable([1.0, -2.0, 0.5])
+        opt = cls(**{**kw, **callables})
+        for s in range(3):
+            opt.apply_gradients([(tf.constant([0.1, -0.2, 0.3]) * (s + 1), v)])
+            calls["lr"] *= 0.5
+        res.append([v.numpy()] + [x.numpy() for x in opt.variables()])
+    _assert_same(res[1], res[0])
+
+
+@pytest.mark.parametrize("name,kw", LEGACY_NEW + [("SGD", {"momentum": 0.9}), ("Adam", {})])
+def test_legacy_made_eagerly_applied_in_a_v1_graph(name, kw):
+    """optimizer_v2_test: an optimizer constructed eagerly, its step built in a tf.Graph and run in
+    a Session (the constructor must not make the hyper variables in the eager context)."""
+    res = []
+    for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+        opt = cls(**kw)
+        with tf.Graph().as_default():
+            v = tf.Variable([[1.0, -2.0], [0.5, 3.0]])
+            g = tf.compat.v1.placeholder(tf.float32, [2, 2])
+            train = opt.apply_gradients([(g, v)])
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for s in range(3):
+                    sess.run(train, {g: np.array([[0.1, -0.2], [0.3, 0.05]]) * (s + 1)})
+                res.append(sess.run([v] + opt.variables()))
+    _assert_same(res[1], res[0])
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["new", "legacy"])
+def test_set_weights_learning_rate_iterations_and_name(legacy):
+    """optimizer_test: set_weights only once built; the learning rate set between steps (and
+    by the legacy `lr` name); `iterations` replaced; apply_gradients's name scopes the slots; an
+    empty step."""
+    mod_s, mod_t = (stock.legacy, tk.legacy) if legacy else (stock, tk)
+    res = []
+    for mod in (mod_s, mod_t):
+        v = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+        opt = mod.Adam(1.0)
+        opt.apply_gradients(zip([], []))  # nothing to do, no error
+        opt.apply_gradients([(tf.constant([[1.0, 2.0], [3.0, 4.0]]), v)], name="dummy")
+        slot = opt.get_slot(v, "m") if legacy else opt._momentums[0]
+        assert "dummy" in slot.name or legacy  # (legacy slots are named by the variable)
+        opt.learning_rate = 0.5
+        opt.apply_gradients([(tf.constant([[1.0, -2.0], [3.0, 0.5]]), v)])
+        opt.lr = 0.25
+        opt.apply_gradients([(tf.constant([[0.3, -2.0], [1.0, 0.5]]), v)])
+        assert int(opt.iterations.numpy()) == 3
+        fresh = mod.Adam()
+        if not legacy:
+            with pytest.raises(ValueError, match="You are calling"):
+                fresh.set_weights([x.numpy() for x in opt.variables])
+            fresh.build([v])
+            fresh.set_weights([x.numpy() for x in opt.variables])
+            _assert_same([x.numpy() for x in fresh.variables], [x.numpy() for x in opt.variables], 0, 0)
+        res.append([v.numpy()] + [x.numpy() for x in _opt_vars(opt) if hasattr(x, "numpy")]
+                   if legacy else [v.numpy()] + [x.numpy() for x in opt.variables])
+    _assert_same(res[1], res[0])
+    if not legacy:
+        opt = tk.Adam(jit_compile=False)
+        opt.iterations = tf.Variable(2, dtype=tf.int32)
+        out = opt.apply_gradients(zip(tf.convert_to_tensor([1.0, 1.0]), [tf.Variable(2.0), tf.Variable(2.0)]))
+        assert int(out) == 3 and int(opt.iterations) == 3
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["new", "legacy"])
+def test_config_round_trip_with_a_schedule(legacy):
+    """optimizer_test.testGetAndFromConfig: a learning-rate schedule and the clip in the config;
+    from_config gives tfclip's class with the same config."""
+    mod_s, mod_t = (stock.legacy, tk.legacy) if legacy else (stock, tk)
+    names = ["SGD", "Adam", "RMSprop", "Adadelta", "Adamax", "Ftrl"] + ([] if legacy else ["Adagrad", "Nadam", "Lion", "AdamW"])
+    for name in names:
+        sched = tf_keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=10, decay_rate=0.9)
+        kw = {"learning_rate": sched, "clipnorm": 0.5}
+        a, b = getattr(mod_s, name)(**kw), getattr(mod_t, name)(**kw)
+        assert b.get_config() == a.get_config(), name
+        c = getattr(mod_t, name).from_config(b.get_config())
+        assert type(c) is getattr(mod_t, name)
+        assert c.get_config() == b.get_config(), name

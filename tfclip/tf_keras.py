@@ -48,7 +48,7 @@ except ImportError as _e:  # pragma: no cover - the optional dependency is absen
 from tensorflow.python.ops import control_flow_util
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _loader, _opcall
+from tfclip import _loader, _opcall, _optstate
 from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "legacy",
@@ -96,9 +96,15 @@ def _state_variable(value, name, dtype):
                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
+def _outer_graph():
+    """The graph variables made now go to (None: eager)."""
+    with tf.init_scope():
+        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
 def _check_numbers(opt, names):
     for name in names:
-        v = getattr(opt, name)
+        v = opt._tfclip_value(name)
         if callable(v) or isinstance(v, (tf.Tensor, tf.Variable)):
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -106,7 +112,7 @@ def _check_numbers(opt, names):
         _check_number(name, float(v))
 
 
-class _FusedMixin:
+class _FusedMixin(_optstate.NormState):
     """The fused update every tf_keras drop-in shares (see the module docstring)."""
 
     _checked = ()
@@ -129,15 +135,16 @@ class _FusedMixin:
             raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite
         self.lazy_sparse = lazy_sparse
+        self._tfclip_make_state()
+
+    def _tfclip_make_state(self):
         # Outside the tracked attributes (object.__setattr__): not in optimizer.variables nor in
         # checkpoints, so both stay the stock class's.
-        for attr, name, value, dtype in (("_global_norm", "global_norm", 0.0, tf.float32),
-                                         ("_skipped_steps", "skipped_steps", 0, tf.int64),
-                                         ("_clipped_steps", "clipped_steps", 0, tf.int64),
-                                         ("_clip_scale_sum", "clip_scale_sum", 0.0, tf.float64)):
+        for attr, name, value, dtype in _optstate.STATE_VARIABLES:
             object.__setattr__(self, attr, _state_variable(value, f"{self._tfclip_scope()}/{name}", dtype))
         object.__setattr__(self, "_tensor_norms", None)
         object.__setattr__(self, "_tensor_norm_names", [])
+        object.__setattr__(self, "_tfclip_state_graph", _outer_graph())
 
     def build(self, var_list):
         built = getattr(self, "_built", False)
@@ -147,38 +154,17 @@ class _FusedMixin:
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
 
+    def _tfclip_value(self, name):
+        """A constructor argument, as given, for the checks."""
+        return getattr(self, name)
+
     def _tfclip_scope(self):
         return getattr(self, "_name", None) or self.name
 
-    # -- tfclip's own state ---------------------------------------------------------------
-    @property
-    def global_norm(self):
-        """The pre-clip global norm of the gradients of the last step (a variable)."""
-        return self._global_norm
-
-    @property
-    def skipped_steps(self):
-        """How many steps were skipped for a non-finite global norm (a variable)."""
-        return self._skipped_steps
-
-    @property
-    def clipped_steps(self):
-        """How many applied steps the clip scaled down (global_clipnorm / clipnorm)."""
-        return self._clipped_steps
-
-    @property
-    def clip_scale_sum(self):
-        """The sum over steps of the clip's scale (1 for a step the clip left alone)."""
-        return self._clip_scale_sum
-
-    @property
-    def tensor_norms(self):
-        """Each variable's pre-clip gradient norm at the last step (aligned with
-        `tensor_norm_names`; 0 where no gradient). None until the optimizer is built."""
-        return self._tensor_norms
-
+    # -- tfclip's own state (the properties and _record_norms: tfclip/_optstate.py) --------
     @property
     def tensor_norm_names(self):
+        """The variables' names, in the order of `tensor_norms`."""
         return list(self._tensor_norm_names)
 
     def get_config(self):
@@ -298,23 +284,9 @@ class _FusedMixin:
         self._record_norms(norm, applied, tensor_norms, tvars, mode, clip)
         return applied
 
-    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip):
-        self._global_norm.assign(tf.cast(norm, tf.float32))
-        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+    def _norm_positions(self, tvars):
         idx = [self._index(v) for v in tvars]
-        if self._tensor_norms is not None and None not in idx:
-            tn = tf.cast(tensor_norms, tf.float32)
-            total = int(self._tensor_norms.shape[0])
-            if idx != list(range(total)):
-                tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
-            self._tensor_norms.assign(tn)
-        if mode not in ("global_norm", "norm"):
-            return
-        clip = tf.cast(clip, tf.float64)
-        measure = tf.cast(norm if mode == "global_norm" else tf.reduce_max(tensor_norms), tf.float64)
-        fired = tf.logical_and(tf.logical_and(applied, clip > 0), measure > clip)
-        self._clipped_steps.assign_add(tf.cast(fired, tf.int64))
-        self._clip_scale_sum.assign_add(tf.where(fired, clip / measure, tf.constant(1.0, tf.float64)))
+        return None if None in idx else (idx, int(self._tensor_norms.shape[0]))
 
 
 class SGD(_FusedMixin, _stock.SGD):
@@ -503,10 +475,21 @@ class _LegacyFusedMixin(_FusedMixin):
         """Why this configuration's update matches no tfclip core rule (then the stock step runs)."""
         return None
 
-    def _stock_reason(self):
+    def _tfclip_value(self, name):
+        # A hyper-parameter as given, from `_hyper`: reading it through the attribute
+        # (`_get_hyper`) would make every hyper variable now, in the constructor's graph, where
+        # stock makes them at the first step (a graph built later could not use them).
+        hyper = self.__dict__.get("_hyper", {})
+        return hyper[name] if name in hyper else getattr(self, name)
+
+    def _stock_reason(self, grads_and_vars):
         no_rule = self._no_rule_reason()
         if no_rule is not None:
             return no_rule
+        other = sorted({v.dtype.base_dtype.name for _, v in grads_and_vars
+                        if v.dtype.base_dtype not in _FLOAT_DTYPES})
+        if other:
+            return f"tfclip's kernels take float16, bfloat16, float32 and float64 variables, not {', '.join(other)}"
         if self.gradient_transformers:
             return "gradient_transformers are set (stock runs them after the clip)"
         if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
@@ -520,6 +503,10 @@ class _LegacyFusedMixin(_FusedMixin):
 
     def _create_all_weights(self, var_list):
         super(_FusedMixin, self)._create_all_weights(var_list)
+        if self._tfclip_state_graph is not _outer_graph():
+            # Made eagerly by the constructor, stepped in a tf.Graph (a TF1-style session): the
+            # state anew in that graph, as stock makes its hyper variables at the first step.
+            self._tfclip_make_state()
         if self._tensor_norms is None and var_list:
             object.__setattr__(self, "_tensor_norms", _state_variable(
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
@@ -543,7 +530,8 @@ class _LegacyFusedMixin(_FusedMixin):
         return None
 
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
-        reason = self._stock_reason()
+        grads_and_vars = list(grads_and_vars)
+        reason = self._stock_reason(grads_and_vars)
         if reason is not None:
             if (type(self).__name__, reason) not in _LEGACY_WARNED:
                 _LEGACY_WARNED.add((type(self).__name__, reason))
@@ -583,6 +571,9 @@ class _LegacyFusedMixin(_FusedMixin):
                 return tf.__internal__.distribute.interim.maybe_merge_call(
                     lambda distribution: self.iterations.assign_add(1, read_value=tf.executing_eagerly()),
                     tf.distribute.get_strategy())
+
+
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
 def _legacy_var_key(v):
@@ -726,7 +717,8 @@ class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
 
 for _cls, _name in ((_LegacySGD, "SGD"), (_LegacyAdam, "Adam"), (_LegacyRMSprop, "RMSprop"),
                     (_LegacyAdadelta, "Adadelta"), (_LegacyAdamax, "Adamax"), (_LegacyFtrl, "Ftrl")):
-    _cls.__name__ = _cls.__qualname__ = _name
+    # (qualname: reprs say tfclip.tf_keras.legacy.Adam, not tfclip.tf_keras.Adam)
+    _cls.__name__, _cls.__qualname__ = _name, "legacy." + _name
 
 
 class legacy:  # noqa: N801 (a namespace, as tf_keras.optimizers.legacy)
