@@ -735,3 +735,14 @@ def test_config_round_trip_with_a_schedule(legacy):
         c = getattr(mod_t, name).from_config(b.get_config())
         assert type(c) is getattr(mod_t, name)
         assert c.get_config() == b.get_config(), name
+
+
+def test_legacy_tensor_instead_of_a_variable_is_refused_like_stock():
+    """optimizer_v2_test.testComputeGradientsWithTensors: a tensor where a variable belongs."""
+    x = tf.convert_to_tensor(1.0)
+    for cls in (stock.legacy.SGD, tk.legacy.SGD, tk.legacy.Adamax):
+        opt = cls(3.0)
+        (grad, var), = opt._compute_gradients(lambda: x * x, [x])
+        assert var is x and float(grad) == 2.0
+        with pytest.raises(NotImplementedError, match="Tensor"):
+            opt.apply_gradients([(grad, var)])

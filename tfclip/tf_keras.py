@@ -547,6 +547,10 @@ class _LegacyFusedMixin(_FusedMixin):
         # As stock OptimizerV2.apply_gradients, up to the update.
         grads_and_vars = _optimizer_utils.filter_empty_gradients(grads_and_vars)
         var_list = [v for (_, v) in grads_and_vars]
+        for v in var_list:
+            if isinstance(v, tf.Tensor):  # (stock's error, before anything is made)
+                raise NotImplementedError(f"Trying to update a Tensor {v!r}: apply_gradients updates "
+                                          "variables (tf.Variable), not tensors")
         with tf.name_scope(self._name):
             with tf.init_scope():
                 self._create_all_weights(var_list)
