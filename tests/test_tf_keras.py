@@ -1,8 +1,10 @@
 """tfclip.tf_keras: the drop-ins for the tf_keras (Keras 2) optimizers, each against the stock
 tf_keras class (the only reference: never tfclip itself): trajectories with every clip mode,
 schedules, IndexedSlices with duplicate rows, weight decay, EMA, model.fit (and jit_compile=True),
-the variable list, tf.train.Checkpoint both ways, the non-finite policies, MirroredStrategy (in a
-subprocess), TF_USE_LEGACY_KERAS=1, and the Keras 3 / tf_keras mix-up errors."""
+the variable list, tf.train.Checkpoint both ways, the non-finite policies, MirroredStrategy and
+MultiWorkerMirroredStrategy (in subprocesses), TF_USE_LEGACY_KERAS=1, the Keras 3 / tf_keras mix-up
+errors, the tf_keras.optimizers.legacy drop-ins, and the behaviours tf-keras's own optimizer tests
+check (their files are not vendored: our versions of their cases, against the stock classes)."""
 import inspect
 import json
 import os

@@ -26,8 +26,13 @@ still advances; "propagate": stock behaviour; "raise": the step fails, nothing w
 own variables, outside `optimizer.variables` and checkpoints.
 
 `Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
-stock advances its momentum-cache product once per variable there). The
-`tf_keras.optimizers.legacy` classes have no drop-in here yet.
+stock advances its momentum-cache product once per variable there).
+
+`tfclip.tf_keras.legacy.SGD`, `Adam`, `RMSprop`, `Adadelta`, `Adamax` and `Ftrl` subclass the
+`tf_keras.optimizers.legacy` (OptimizerV2) classes, on the core rules that compute TF's training
+ops (see `legacy`). Legacy RMSprop without momentum, complex variables, `gradient_transformers`
+and more than one clip argument run the stock step (a warning once); legacy Adagrad and Nadam
+compute what no tfclip rule does and have no drop-in.
 
 Inside an XLA-compiled function (`model.compile(..., jit_compile=True)`) the fused op compiles to
 tfclip's own XLA custom calls; a build of tfclip without them warns once and runs the stock
