@@ -1,12 +1,17 @@
 """tfclip.tf_keras: the drop-ins for the tf_keras (Keras 2) optimizers, each against the stock
 tf_keras class (the only reference: never tfclip itself): trajectories with every clip mode,
 schedules, IndexedSlices with duplicate rows, weight decay, EMA, model.fit (and jit_compile=True),
-the variable list, tf.train.Checkpoint both ways, the non-finite policies, MirroredStrategy (in a
-subprocess), TF_USE_LEGACY_KERAS=1, and the Keras 3 / tf_keras mix-up errors."""
+the variable list, tf.train.Checkpoint both ways, the non-finite policies, MirroredStrategy and
+MultiWorkerMirroredStrategy (in subprocesses), TF_USE_LEGACY_KERAS=1, the Keras 3 / tf_keras mix-up
+errors, the tf_keras.optimizers.legacy drop-ins, and the behaviours tf-keras's own optimizer tests
+check (their files are not vendored: our versions of their cases, against the stock classes)."""
 import inspect
+import json
 import os
+import socket
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -326,17 +331,21 @@ import tfclip.tf_keras
 assert tf.keras.optimizers.Adam is tf_keras.optimizers.Adam, tf.keras.optimizers.Adam
 assert issubclass(tfclip.tf_keras.Adam, tf.keras.optimizers.Adam)
 assert issubclass(tfclip.tf_keras.legacy.Adam, tf.keras.optimizers.legacy.Adam)
-assert issubclass(tfclip.tf_keras.legacy.SGD, tf.keras.optimizers.legacy.SGD)
+for n in ("SGD", "Adam", "RMSprop", "Adadelta", "Adamax", "Ftrl"):
+    assert issubclass(getattr(tfclip.tf_keras.legacy, n), getattr(tf.keras.optimizers.legacy, n)), n
+for n in ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl"):
+    assert issubclass(getattr(tfclip.tf_keras, n), getattr(tf.keras.optimizers, n)), n
 x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32"); y = x.sum(1, keepdims=True)
 out = []
-pairs = [(tf.keras.optimizers.Adam, tfclip.tf_keras.Adam), (tf.keras.optimizers.legacy.Adam, tfclip.tf_keras.legacy.Adam)]
+pairs = [(tf.keras.optimizers.Adam, tfclip.tf_keras.Adam), (tf.keras.optimizers.legacy.Adam, tfclip.tf_keras.legacy.Adam),
+         (tf.keras.optimizers.legacy.Adamax, tfclip.tf_keras.legacy.Adamax)]
 for opt in [c(0.1, global_clipnorm=1.0) for pair in pairs for c in pair]:
     tf.keras.utils.set_random_seed(0)
     m = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
     m.compile(optimizer=opt, loss="mse")
     m.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
     out.append(m.get_weights())
-for want, got in ((out[0], out[1]), (out[2], out[3])):
+for want, got in ((out[0], out[1]), (out[2], out[3]), (out[4], out[5])):
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=3e-6, atol=1e-7)
 print("LEGACY-OK", type(m.optimizer).__module__)
@@ -362,23 +371,75 @@ def test_mirrored_strategy_subprocess(tmp_path):
     assert int(m["replicas"]) == 2
     # tf_keras sums across replicas, then clips: stock and tfclip both move by clip(3 + 3) = 1.
     np.testing.assert_allclose(m["two_replica_clip"], [-1.0, -1.0], rtol=1e-6)
-    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy"):
+    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy", "fit_legacyrms", "custom_legacyrms"):
         keys = sorted(k for k in m.files if k.startswith(prefix + "_tfclip_"))
         assert keys
         for k in keys:
             np.testing.assert_allclose(m[k], m[k.replace("_tfclip_", "_stock_")], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _check(mode, out, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
+    return subprocess.Popen([sys.executable, "-m", "tfclip.tf_keras_distributed_check", mode, str(out)],
+                            env=env, cwd=os.path.dirname(str(out)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_multi_worker_mirrored_two_processes(tmp_path):
+    """MultiWorkerMirroredStrategy, 2 worker processes on localhost (one CPU replica each):
+    model.fit and a custom loop with tfclip.tf_keras.Adam, legacy.Adam and legacy.RMSprop. After
+    every step both workers hold bit-identical weights and optimizer variables, and they follow
+    the one-device run of the same global batches, as stock tf_keras does."""
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = [_check("worker", tmp_path / f"w{i}.npz",
+                    {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})})
+             for i in range(2)]
+    procs.append(_check("single", tmp_path / "s.npz"))
+    for p in procs:
+        out, _ = p.communicate(timeout=500)
+        assert p.returncode == 0, out[-3000:]
+    w0, w1, single = (np.load(tmp_path / f) for f in ("w0.npz", "w1.npz", "s.npz"))
+    assert int(w0["replicas"]) == 2 and int(w1["replicas"]) == 2
+    assert (int(w0["task"]), int(w1["task"])) == (0, 1)
+    hists = sorted(k for k in w0.files if k.startswith("hist_"))
+    assert len(hists) == 12
+    for k in hists:
+        assert w0[k].shape[0] == single[k].shape[0] > 1, k
+        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)  # the copies alike, step by step
+        np.testing.assert_allclose(w0[k], single[k], rtol=1e-5, atol=2e-6, err_msg=k)
+        if "_tfclip" in k:  # and tfclip's steps are stock's
+            np.testing.assert_allclose(w0[k], w0[k.replace("_tfclip", "_stock")], rtol=1e-5, atol=2e-6,
+                                       err_msg=k)
+
+
 # -- tf_keras.optimizers.legacy (OptimizerV2, TF's training ops) ------------------------------
 LEGACY_CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.8, "nesterov": True}),
-                ("Adam", {}), ("Adam", {"amsgrad": True}), ("Adam", {"learning_rate": 0.1, "decay": 0.1})]
+                ("Adam", {}), ("Adam", {"amsgrad": True}), ("Adam", {"learning_rate": 0.1, "decay": 0.1}),
+                ("RMSprop", {"momentum": 0.9}), ("RMSprop", {"momentum": 0.5, "centered": True, "rho": 0.8}),
+                ("Adadelta", {"learning_rate": 1.0}), ("Adadelta", {"rho": 0.8, "epsilon": 1e-5}),
+                ("Adamax", {}), ("Adamax", {"learning_rate": 0.1, "decay": 0.1}),
+                ("Ftrl", {}), ("Ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
+                                        "l2_shrinkage_regularization_strength": 0.1, "beta": 0.1}),
+                ("Ftrl", {"learning_rate_power": -0.7, "initial_accumulator_value": 0.5})]
 
 
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "-".join(c) or "noclip")
 @pytest.mark.parametrize("case", LEGACY_CASES, ids=_ids)
 def test_legacy_trajectory_matches_stock(case, clip):
-    """IndexedSlices included: legacy SGD with momentum updates only the touched rows
-    (ResourceSparseApplyKerasMomentum), legacy Adam every row; duplicates summed first."""
+    """IndexedSlices included: legacy SGD with momentum, RMSprop with momentum, Adadelta, Adamax
+    and Ftrl update only the touched rows (TF's ResourceSparseApply* ops; Adamax's own scatter),
+    legacy Adam every row; duplicates summed first."""
     name, kw = case
     kw = {**kw, **clip}
     for sparse in (False, True):
@@ -412,13 +473,93 @@ def test_legacy_variables_config_and_checkpoints(tmp_path):
         assert b.get_config() == a.get_config()
 
 
+def test_legacy_sparse_updates_only_the_touched_rows():
+    """The rows an IndexedSlices gradient leaves out keep their values and slots (stock's sparse
+    ops), for the classes whose stock sparse update is lazy."""
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adadelta", {"learning_rate": 1.0}), ("Adamax", {}),
+                     ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1})):
+        opt, got = _train(getattr(tk.legacy, name), kw, steps=3, sparse=True)
+        v0 = np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1
+        np.testing.assert_array_equal(got[0][[1, 3, 4]], v0[[1, 3, 4]], err_msg=name)
+        assert not np.allclose(got[0][[0, 2]], v0[[0, 2]]), name
+        assert opt.lazy_sparse is True
+
+
+@pytest.mark.parametrize("name,kw", [("RMSprop", {}), ("RMSprop", {"centered": True, "clipnorm": 0.5})])
+def test_legacy_rmsprop_without_momentum_runs_the_stock_step(name, kw):
+    """Stock legacy RMSprop without momentum computes var -= lr*g / (sqrt(rms) + epsilon) (epsilon
+    outside the square root): no tfclip rule computes that, so the stock step runs, said once."""
+    tk._LEGACY_WARNED.clear()
+    for sparse in (False, True):
+        _, want = _train(getattr(stock.legacy, name), kw, sparse=sparse)
+        if not sparse:
+            with pytest.warns(UserWarning, match="momentum is 0.*stock tf_keras ops"):
+                opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse)
+        else:
+            opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse)
+        _assert_same(got, want, 0, 0)  # the stock ops themselves
+        assert int(opt.iterations.numpy()) == 4
+
+
+def test_legacy_adagrad_and_nadam_have_no_drop_in():
+    """Stock legacy Adagrad (ResourceApplyAdagradV2: lr*g / (sqrt(accum) + epsilon), epsilon never
+    0 there) and legacy Nadam (momentum schedule 0.96^(0.004 t)) compute what no tfclip rule does."""
+    assert not hasattr(tk.legacy, "Adagrad") and not hasattr(tk.legacy, "Nadam")
+    # (the Adagrad difference is real: with a small accumulator epsilon's place changes the step)
+    v = tf.Variable([1.0])
+    opt = stock.legacy.Adagrad(1.0, initial_accumulator_value=0.0, epsilon=1e-3)
+    opt.apply_gradients([(tf.constant([1e-4]), v)])
+    np.testing.assert_allclose(1.0 - v.numpy(), 1e-4 / (1e-4 + 1e-3), rtol=1e-5)  # not 1e-4/sqrt(1e-8+1e-3)
+
+
+def test_legacy_nonfinite_skip_for_every_class():
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adadelta", {}), ("Adamax", {}), ("Ftrl", {})):
+        for sparse in (False, True):
+            opt, got = _train(getattr(tk.legacy, name), {**kw, "global_clipnorm": 1.0}, steps=4, sparse=sparse,
+                              grads_fn=_nan_grads)
+            assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 4
+            v1 = tf.Variable(np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1)
+            v2 = tf.Variable(np.linspace(-1, 1, 6).astype(np.float32))
+            ref = getattr(stock.legacy, name)(**kw, global_clipnorm=1.0)
+            for s in range(4):
+                if s == 2:
+                    ref._create_all_weights([v1, v2])
+                    ref.iterations.assign_add(1)
+                    continue
+                ref.apply_gradients(zip(_grads(s, sparse), [v1, v2]))
+            _assert_same(got, [v1.numpy(), v2.numpy()] + [v.numpy() for v in ref.variables()])
+
+
+def test_legacy_loss_scale_optimizer_mixed_precision():
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adamax", {}), ("Ftrl", {"global_clipnorm": 1.0})):
+        res = []
+        for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+            tf_keras.mixed_precision.set_global_policy("mixed_float16")
+            try:
+                tf_keras.utils.set_random_seed(2)
+                m = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(3),
+                                         tf_keras.layers.Dense(1, dtype="float32")])
+                opt = tf_keras.mixed_precision.LossScaleOptimizer(cls(0.01, **kw))
+                m.compile(optimizer=opt, loss="mse")
+                m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+                res.append([w.numpy() for w in m.weights])
+            finally:
+                tf_keras.mixed_precision.set_global_policy("float32")
+        _assert_same(res[1], res[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "jit_compile"])
-@pytest.mark.parametrize("name,kw", [("Adam", {"global_clipnorm": 0.5}), ("SGD", {"momentum": 0.9, "clipnorm": 0.1})])
+@pytest.mark.parametrize("name,kw", [("Adam", {"global_clipnorm": 0.5}), ("SGD", {"momentum": 0.9, "clipnorm": 0.1}),
+                                     ("RMSprop", {"momentum": 0.9, "clipvalue": 0.1}), ("Adadelta", {"clipnorm": 0.2}),
+                                     ("Adamax", {"global_clipnorm": 0.5}), ("Ftrl", {"global_clipnorm": 0.5})])
 def test_legacy_model_fit_embedding(jit, name, kw):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, (32, 5)).astype("int32")
     y = rng.normal(size=(32, 1)).astype("float32")
-    # (stock legacy SGD's sparse momentum op has no XLA kernel: the reference runs without jit)
+    # (stock legacy sparse ops (SGD's momentum, RMSprop's, Ftrl's, ...) have no XLA kernel: the
+    # reference runs without jit)
     _, want = _fit(getattr(stock.legacy, name)(0.05, **kw), False, x, y)
     _, got = _fit(getattr(tk.legacy, name)(0.05, **kw), jit, x, y)
     _assert_same(got, want, rtol=1e-5, atol=1e-6)
@@ -465,3 +606,145 @@ def test_model_save_and_load_keep_the_class(tmp_path, fmt):
         loaded = tf_keras.models.load_model(path).optimizer
         assert type(loaded) is cls
         assert loaded.nonfinite == opt.nonfinite
+
+
+# -- the behaviours tf-keras's own optimizer tests check (optimizer_test.py, legacy/*_test.py),
+#    as our own cases against the stock classes ------------------------------------------------
+LEGACY_NEW = [("RMSprop", {"momentum": 0.9}), ("Adadelta", {"learning_rate": 1.0}), ("Adamax", {}),
+              ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1})]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+@pytest.mark.parametrize("name,kw", LEGACY_NEW + [("SGD", {"momentum": 0.9}), ("Adam", {})])
+def test_legacy_other_float_dtypes(name, kw, dtype):
+    """legacy/*_test.py run half, float32 and float64 variables; complex ones (which tfclip's
+    kernels do not take) run the stock step, said once."""
+    res = []
+    for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+        v = tf.Variable(np.array([[1.0, -2.0], [0.5, 3.0]], dtype))
+        opt = cls(**kw)
+        for s in range(3):
+            opt.apply_gradients([(tf.constant(np.array([[0.1, -0.2], [0.3, 0.05]]) * (s + 1), dtype), v)])
+        res.append([v.numpy()] + [x.numpy() for x in opt.variables()])
+    # float64: a few ulps of the values summed in Ftrl's linear slot (which cancel) remain
+    tol = 2e-3 if dtype == "float16" else 1e-9
+    _assert_same(res[1], res[0], rtol=tol, atol=tol)
+
+
+def test_legacy_complex_variables_run_the_stock_step():
+    tk._LEGACY_WARNED.clear()
+    res = []
+    for cls in (stock.legacy.Adam, tk.legacy.Adam):
+        v = tf.Variable([1 + 1j, 2 - 1j], dtype=tf.complex64)
+        opt = cls(0.1)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            opt.apply_gradients([(tf.constant([0.5 + 0.5j, -1j], tf.complex64), v)])
+        res.append(v.numpy())
+    assert any("not complex64" in str(w.message) and "stock tf_keras ops" in str(w.message) for w in rec)
+    np.testing.assert_array_equal(res[1], res[0])
+
+
+@pytest.mark.parametrize("name,kw", LEGACY_NEW + [("Adam", {})])
+def test_legacy_callable_hyperparameters(name, kw):
+    """Hyper-parameters given as callables (legacy tests' use_callable_params), read per step."""
+    calls = {"lr": 0.2}
+    callables = {"learning_rate": lambda: calls["lr"]}
+    if name == "RMSprop":
+        callables.update(rho=lambda: 0.8, momentum=lambda: 0.5)
+    if name == "Adadelta":
+        callables.update(rho=lambda: 0.9)
+    if name == "Adamax":
+        callables.update(beta_1=lambda: 0.8)
+    res = []
+    for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+        calls["lr"] = 0.2
+        v = tf.Variable([1.0, -2.0, 0.5])
+        opt = cls(**{**kw, **callables})
+        for s in range(3):
+            opt.apply_gradients([(tf.constant([0.1, -0.2, 0.3]) * (s + 1), v)])
+            calls["lr"] *= 0.5
+        res.append([v.numpy()] + [x.numpy() for x in opt.variables()])
+    _assert_same(res[1], res[0])
+
+
+@pytest.mark.parametrize("name,kw", LEGACY_NEW + [("SGD", {"momentum": 0.9}), ("Adam", {})])
+def test_legacy_made_eagerly_applied_in_a_v1_graph(name, kw):
+    """optimizer_v2_test: an optimizer constructed eagerly, its step built in a tf.Graph and run in
+    a Session (the constructor must not make the hyper variables in the eager context)."""
+    res = []
+    for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
+        opt = cls(**kw)
+        with tf.Graph().as_default():
+            v = tf.Variable([[1.0, -2.0], [0.5, 3.0]])
+            g = tf.compat.v1.placeholder(tf.float32, [2, 2])
+            train = opt.apply_gradients([(g, v)])
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for s in range(3):
+                    sess.run(train, {g: np.array([[0.1, -0.2], [0.3, 0.05]]) * (s + 1)})
+                res.append(sess.run([v] + opt.variables()))
+    _assert_same(res[1], res[0])
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["new", "legacy"])
+def test_set_weights_learning_rate_iterations_and_name(legacy):
+    """optimizer_test: set_weights only once built; the learning rate set between steps (and
+    by the legacy `lr` name); `iterations` replaced; apply_gradients's name scopes the slots; an
+    empty step."""
+    mod_s, mod_t = (stock.legacy, tk.legacy) if legacy else (stock, tk)
+    res = []
+    for mod in (mod_s, mod_t):
+        v = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+        opt = mod.Adam(1.0)
+        opt.apply_gradients(zip([], []))  # nothing to do, no error
+        opt.apply_gradients([(tf.constant([[1.0, 2.0], [3.0, 4.0]]), v)], name="dummy")
+        slot = opt.get_slot(v, "m") if legacy else opt._momentums[0]
+        assert "dummy" in slot.name or legacy  # (legacy slots are named by the variable)
+        opt.learning_rate = 0.5
+        opt.apply_gradients([(tf.constant([[1.0, -2.0], [3.0, 0.5]]), v)])
+        opt.lr = 0.25
+        opt.apply_gradients([(tf.constant([[0.3, -2.0], [1.0, 0.5]]), v)])
+        assert int(opt.iterations.numpy()) == 3
+        fresh = mod.Adam()
+        if not legacy:
+            with pytest.raises(ValueError, match="You are calling"):
+                fresh.set_weights([x.numpy() for x in opt.variables])
+            fresh.build([v])
+            fresh.set_weights([x.numpy() for x in opt.variables])
+            _assert_same([x.numpy() for x in fresh.variables], [x.numpy() for x in opt.variables], 0, 0)
+        res.append([v.numpy()] + [x.numpy() for x in _opt_vars(opt) if hasattr(x, "numpy")]
+                   if legacy else [v.numpy()] + [x.numpy() for x in opt.variables])
+    _assert_same(res[1], res[0])
+    if not legacy:
+        opt = tk.Adam(jit_compile=False)
+        opt.iterations = tf.Variable(2, dtype=tf.int32)
+        out = opt.apply_gradients(zip(tf.convert_to_tensor([1.0, 1.0]), [tf.Variable(2.0), tf.Variable(2.0)]))
+        assert int(out) == 3 and int(opt.iterations) == 3
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["new", "legacy"])
+def test_config_round_trip_with_a_schedule(legacy):
+    """optimizer_test.testGetAndFromConfig: a learning-rate schedule and the clip in the config;
+    from_config gives tfclip's class with the same config."""
+    mod_s, mod_t = (stock.legacy, tk.legacy) if legacy else (stock, tk)
+    names = ["SGD", "Adam", "RMSprop", "Adadelta", "Adamax", "Ftrl"] + ([] if legacy else ["Adagrad", "Nadam", "Lion", "AdamW"])
+    for name in names:
+        sched = tf_keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=10, decay_rate=0.9)
+        kw = {"learning_rate": sched, "clipnorm": 0.5}
+        a, b = getattr(mod_s, name)(**kw), getattr(mod_t, name)(**kw)
+        assert b.get_config() == a.get_config(), name
+        c = getattr(mod_t, name).from_config(b.get_config())
+        assert type(c) is getattr(mod_t, name)
+        assert c.get_config() == b.get_config(), name
+
+
+def test_legacy_tensor_instead_of_a_variable_is_refused_like_stock():
+    """optimizer_v2_test.testComputeGradientsWithTensors: a tensor where a variable belongs."""
+    x = tf.convert_to_tensor(1.0)
+    for cls in (stock.legacy.SGD, tk.legacy.SGD, tk.legacy.Adamax):
+        opt = cls(3.0)
+        (grad, var), = opt._compute_gradients(lambda: x * x, [x])
+        assert var is x and float(grad) == 2.0
+        with pytest.raises(NotImplementedError, match="Tensor"):
+            opt.apply_gradients([(grad, var)])

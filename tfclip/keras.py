@@ -57,7 +57,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.python.ops import control_flow_util
 
-from tfclip import _loader, _opcall
+from tfclip import _loader, _opcall, _optstate
 from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
@@ -151,7 +151,7 @@ def _check_betas(opt, names=("beta_1", "beta_2", "epsilon")):
         _check_number(name, float(v))
 
 
-class _FusedMixin:
+class _FusedMixin(_optstate.NormState):
     """The fused update every drop-in shares (see the module docstring)."""
 
     _tfclip_kind = None  # set per class
@@ -183,10 +183,7 @@ class _FusedMixin:
         # object.__setattr__: neither Keras's variable tracker nor TF's checkpoint dependencies
         # (both hook the optimizer's __setattr__) see them.
         with keras.name_scope(self.name):
-            for attr, name, value, dtype in (("_global_norm", "global_norm", 0.0, "float32"),
-                                             ("_skipped_steps", "skipped_steps", 0, "int64"),
-                                             ("_clipped_steps", "clipped_steps", 0, "int64"),
-                                             ("_clip_scale_sum", "clip_scale_sum", 0.0, "float64")):
+            for attr, name, value, dtype in _optstate.STATE_VARIABLES:
                 object.__setattr__(self, attr, _state_variable(value, name, dtype))
         object.__setattr__(self, "_tensor_norms", None)  # made by build (one per variable)
 
@@ -196,61 +193,12 @@ class _FusedMixin:
             [0.0] * len(var_list), "tensor_norms", "float32"))
 
     @property
-    def global_norm(self):
-        """The pre-clip global norm of the gradients of the last step (a variable)."""
-        return self._global_norm
-
-    @property
-    def skipped_steps(self):
-        """How many steps were skipped for a non-finite global norm (a variable)."""
-        return self._skipped_steps
-
-    @property
-    def tensor_norms(self):
-        """Each trainable variable's pre-clip gradient norm at the last step (a float32 variable
-        aligned with `tensor_norm_names`; 0 for a variable that got no gradient), from the fused
-        step's norm pass: no extra pass over memory. Not saved in checkpoints. None until the
-        optimizer is built (its first step, or `build(variables)`)."""
-        return self._tensor_norms
-
-    @property
     def tensor_norm_names(self):
         """The variables' paths (`variable.path`), in the order of `tensor_norms`."""
         return [getattr(v, "path", v.name) for v in self._trainable_variables]
 
-    @property
-    def clipped_steps(self):
-        """How many applied steps the clip scaled down (global_clipnorm: the global norm above
-        it; clipnorm: some tensor's norm above it). Not counted for clipvalue, whose firing would
-        take another pass to see."""
-        return self._clipped_steps
-
-    @property
-    def clip_scale_sum(self):
-        """The sum over steps of the clip's scale (1 for a step it left alone, else
-        clip / norm; clipnorm: the smallest tensor's): its change over N steps / N is how hard
-        the clip fired on average (tfclip.keras.GradientNormLogger logs it)."""
-        return self._clip_scale_sum
-
-    def _record_norms(self, norm, applied, tensor_norms, keras_vars, mode, clip):
-        """The step's norms and clip counts into the optimizer's state variables: a few scalar
-        ops, no pass over the gradients."""
-        self._global_norm.assign(norm)
-        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
-        if self._tensor_norms is not None:
-            tn = tf.cast(tensor_norms, tf.float32)
-            idx = [self._get_variable_index(v) for v in keras_vars]
-            total = len(self._trainable_variables)
-            if idx != list(range(total)):  # some variable got no gradient: its norm is 0
-                tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
-            self._tensor_norms.assign(tn)
-        if mode not in ("global_norm", "norm"):
-            return
-        clip = tf.cast(clip, tf.float64)
-        measure = tf.cast(norm if mode == "global_norm" else tf.reduce_max(tensor_norms), tf.float64)
-        fired = tf.logical_and(tf.logical_and(applied, clip > 0), measure > clip)
-        self._clipped_steps.assign_add(tf.cast(fired, tf.int64))
-        self._clip_scale_sum.assign_add(tf.where(fired, clip / measure, tf.constant(1.0, tf.float64)))
+    def _norm_positions(self, keras_vars):
+        return [self._get_variable_index(v) for v in keras_vars], len(self._trainable_variables)
 
     def get_config(self):
         # tfclip's own arguments only when they differ from their defaults: a default config is

@@ -26,8 +26,13 @@ still advances; "propagate": stock behaviour; "raise": the step fails, nothing w
 own variables, outside `optimizer.variables` and checkpoints.
 
 `Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
-stock advances its momentum-cache product once per variable there). The
-`tf_keras.optimizers.legacy` classes have no drop-in here yet.
+stock advances its momentum-cache product once per variable there).
+
+`tfclip.tf_keras.legacy.SGD`, `Adam`, `RMSprop`, `Adadelta`, `Adamax` and `Ftrl` subclass the
+`tf_keras.optimizers.legacy` (OptimizerV2) classes, on the core rules that compute TF's training
+ops (see `legacy`). Legacy RMSprop without momentum, complex variables, `gradient_transformers`
+and more than one clip argument run the stock step (a warning once); legacy Adagrad and Nadam
+compute what no tfclip rule does and have no drop-in.
 
 Inside an XLA-compiled function (`model.compile(..., jit_compile=True)`) the fused op compiles to
 tfclip's own XLA custom calls; a build of tfclip without them warns once and runs the stock
@@ -48,7 +53,7 @@ except ImportError as _e:  # pragma: no cover - the optional dependency is absen
 from tensorflow.python.ops import control_flow_util
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _loader, _opcall
+from tfclip import _loader, _opcall, _optstate
 from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "legacy",
@@ -96,9 +101,15 @@ def _state_variable(value, name, dtype):
                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
+def _outer_graph():
+    """The graph variables made now go to (None: eager)."""
+    with tf.init_scope():
+        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
 def _check_numbers(opt, names):
     for name in names:
-        v = getattr(opt, name)
+        v = opt._tfclip_value(name)
         if callable(v) or isinstance(v, (tf.Tensor, tf.Variable)):
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -106,7 +117,7 @@ def _check_numbers(opt, names):
         _check_number(name, float(v))
 
 
-class _FusedMixin:
+class _FusedMixin(_optstate.NormState):
     """The fused update every tf_keras drop-in shares (see the module docstring)."""
 
     _checked = ()
@@ -129,15 +140,16 @@ class _FusedMixin:
             raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite
         self.lazy_sparse = lazy_sparse
+        self._tfclip_make_state()
+
+    def _tfclip_make_state(self):
         # Outside the tracked attributes (object.__setattr__): not in optimizer.variables nor in
         # checkpoints, so both stay the stock class's.
-        for attr, name, value, dtype in (("_global_norm", "global_norm", 0.0, tf.float32),
-                                         ("_skipped_steps", "skipped_steps", 0, tf.int64),
-                                         ("_clipped_steps", "clipped_steps", 0, tf.int64),
-                                         ("_clip_scale_sum", "clip_scale_sum", 0.0, tf.float64)):
+        for attr, name, value, dtype in _optstate.STATE_VARIABLES:
             object.__setattr__(self, attr, _state_variable(value, f"{self._tfclip_scope()}/{name}", dtype))
         object.__setattr__(self, "_tensor_norms", None)
         object.__setattr__(self, "_tensor_norm_names", [])
+        object.__setattr__(self, "_tfclip_state_graph", _outer_graph())
 
     def build(self, var_list):
         built = getattr(self, "_built", False)
@@ -147,38 +159,17 @@ class _FusedMixin:
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
 
+    def _tfclip_value(self, name):
+        """A constructor argument, as given, for the checks."""
+        return getattr(self, name)
+
     def _tfclip_scope(self):
         return getattr(self, "_name", None) or self.name
 
-    # -- tfclip's own state ---------------------------------------------------------------
-    @property
-    def global_norm(self):
-        """The pre-clip global norm of the gradients of the last step (a variable)."""
-        return self._global_norm
-
-    @property
-    def skipped_steps(self):
-        """How many steps were skipped for a non-finite global norm (a variable)."""
-        return self._skipped_steps
-
-    @property
-    def clipped_steps(self):
-        """How many applied steps the clip scaled down (global_clipnorm / clipnorm)."""
-        return self._clipped_steps
-
-    @property
-    def clip_scale_sum(self):
-        """The sum over steps of the clip's scale (1 for a step the clip left alone)."""
-        return self._clip_scale_sum
-
-    @property
-    def tensor_norms(self):
-        """Each variable's pre-clip gradient norm at the last step (aligned with
-        `tensor_norm_names`; 0 where no gradient). None until the optimizer is built."""
-        return self._tensor_norms
-
+    # -- tfclip's own state (the properties and _record_norms: tfclip/_optstate.py) --------
     @property
     def tensor_norm_names(self):
+        """The variables' names, in the order of `tensor_norms`."""
         return list(self._tensor_norm_names)
 
     def get_config(self):
@@ -298,23 +289,9 @@ class _FusedMixin:
         self._record_norms(norm, applied, tensor_norms, tvars, mode, clip)
         return applied
 
-    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip):
-        self._global_norm.assign(tf.cast(norm, tf.float32))
-        self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
+    def _norm_positions(self, tvars):
         idx = [self._index(v) for v in tvars]
-        if self._tensor_norms is not None and None not in idx:
-            tn = tf.cast(tensor_norms, tf.float32)
-            total = int(self._tensor_norms.shape[0])
-            if idx != list(range(total)):
-                tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
-            self._tensor_norms.assign(tn)
-        if mode not in ("global_norm", "norm"):
-            return
-        clip = tf.cast(clip, tf.float64)
-        measure = tf.cast(norm if mode == "global_norm" else tf.reduce_max(tensor_norms), tf.float64)
-        fired = tf.logical_and(tf.logical_and(applied, clip > 0), measure > clip)
-        self._clipped_steps.assign_add(tf.cast(fired, tf.int64))
-        self._clip_scale_sum.assign_add(tf.where(fired, clip / measure, tf.constant(1.0, tf.float64)))
+        return None if None in idx else (idx, int(self._tensor_norms.shape[0]))
 
 
 class SGD(_FusedMixin, _stock.SGD):
@@ -499,7 +476,25 @@ class _LegacyFusedMixin(_FusedMixin):
             return "none", 0.0
         return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
 
-    def _stock_reason(self):
+    def _no_rule_reason(self):
+        """Why this configuration's update matches no tfclip core rule (then the stock step runs)."""
+        return None
+
+    def _tfclip_value(self, name):
+        # A hyper-parameter as given, from `_hyper`: reading it through the attribute
+        # (`_get_hyper`) would make every hyper variable now, in the constructor's graph, where
+        # stock makes them at the first step (a graph built later could not use them).
+        hyper = self.__dict__.get("_hyper", {})
+        return hyper[name] if name in hyper else getattr(self, name)
+
+    def _stock_reason(self, grads_and_vars):
+        no_rule = self._no_rule_reason()
+        if no_rule is not None:
+            return no_rule
+        other = sorted({v.dtype.base_dtype.name for _, v in grads_and_vars
+                        if v.dtype.base_dtype not in _FLOAT_DTYPES})
+        if other:
+            return f"tfclip's kernels take float16, bfloat16, float32 and float64 variables, not {', '.join(other)}"
         if self.gradient_transformers:
             return "gradient_transformers are set (stock runs them after the clip)"
         if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
@@ -513,6 +508,10 @@ class _LegacyFusedMixin(_FusedMixin):
 
     def _create_all_weights(self, var_list):
         super(_FusedMixin, self)._create_all_weights(var_list)
+        if self._tfclip_state_graph is not _outer_graph():
+            # Made eagerly by the constructor, stepped in a tf.Graph (a TF1-style session): the
+            # state anew in that graph, as stock makes its hyper variables at the first step.
+            self._tfclip_make_state()
         if self._tensor_norms is None and var_list:
             object.__setattr__(self, "_tensor_norms", _state_variable(
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
@@ -536,7 +535,8 @@ class _LegacyFusedMixin(_FusedMixin):
         return None
 
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
-        reason = self._stock_reason()
+        grads_and_vars = list(grads_and_vars)
+        reason = self._stock_reason(grads_and_vars)
         if reason is not None:
             if (type(self).__name__, reason) not in _LEGACY_WARNED:
                 _LEGACY_WARNED.add((type(self).__name__, reason))
@@ -552,6 +552,10 @@ class _LegacyFusedMixin(_FusedMixin):
         # As stock OptimizerV2.apply_gradients, up to the update.
         grads_and_vars = _optimizer_utils.filter_empty_gradients(grads_and_vars)
         var_list = [v for (_, v) in grads_and_vars]
+        for v in var_list:
+            if isinstance(v, tf.Tensor):  # (stock's error, before anything is made)
+                raise NotImplementedError(f"Trying to update a Tensor {v!r}: apply_gradients updates "
+                                          "variables (tf.Variable), not tensors")
         with tf.name_scope(self._name):
             with tf.init_scope():
                 self._create_all_weights(var_list)
@@ -576,6 +580,9 @@ class _LegacyFusedMixin(_FusedMixin):
                 return tf.__internal__.distribute.interim.maybe_merge_call(
                     lambda distribution: self.iterations.assign_add(1, read_value=tf.executing_eagerly()),
                     tf.distribute.get_strategy())
+
+
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
 def _legacy_var_key(v):
@@ -624,15 +631,121 @@ class _LegacyAdam(_LegacyFusedMixin, _legacy_stock.Adam):
                                 "beta_2_power": tf.pow(beta_2, step)}, {"amsgrad": bool(self.amsgrad)})
 
 
-_LegacySGD.__name__ = _LegacySGD.__qualname__ = "SGD"
-_LegacyAdam.__name__ = _LegacyAdam.__qualname__ = "Adam"
+class _LegacyRMSprop(_LegacyFusedMixin, _legacy_stock.RMSprop):
+    """tf_keras.optimizers.legacy.RMSprop with momentum as one fused op: TF's
+    ResourceApplyRMSProp / ResourceApplyCenteredRMSProp (tfclip's `tf_rmsprop` rule; slots `rms`,
+    `momentum`, `mg`), and for IndexedSlices, as stock's ResourceSparseApply(Centered)RMSProp,
+    only the rows the gradient touches (`lazy_sparse` defaults to True).
+
+    Without momentum stock legacy RMSprop computes `var -= lr * g / (sqrt(rms) + epsilon)`
+    (epsilon outside the square root), which no tfclip rule computes: that configuration runs the
+    stock step, with a warning once."""
+
+    _checked = ("rho", "momentum", "epsilon")
+
+    _lazy_default = True
+
+    def _no_rule_reason(self):
+        if not self._momentum:
+            return ("momentum is 0 (stock legacy RMSprop then adds epsilon outside the square root, "
+                    "which no tfclip rule computes; with momentum > 0 the step is fused)")
+        return None
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        slots = [self._slot_handles("rms", tvars), self._slot_handles("momentum", tvars)]
+        if self.centered:
+            slots.append(self._slot_handles("mg", tvars))
+        return ("tf_rmsprop", slots, {"rho": tf.identity(self._get_hyper("rho", dtype)),
+                                      "momentum": tf.identity(self._get_hyper("momentum", dtype)),
+                                      "epsilon": self.epsilon}, {"centered": bool(self.centered)})
+
+
+class _LegacyAdadelta(_LegacyFusedMixin, _legacy_stock.Adadelta):
+    """tf_keras.optimizers.legacy.Adadelta as one fused op: TF's ResourceApplyAdadelta (tfclip's
+    `adadelta` rule; slots `accum_grad`, `accum_var`), and for IndexedSlices, as stock's
+    ResourceSparseApplyAdadelta, only the rows the gradient touches (`lazy_sparse` defaults to
+    True)."""
+
+    _checked = ("rho", "epsilon")
+
+    _lazy_default = True
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        return ("adadelta", [self._slot_handles("accum_grad", tvars), self._slot_handles("accum_var", tvars)],
+                {"rho": tf.identity(self._get_hyper("rho", dtype)), "epsilon": self.epsilon}, {})
+
+
+class _LegacyAdamax(_LegacyFusedMixin, _legacy_stock.Adamax):
+    """tf_keras.optimizers.legacy.Adamax as one fused op: TF's ResourceApplyAdaMax (tfclip's
+    `adamax` rule, beta_1 and its power in the variables' dtype as stock; slots `m`, `v`), and for
+    IndexedSlices, as stock's own sparse update, only the rows the gradient touches
+    (`lazy_sparse` defaults to True)."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+
+    _lazy_default = True
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        step = tf.cast(self.iterations + 1, dtype)
+        beta_1 = tf.identity(self._get_hyper("beta_1", dtype))
+        return ("adamax", [self._slot_handles("m", tvars), self._slot_handles("v", tvars)],
+                {"beta_1": beta_1, "beta_2": tf.identity(self._get_hyper("beta_2", dtype)),
+                 "epsilon": self.epsilon, "step": tf.cast(step, tf.float64)}, {})
+
+
+class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
+    """tf_keras.optimizers.legacy.Ftrl as one fused op: TF's ResourceApplyFtrl / FtrlV2 (l2
+    shrinkage), l2 adjusted by beta / (2 lr) as stock (tfclip's `ftrl` / `ftrl_sqrt` rules; slots
+    `accumulator`, `linear`), and for IndexedSlices, as stock's ResourceSparseApplyFtrl(V2), only
+    the rows the gradient touches (`lazy_sparse` defaults to True)."""
+
+    _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
+                "beta")
+
+    _lazy_default = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The power as constructed (a number, or a tensor / callable): it picks the rule.
+        self._tfclip_lr_power = self._hyper["learning_rate_power"]
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        kind, power = _opcall.ftrl_variant(self._tfclip_lr_power)
+        if power:
+            power = {"lr_power": tf.identity(self._get_hyper("learning_rate_power", dtype))}
+        return (kind, [self._slot_handles("accumulator", tvars), self._slot_handles("linear", tvars)],
+                {**power, "l1": tf.identity(self._get_hyper("l1_regularization_strength", dtype)),
+                 "l2": tf.identity(self._get_hyper("l2_regularization_strength", dtype)),
+                 "l2_shrinkage": self._l2_shrinkage_regularization_strength,
+                 "beta": tf.identity(self._get_hyper("beta", dtype))}, {})
+
+
+for _cls, _name in ((_LegacySGD, "SGD"), (_LegacyAdam, "Adam"), (_LegacyRMSprop, "RMSprop"),
+                    (_LegacyAdadelta, "Adadelta"), (_LegacyAdamax, "Adamax"), (_LegacyFtrl, "Ftrl")):
+    # (qualname: reprs say tfclip.tf_keras.legacy.Adam, not tfclip.tf_keras.Adam)
+    _cls.__name__, _cls.__qualname__ = _name, "legacy." + _name
 
 
 class legacy:  # noqa: N801 (a namespace, as tf_keras.optimizers.legacy)
-    """tfclip.tf_keras.legacy.SGD and .Adam: drop-ins for tf_keras.optimizers.legacy.SGD / Adam."""
+    """Drop-ins for tf_keras.optimizers.legacy.SGD, Adam, RMSprop, Adadelta, Adamax and Ftrl.
+
+    legacy Adagrad (ResourceApplyAdagradV2: epsilon outside the square root) and legacy Nadam
+    (its momentum schedule 0.96^(0.004 t)) compute updates no tfclip rule computes: they have no
+    drop-in here."""
 
     SGD = _LegacySGD
     Adam = _LegacyAdam
+    RMSprop = _LegacyRMSprop
+    Adadelta = _LegacyAdadelta
+    Adamax = _LegacyAdamax
+    Ftrl = _LegacyFtrl
+
+
+_LEGACY_CLASSES = (legacy.SGD, legacy.Adam, legacy.RMSprop, legacy.Adadelta, legacy.Adamax, legacy.Ftrl)
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 
@@ -673,7 +786,7 @@ def _refuse_tf_keras(obj):
 # Registered so tf_keras's load_model finds them without custom_objects.
 for _cls in _CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip")(_cls)
-for _cls in (legacy.SGD, legacy.Adam):
+for _cls in _LEGACY_CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip", name="legacy." + _cls.__name__)(_cls)
 
 

@@ -3,15 +3,20 @@ process (strategies configure devices at start-up, so the tests run this as a su
 
     python -m tfclip.tf_keras_distributed_check mirrored OUT.npz   # 2 logical CPUs
     python -m tfclip.tf_keras_distributed_check single OUT.npz     # one device
+    TF_CONFIG=... python -m tfclip.tf_keras_distributed_check worker OUT.npz  # a MultiWorkerMirrored worker
 
 Each mode trains the same small tf_keras model on the same global batches with
 `tfclip.tf_keras.Adam(..., global_clipnorm=...)` and with the stock `tf_keras.optimizers.Adam`,
-(and with `tfclip.tf_keras.legacy.Adam` / `tf_keras.optimizers.legacy.Adam`), by `model.fit` and
-by a custom loop (`strategy.run` + `apply_gradients`), and saves the weights.
+(and with `tfclip.tf_keras.legacy.Adam` / `tf_keras.optimizers.legacy.Adam`, and legacy RMSprop
+with momentum), by `model.fit` and by a custom loop (`strategy.run` + `apply_gradients`), and saves
+the weights. Every replica's copies (of the weights and of the optimizer's variables) must be
+identical after training; `worker` (MultiWorkerMirroredStrategy, one CPU per worker, each worker a
+process given its TF_CONFIG) saves its own copies, which the test compares across workers.
 `mirrored` also runs the two-replica clip example: each replica's gradient is 3,
 `global_clipnorm=1`, SGD with lr 1: tf_keras sums across replicas before it clips (unlike
 Keras 3), so stock and tfclip both move the variable by -1 (the clip of the summed 6).
 """
+import json
 import os
 import sys
 
@@ -35,9 +40,15 @@ def _optimizer(kind):
 
     import tfclip.tf_keras
 
-    cls = {"tfclip": tfclip.tf_keras.Adam, "stock": tf_keras.optimizers.Adam,
-           "legacy_tfclip": tfclip.tf_keras.legacy.Adam, "legacy_stock": tf_keras.optimizers.legacy.Adam}[kind]
-    return cls(0.05, global_clipnorm=0.5)
+    cls, kw = {"tfclip": (tfclip.tf_keras.Adam, {}), "stock": (tf_keras.optimizers.Adam, {}),
+               "legacy_tfclip": (tfclip.tf_keras.legacy.Adam, {}),
+               "legacy_stock": (tf_keras.optimizers.legacy.Adam, {}),
+               "legacyrms_tfclip": (tfclip.tf_keras.legacy.RMSprop, {"momentum": 0.9}),
+               "legacyrms_stock": (tf_keras.optimizers.legacy.RMSprop, {"momentum": 0.9})}[kind]
+    return cls(0.05, global_clipnorm=0.5, **kw)
+
+
+KINDS = ("tfclip", "stock", "legacy_tfclip", "legacy_stock", "legacyrms_tfclip", "legacyrms_stock")
 
 
 def _check_replicas_identical(strategy, variables):
@@ -49,8 +60,19 @@ def _check_replicas_identical(strategy, variables):
             np.testing.assert_array_equal(values[0], other, err_msg=v.name)
 
 
-def _fit(strategy, kind):
+def _snapshot(strategy, model, opt):
+    """This process's copy of every weight and optimizer variable, flat (float64), after checking
+    that this process's replicas hold the same copies."""
+    import numpy as np
+
+    variables = model.trainable_variables + list(opt.variables())
+    _check_replicas_identical(strategy, variables)
+    return np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in variables])
+
+
+def _fit(strategy, kind, history):
     import tensorflow as tf
+    import tf_keras
 
     x, y = _data()
     with strategy.scope():
@@ -59,12 +81,14 @@ def _fit(strategy, kind):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     opts = tf.data.Options()
     opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    model.fit(ds.with_options(opts), epochs=1, verbose=0, shuffle=False)
+    record = tf_keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: history.append(_snapshot(strategy, model, model.optimizer)))
+    model.fit(ds.with_options(opts), epochs=1, verbose=0, shuffle=False, callbacks=[record])
     _check_replicas_identical(strategy, model.trainable_variables + list(model.optimizer.variables()))
     return model.get_weights()
 
 
-def _custom_loop(strategy, kind):
+def _custom_loop(strategy, kind, history):
     import tensorflow as tf
 
     x, y = _data()
@@ -89,6 +113,7 @@ def _custom_loop(strategy, kind):
 
     for batch in ds:
         step(batch)
+        history.append(_snapshot(strategy, model, opt))
     _check_replicas_identical(strategy, model.trainable_variables + list(opt.variables()))
     return model.get_weights()
 
@@ -125,14 +150,19 @@ def main(mode, out):
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     elif mode == "single":
         strategy = tf.distribute.get_strategy()
+    elif mode == "worker":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     result = {"replicas": np.array(strategy.num_replicas_in_sync)}
-    for kind in ("tfclip", "stock", "legacy_tfclip", "legacy_stock"):
-        for i, w in enumerate(_fit(strategy, kind)):
-            result[f"fit_{kind}_{i}"] = w
-        for i, w in enumerate(_custom_loop(strategy, kind)):
-            result[f"custom_{kind}_{i}"] = w
+    if mode == "worker":
+        result["task"] = np.array(json.loads(os.environ["TF_CONFIG"])["task"]["index"])
+    for kind in KINDS:
+        for how, run in (("fit", _fit), ("custom", _custom_loop)):
+            history = []  # after every step
+            for i, w in enumerate(run(strategy, kind, history)):
+                result[f"{how}_{kind}_{i}"] = w
+            result[f"hist_{how}_{kind}"] = np.stack(history)
     if mode == "mirrored":
         result["two_replica_clip"] = np.array([_two_replica_clip(strategy, "tfclip"),
                                                _two_replica_clip(strategy, "stock")])
