@@ -205,7 +205,8 @@ struct AdamRule : RuleBase {
 };
 
 struct AdagradRule : RuleBase {
-  // accum += g^2; var -= lr*g / sqrt(accum + eps)  (keras Adagrad; ResourceApplyAdagradV2)
+  // accum += g^2; var -= lr*g / sqrt(accum + eps)  (keras 3 Adagrad; not ResourceApplyAdagradV2,
+  // whose epsilon is outside the sqrt: lr*g / (sqrt(accum) + eps))
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
