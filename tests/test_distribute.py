@@ -5,7 +5,6 @@ fresh process: MirroredStrategy over 2 logical CPUs (model.fit and a custom loop
 MultiWorkerMirroredStrategy with 2 worker processes on localhost (TF_CONFIG)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 import tfclip
+from procs import free_ports
 
 # The subprocesses import the tfclip this test imported (installed, or the in-place checkout).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
@@ -65,18 +65,8 @@ def test_mirrored_two_replicas(single, tmp_path):
                                rtol=1e-5)
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_multi_worker_two_processes(single, tmp_path):
-    ports = _free_ports(2)
+    ports = free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     procs = [_run("worker", tmp_path / f"w{i}.npz",
                   {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})})

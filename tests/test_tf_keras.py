@@ -8,7 +8,6 @@ check (their files are not vendored: our versions of their cases, against the st
 import inspect
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -24,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfclip  # noqa: E402
 import tfclip.tf_keras as tk  # noqa: E402
+from procs import free_ports  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 stock = tf_keras.optimizers
@@ -378,16 +378,6 @@ def test_mirrored_strategy_subprocess(tmp_path):
             np.testing.assert_allclose(m[k], m[k.replace("_tfclip_", "_stock_")], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _check(mode, out, env_extra=None):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
     return subprocess.Popen([sys.executable, "-m", "tfclip.tf_keras_distributed_check", mode, str(out)],
@@ -400,7 +390,7 @@ def test_multi_worker_mirrored_two_processes(tmp_path):
     model.fit and a custom loop with tfclip.tf_keras.Adam, legacy.Adam and legacy.RMSprop. After
     every step both workers hold bit-identical weights and optimizer variables, and they follow
     the one-device run of the same global batches, as stock tf_keras does."""
-    ports = _free_ports(2)
+    ports = free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     procs = [_check("worker", tmp_path / f"w{i}.npz",
                     {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})})
