@@ -17,7 +17,9 @@ import tensorflow as tf
 
 import tfclip
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the tfclip these tests import lives (site-packages when installed, the checkout when built
+# in place): the subprocesses must import the same one, not the checkout's unbuilt sources.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 v1 = tf.compat.v1
 
 MAKERS = {
