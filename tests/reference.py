@@ -83,18 +83,20 @@ def step(rule, var, slots, g, hp, t, gsq=None, slot_dtype=None):
         return schedule_free_adamw(var, slots, g, hp, t, gsq)
     gg = g * g if gsq is None else gsq
     eps = hp.get("epsilon", 1e-7)
+    # epsilon_outside_sqrt (ResourceApplyAdagradV2, tf_keras legacy RMSprop): sqrt(x) + eps.
+    out = hp.get("epsilon_outside_sqrt", False)
     if rule == "adagrad":
         slots[0][...] = slots[0] + gg
-        return var - lr * g / np.sqrt(slots[0] + eps)
+        return var - lr * g / ((np.sqrt(slots[0]) + eps) if out else np.sqrt(slots[0] + eps))
     if rule == "rmsprop":  # slots: velocity, [momentum], [average_gradient]
         rho, mom = hp.get("rho", 0.9), hp.get("momentum", 0.0)
         slots[0][...] = rho * slots[0] + (1 - rho) * gg
-        den = slots[0] + eps
+        den = slots[0]
         if hp.get("centered"):
             avg = slots[2 if hp.get("has_momentum") else 1]
             avg[...] = rho * avg + (1 - rho) * g
-            den = slots[0] - avg * avg + eps
-        inc = lr * g / np.sqrt(den)
+            den = slots[0] - avg * avg
+        inc = lr * g / ((np.sqrt(den) + eps) if out else np.sqrt(den + eps))
         if hp.get("has_momentum"):
             slots[1][...] = mom * slots[1] + inc
             return var - slots[1]

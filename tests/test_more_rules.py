@@ -97,8 +97,12 @@ def test_decoupled_weight_decay_as_keras(case):
 
 @pytest.mark.parametrize("rule,nslots,hp,flags", [
     ("adagrad", 1, {"lr": 0.05, "epsilon": 1e-6}, {}),
+    ("adagrad", 1, {"lr": 0.05, "epsilon": 1e-3}, {"epsilon_outside_sqrt": True}),
     ("rmsprop", 3, {"lr": 0.01, "rho": 0.8, "momentum": 0.5, "epsilon": 1e-6},
      {"centered": True, "has_momentum": True}),
+    ("rmsprop", 1, {"lr": 0.01, "rho": 0.8, "momentum": 0.0, "epsilon": 1e-3}, {"epsilon_outside_sqrt": True}),
+    ("rmsprop", 3, {"lr": 0.01, "rho": 0.8, "momentum": 0.5, "epsilon": 1e-3},
+     {"centered": True, "has_momentum": True, "epsilon_outside_sqrt": True}),
     ("adadelta", 2, {"lr": 1.0, "rho": 0.9, "epsilon": 1e-6}, {}),
     ("adamax", 2, {"lr": 0.02, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6}, {}),
     ("lion", 1, {"lr": 0.003, "beta_1": 0.9, "beta_2": 0.99}, {}),
@@ -234,3 +238,153 @@ def test_tf1_rules_indexed_slices_equal_the_summed_dense_gradient(rule, nslots, 
     else:
         np.testing.assert_array_equal(a[keep], b[keep])
         assert rule == "adagrad_da" or np.all(np.abs(a[keep]) < np.abs(init[keep]))  # shrunk
+
+
+# tfclip.rules for TF1's proximal rules against the stock tf.compat.v1.train classes, eagerly
+# and in a tf.function, step for step: dense, and IndexedSlices with duplicate rows (the stock
+# sparse kernels update only the touched rows: lazy_sparse=True), with a global norm clip (the
+# stock side: tf.clip_by_global_norm before apply_gradients) and without. The stock classes are
+# given the hyper-parameters as tensors of the variable's dtype (their ops take Python numbers
+# as float32); AdagradDA a global step that starts at 0 and advances once per step.
+TF1_RULES = {
+    "proximal_gradient_descent": (
+        lambda: tfclip.rules.ProximalGradientDescent(0.1, l1_regularization_strength=0.02,
+                                                     l2_regularization_strength=0.3),
+        lambda c, gs: tf.compat.v1.train.ProximalGradientDescentOptimizer(
+            c(0.1), l1_regularization_strength=c(0.02), l2_regularization_strength=c(0.3))),
+    "proximal_adagrad": (
+        lambda: tfclip.rules.ProximalAdagrad(0.2, initial_accumulator_value=0.3, l1_regularization_strength=0.02,
+                                             l2_regularization_strength=0.1),
+        lambda c, gs: tf.compat.v1.train.ProximalAdagradOptimizer(
+            c(0.2), initial_accumulator_value=0.3, l1_regularization_strength=c(0.02),
+            l2_regularization_strength=c(0.1))),
+    "adagrad_da": (
+        lambda: tfclip.rules.AdagradDA(0.2, initial_gradient_squared_accumulator_value=0.3,
+                                       l1_regularization_strength=0.05, l2_regularization_strength=0.1),
+        lambda c, gs: tf.compat.v1.train.AdagradDAOptimizer(
+            c(0.2), gs, initial_gradient_squared_accumulator_value=0.3, l1_regularization_strength=c(0.05),
+            l2_regularization_strength=c(0.1))),
+}
+TF1_SLOTS = {"proximal_gradient_descent": (), "proximal_adagrad": ("accumulator",),
+             "adagrad_da": ("gradient_accumulator", "gradient_squared_accumulator")}
+
+
+def _tf1_steps(dtype, sparse, steps=6):
+    rng = np.random.default_rng(17)
+    out = []
+    for k in range(steps):
+        if sparse:
+            idx = [[1, 4, 1], [6], [0, 4, 4, 4], [2, 1], [5, 5], [3]][k % 6]
+            out.append((rng.normal(size=(len(idx), 3)).astype(dtype), np.array(idx, np.int64)))
+        else:
+            out.append((rng.normal(size=(7, 3)).astype(dtype), None))
+    return out
+
+
+def _tf1_grad(vals, rows):
+    if rows is None:
+        return tf.constant(vals)
+    return tf.IndexedSlices(tf.constant(vals), tf.constant(rows), tf.constant([7, 3], tf.int64))
+
+
+@pytest.mark.parametrize("case", list(TF1_RULES))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "indexed_slices"])
+@pytest.mark.parametrize("clip", [None, 0.8], ids=["noclip", "global_clipnorm"])
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_tf1_rules_match_the_stock_tf1_classes_step_for_step(case, dtype, sparse, clip, mode):
+    make_rule, make_stock = TF1_RULES[case]
+    init = np.random.default_rng(3).normal(size=(7, 3)).astype(dtype)
+    ours, theirs = tf.Variable(init), tf.Variable(init)
+    gs = tf.Variable(0, dtype=tf.int64)
+    rule, stock = make_rule(), make_stock(lambda x: tf.constant(x, dtype), gs)
+
+    def fused(g):
+        return tfclip.fused_clip_apply([(g, ours)], rule, lazy_sparse=sparse,
+                                       **({"global_clipnorm": clip} if clip else {}))
+
+    def reference(g):
+        if clip:
+            (g,), _ = tf.clip_by_global_norm([g], clip)
+        stock.apply_gradients([(g, theirs)], global_step=gs)
+
+    if mode == "tf_function":
+        fused, reference = tf.function(fused), tf.function(reference)
+    tol = dict(rtol=2e-6, atol=1e-7) if dtype == "float32" else dict(rtol=1e-13, atol=1e-15)
+    for k, (vals, rows) in enumerate(_tf1_steps(dtype, sparse)):
+        assert bool(fused(_tf1_grad(vals, rows)).applied)
+        reference(_tf1_grad(vals, rows))
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), err_msg=f"step {k + 1}", **tol)
+        assert int(rule.iterations) == int(gs.numpy()) == k + 1
+        if sparse and k < 5:  # row 3, first touched at step 6, is left alone until then (lazy)
+            np.testing.assert_array_equal(ours.numpy()[3], init[3])
+    assert tuple(rule.slots(ours)) == TF1_SLOTS[case]
+    for n in TF1_SLOTS[case]:
+        np.testing.assert_allclose(rule.slots(ours)[n].numpy(), stock.get_slot(theirs, n).numpy(), **tol)
+
+
+@pytest.mark.parametrize("case", list(TF1_RULES))
+def test_tf1_rules_densify_indexed_slices_unless_lazy(case):
+    """Without lazy_sparse the IndexedSlices step is the dense gradient's (every row shrunk). (No
+    norm clip: the slices' norm, as TF's, counts each duplicate, the dense gradient's their sum.)"""
+    make_rule, _ = TF1_RULES[case]
+    init = np.random.default_rng(4).normal(size=(7, 3)).astype(np.float32)
+    a, b = tf.Variable(init), tf.Variable(init)
+    ra, rb = make_rule(), make_rule()
+    for vals, rows in _tf1_steps("float32", True, 4):
+        tfclip.fused_clip_apply([(_tf1_grad(vals, rows), a)], ra)
+        tfclip.fused_clip_apply([(tf.convert_to_tensor(_tf1_grad(vals, rows)), b)], rb)
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_adagrad_da_rule_counts_only_applied_steps():
+    """A skipped step (non-finite norm) writes nothing and does not advance the count, so the
+    next step is given the same global step as if the skipped one never came."""
+    make_rule, make_stock = TF1_RULES["adagrad_da"]
+    init = np.random.default_rng(5).normal(size=(7, 3)).astype(np.float64)
+    ours, theirs = tf.Variable(init), tf.Variable(init)
+    gs = tf.Variable(0, dtype=tf.int64)
+    rule, stock = make_rule(), make_stock(lambda x: tf.constant(x, tf.float64), gs)
+    steps = _tf1_steps("float64", False, 4)
+    for k, (vals, _) in enumerate(steps):
+        if k == 2:
+            before = ours.numpy().copy()
+            bad = vals.copy()
+            bad[0, 0] = np.nan
+            assert not bool(tfclip.fused_clip_apply([(tf.constant(bad), ours)], rule, global_clipnorm=1.0).applied)
+            np.testing.assert_array_equal(ours.numpy(), before)
+            assert int(rule.iterations) == 2
+        tfclip.fused_clip_apply([(tf.constant(vals), ours)], rule, global_clipnorm=1.0)
+        (g,), _ = tf.clip_by_global_norm([tf.constant(vals)], 1.0)
+        stock.apply_gradients([(g, theirs)], global_step=gs)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-13, atol=1e-15)
+    assert int(rule.iterations) == int(gs.numpy()) == 4
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: tfclip.rules.ProximalAdagrad(0.1, initial_accumulator_value=0.0), "initial_accumulator_value"),
+    (lambda: tfclip.rules.ProximalAdagrad(0.0), "learning_rate must be > 0"),
+    (lambda: tfclip.rules.ProximalAdagrad(0.1, l1_regularization_strength=-0.1), "l1_regularization_strength"),
+    (lambda: tfclip.rules.ProximalGradientDescent(0.1, l2_regularization_strength=-1.0),
+     "l2_regularization_strength"),
+    (lambda: tfclip.rules.AdagradDA(0.1, initial_gradient_squared_accumulator_value=-1.0),
+     "initial_gradient_squared_accumulator_value"),
+    (lambda: tfclip.rules.AdagradDA(float("nan")), "learning_rate"),
+])
+def test_tf1_rules_refuse_bad_arguments_naming_them(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_proximal_adagrad_rule_refuses_a_nonpositive_tensor_learning_rate_writing_nothing():
+    lr = tf.Variable(0.1)
+    rule = tfclip.rules.ProximalAdagrad(lr)
+    var = tf.Variable(np.ones((3,), np.float32))
+    tfclip.fused_clip_apply([(tf.ones(3), var)], rule)
+    before, acc = var.numpy().copy(), rule.slots(var)["accumulator"].numpy().copy()
+    lr.assign(-0.1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="learning_rate must be > 0"):
+        tfclip.fused_clip_apply([(tf.ones(3), var)], rule)
+    np.testing.assert_array_equal(var.numpy(), before)
+    np.testing.assert_array_equal(rule.slots(var)["accumulator"].numpy(), acc)
+    assert int(rule.iterations) == 1

@@ -248,3 +248,33 @@ def test_keras_apply_without_variables_names_both_lengths():
     opt.build(vs)
     with pytest.raises(ValueError, match="1 gradients.*2 trainable variables"):
         opt.apply([tf.constant([1.0])])
+
+
+# The TF1 proximal rules against the stock TF1 classes they mirror (AdagradDA's global step: a
+# variable the stock side advances with each step, as the rule's own count advances).
+TF1_RULES = [("ProximalGradientDescent", "ProximalGradientDescentOptimizer"),
+             ("ProximalAdagrad", "ProximalAdagradOptimizer"), ("AdagradDA", "AdagradDAOptimizer")]
+
+
+def _tf1_rule_steps(obj):
+    if isinstance(obj, tfclip.rules.Rule):
+        return _rule_steps(obj)
+    v = tf.Variable(INIT)
+    gs = getattr(obj, "_global_step", None)
+    for g in ([0.1, -0.2, 0.3], [-0.3, 0.1, 0.2]):
+        obj.apply_gradients([(tf.constant(g, tf.float32), v)], global_step=gs)
+    return [v.numpy().astype("float64") - INIT]
+
+
+@pytest.mark.parametrize("name,stock_name", TF1_RULES, ids=[n for n, _ in TF1_RULES])
+def test_tf1_rules_accept_what_their_stock_class_accepts(name, stock_name):
+    stock_cls, rule_cls = getattr(tf.compat.v1.train, stock_name), getattr(tfclip.rules, name)
+    fixed = {"global_step": lambda: tf.Variable(0, dtype=tf.int64)} if name == "AdagradDA" else {}
+    shared = set(inspect.signature(rule_cls.__init__).parameters)
+    args = sorted({a for a in _float_args(stock_cls) if a in shared} | {"learning_rate"})
+    assert len(args) >= 3
+    problems = []
+    # (named as the stock class, so KNOWN's entries for it apply)
+    _probe(stock_name, args, lambda **kw: stock_cls(**{k: f() for k, f in fixed.items()}, **kw), rule_cls,
+           _tf1_rule_steps, problems, required=["learning_rate"])
+    assert not problems, "\n".join(problems)

@@ -417,6 +417,9 @@ def test_multi_worker_mirrored_two_processes(tmp_path):
 LEGACY_CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.8, "nesterov": True}),
                 ("Adam", {}), ("Adam", {"amsgrad": True}), ("Adam", {"learning_rate": 0.1, "decay": 0.1}),
                 ("RMSprop", {"momentum": 0.9}), ("RMSprop", {"momentum": 0.5, "centered": True, "rho": 0.8}),
+                ("RMSprop", {}), ("RMSprop", {"centered": True, "rho": 0.8, "epsilon": 1e-3}),
+                ("Adagrad", {}), ("Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.0,
+                                              "epsilon": 1e-3}),
                 ("Adadelta", {"learning_rate": 1.0}), ("Adadelta", {"rho": 0.8, "epsilon": 1e-5}),
                 ("Adamax", {}), ("Adamax", {"learning_rate": 0.1, "decay": 0.1}),
                 ("Ftrl", {}), ("Ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
@@ -427,9 +430,10 @@ LEGACY_CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "-".join(c) or "noclip")
 @pytest.mark.parametrize("case", LEGACY_CASES, ids=_ids)
 def test_legacy_trajectory_matches_stock(case, clip):
-    """IndexedSlices included: legacy SGD with momentum, RMSprop with momentum, Adadelta, Adamax
-    and Ftrl update only the touched rows (TF's ResourceSparseApply* ops; Adamax's own scatter),
-    legacy Adam every row; duplicates summed first."""
+    """IndexedSlices included: legacy SGD with momentum, RMSprop with momentum, Adagrad, Adadelta,
+    Adamax and Ftrl update only the touched rows (TF's ResourceSparseApply* ops; Adamax's own
+    scatter), legacy Adam every row, RMSprop without momentum every row's slots; duplicates summed
+    first."""
     name, kw = case
     kw = {**kw, **clip}
     for sparse in (False, True):
@@ -467,7 +471,7 @@ def test_legacy_sparse_updates_only_the_touched_rows():
     """The rows an IndexedSlices gradient leaves out keep their values and slots (stock's sparse
     ops), for the classes whose stock sparse update is lazy."""
     for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adadelta", {"learning_rate": 1.0}), ("Adamax", {}),
-                     ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1})):
+                     ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1}), ("Adagrad", {})):
         opt, got = _train(getattr(tk.legacy, name), kw, steps=3, sparse=True)
         v0 = np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1
         np.testing.assert_array_equal(got[0][[1, 3, 4]], v0[[1, 3, 4]], err_msg=name)
@@ -475,35 +479,63 @@ def test_legacy_sparse_updates_only_the_touched_rows():
         assert opt.lazy_sparse is True
 
 
-@pytest.mark.parametrize("name,kw", [("RMSprop", {}), ("RMSprop", {"centered": True, "clipnorm": 0.5})])
-def test_legacy_rmsprop_without_momentum_runs_the_stock_step(name, kw):
-    """Stock legacy RMSprop without momentum computes var -= lr*g / (sqrt(rms) + epsilon) (epsilon
-    outside the square root): no tfclip rule computes that, so the stock step runs, said once."""
+@pytest.mark.parametrize("kw", [{}, {"centered": True, "clipnorm": 0.5}, {"epsilon": 1e-3, "global_clipnorm": 1.0}])
+def test_legacy_rmsprop_without_momentum_is_fused_epsilon_outside_the_sqrt(kw):
+    """Stock legacy RMSprop without momentum (the default) computes var -= lr*g / (sqrt(rms) +
+    epsilon): fused now (no stock fallback, no warning), and its IndexedSlices step decays every
+    row's rms as stock does (lazy_sparse defaults to False there)."""
     tk._LEGACY_WARNED.clear()
     for sparse in (False, True):
-        _, want = _train(getattr(stock.legacy, name), kw, sparse=sparse)
-        if not sparse:
-            with pytest.warns(UserWarning, match="momentum is 0.*stock tf_keras ops"):
-                opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse)
-        else:
-            opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse)
-        _assert_same(got, want, 0, 0)  # the stock ops themselves
-        assert int(opt.iterations.numpy()) == 4
+        _, want = _train(stock.legacy.RMSprop, kw, sparse=sparse)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt, got = _train(tk.legacy.RMSprop, kw, sparse=sparse)
+        _assert_same(got, want)
+        assert opt.lazy_sparse is False and int(opt.iterations.numpy()) == 4
+        assert int(opt.clipped_steps.numpy()) >= (1 if set(kw) & {"clipnorm", "global_clipnorm"} else 0)
+    assert not tk._LEGACY_WARNED
 
 
-def test_legacy_adagrad_and_nadam_have_no_drop_in():
-    """Stock legacy Adagrad (ResourceApplyAdagradV2: lr*g / (sqrt(accum) + epsilon), epsilon never
-    0 there) and legacy Nadam (momentum schedule 0.96^(0.004 t)) compute what no tfclip rule does."""
-    assert not hasattr(tk.legacy, "Adagrad") and not hasattr(tk.legacy, "Nadam")
-    # (the Adagrad difference is real: with a small accumulator epsilon's place changes the step)
-    v = tf.Variable([1.0])
-    opt = stock.legacy.Adagrad(1.0, initial_accumulator_value=0.0, epsilon=1e-3)
-    opt.apply_gradients([(tf.constant([1e-4]), v)])
-    np.testing.assert_allclose(1.0 - v.numpy(), 1e-4 / (1e-4 + 1e-3), rtol=1e-5)  # not 1e-4/sqrt(1e-8+1e-3)
+@pytest.mark.parametrize("centered", [False, True])
+def test_legacy_rmsprop_without_momentum_decays_untouched_rows_as_stock(centered):
+    """A dense step fills every row's rms (and mg), then an IndexedSlices step touching row 2
+    only: stock decays every row's slots and moves only row 2; so does the drop-in (its default,
+    lazy_sparse=False), while lazy_sparse=True leaves the other rows' slots alone (not stock)."""
+    res = {}
+    for key, cls, kw in (("stock", stock.legacy.RMSprop, {}), ("tfclip", tk.legacy.RMSprop, {}),
+                         ("lazy", tk.legacy.RMSprop, {"lazy_sparse": True})):
+        v = tf.Variable(np.linspace(-1, 1, 20).astype(np.float32).reshape(5, 4))
+        opt = cls(0.05, centered=centered, **kw)
+        opt.apply_gradients([(tf.constant(np.full((5, 4), 0.5, np.float32)), v)])
+        opt.apply_gradients([(tf.IndexedSlices(tf.constant([[1.0, -1.0, 2.0, 0.5]]), tf.constant([2]),
+                                               tf.constant([5, 4])), v)])
+        res[key] = [v.numpy()] + [opt.get_slot(v, n).numpy() for n in (("rms", "mg") if centered else ("rms",))]
+    _assert_same(res["tfclip"], res["stock"])
+    rms_stock, rms_lazy = res["stock"][1], res["lazy"][1]
+    assert not np.allclose(rms_lazy[[0, 1, 3, 4]], rms_stock[[0, 1, 3, 4]])  # stock decayed them
+    np.testing.assert_allclose(res["lazy"][0], res["stock"][0], rtol=1e-6)  # the variable: row 2 only
+
+
+def test_legacy_rmsprop_and_adagrad_put_epsilon_outside_the_sqrt():
+    """The epsilon placement is real: with a small accumulator it changes the step, and the
+    drop-ins take stock's (lr*g / (sqrt(x) + eps)), not Keras 3's (lr*g / sqrt(x + eps))."""
+    for name, kw in (("Adagrad", {"initial_accumulator_value": 0.0}), ("RMSprop", {"rho": 0.0})):
+        got = []
+        for cls in (stock.legacy, tk.legacy):
+            v = tf.Variable([1.0])
+            getattr(cls, name)(1.0, epsilon=1e-3, **kw).apply_gradients([(tf.constant([1e-4]), v)])
+            got.append(1.0 - v.numpy()[0])
+        np.testing.assert_allclose(got, [1e-4 / (1e-4 + 1e-3)] * 2, rtol=1e-5)  # not 1e-4/sqrt(1e-8+1e-3)
+
+
+def test_legacy_nadam_has_no_drop_in():
+    """Stock legacy Nadam (momentum schedule 0.96^(0.004 t)) computes what no tfclip rule does."""
+    assert not hasattr(tk.legacy, "Nadam")
 
 
 def test_legacy_nonfinite_skip_for_every_class():
-    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adadelta", {}), ("Adamax", {}), ("Ftrl", {})):
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adadelta", {}), ("Adamax", {}), ("Ftrl", {}),
+                     ("RMSprop", {"centered": True}), ("Adagrad", {})):
         for sparse in (False, True):
             opt, got = _train(getattr(tk.legacy, name), {**kw, "global_clipnorm": 1.0}, steps=4, sparse=sparse,
                               grads_fn=_nan_grads)
@@ -523,7 +555,8 @@ def test_legacy_nonfinite_skip_for_every_class():
 def test_legacy_loss_scale_optimizer_mixed_precision():
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
     y = x.sum(1, keepdims=True)
-    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adamax", {}), ("Ftrl", {"global_clipnorm": 1.0})):
+    for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adamax", {}), ("Ftrl", {"global_clipnorm": 1.0}),
+                     ("RMSprop", {"clipnorm": 1.0}), ("Adagrad", {"global_clipnorm": 1.0})):
         res = []
         for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
             tf_keras.mixed_precision.set_global_policy("mixed_float16")
@@ -543,7 +576,8 @@ def test_legacy_loss_scale_optimizer_mixed_precision():
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "jit_compile"])
 @pytest.mark.parametrize("name,kw", [("Adam", {"global_clipnorm": 0.5}), ("SGD", {"momentum": 0.9, "clipnorm": 0.1}),
                                      ("RMSprop", {"momentum": 0.9, "clipvalue": 0.1}), ("Adadelta", {"clipnorm": 0.2}),
-                                     ("Adamax", {"global_clipnorm": 0.5}), ("Ftrl", {"global_clipnorm": 0.5})])
+                                     ("Adamax", {"global_clipnorm": 0.5}), ("Ftrl", {"global_clipnorm": 0.5}),
+                                     ("RMSprop", {"global_clipnorm": 0.5}), ("Adagrad", {"clipnorm": 0.2})])
 def test_legacy_model_fit_embedding(jit, name, kw):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, (32, 5)).astype("int32")
@@ -601,7 +635,8 @@ def test_model_save_and_load_keep_the_class(tmp_path, fmt):
 # -- the behaviours tf-keras's own optimizer tests check (optimizer_test.py, legacy/*_test.py),
 #    as our own cases against the stock classes ------------------------------------------------
 LEGACY_NEW = [("RMSprop", {"momentum": 0.9}), ("Adadelta", {"learning_rate": 1.0}), ("Adamax", {}),
-              ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1})]
+              ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1}), ("RMSprop", {"centered": True}),
+              ("Adagrad", {})]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float64"])

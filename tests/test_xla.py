@@ -111,6 +111,11 @@ PY_RULES = {
     "ftrl": lambda: tfclip.rules.Ftrl(0.05, l1_regularization_strength=0.01),
     "lamb": lambda: tfclip.rules.Lamb(0.01),
     "schedule_free_adamw": lambda: tfclip.rules.ScheduleFreeAdamW(0.01, warmup_steps=2, weight_decay=0.01),
+    "proximal_gradient_descent": lambda: tfclip.rules.ProximalGradientDescent(
+        0.05, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
+    "proximal_adagrad": lambda: tfclip.rules.ProximalAdagrad(0.05, l1_regularization_strength=0.01),
+    "adagrad_da": lambda: tfclip.rules.AdagradDA(0.05, l1_regularization_strength=0.01,
+                                                 l2_regularization_strength=0.1),
 }
 MODES = {"none": {}, "global_norm": {"global_clipnorm": 0.7}, "norm": {"clipnorm": 0.4},
          "value": {"clipvalue": 0.3}}

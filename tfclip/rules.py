@@ -30,6 +30,10 @@ The rules match TF's own training ops and the Keras 3 optimizers:
 `Lamb`               keras.optimizers.Lamb (a per-tensor trust ratio: three passes, not two)
 `ScheduleFreeAdamW`  keras.optimizers.ScheduleFreeAdamW (warmup_steps; slot `momentum` starts
                      as a copy of the variable)
+`ProximalGradient`   tf.compat.v1.train.ProximalGradientDescentOptimizer
+`Descent`            (ResourceApplyProximalGradientDescent; no slots)
+`ProximalAdagrad`    tf.compat.v1.train.ProximalAdagradOptimizer (ResourceApplyProximalAdagrad)
+`AdagradDA`          tf.compat.v1.train.AdagradDAOptimizer (its global_step = iterations)
 ===================  =========================================================================
 
 Adagrad, RMSprop, Adadelta, Adamax and Lion match stock Keras bit for bit on dense gradients
@@ -37,7 +41,11 @@ Adagrad, RMSprop, Adadelta, Adamax and Lion match stock Keras bit for bit on den
 float32). With IndexedSlices they give the densified gradient's update, as the other rules do
 here (a row's duplicates summed, every row's slots updated).
 
-`weight_decay` on any rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
+The three TF1 proximal rules take no `weight_decay` (the stock classes have none). Their
+IndexedSlices gradients are densified by default (every row gets the l1/l2 shrink);
+`lazy_sparse=True` gives TF1's sparse kernels' update (the touched rows only).
+
+`weight_decay` on any other rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
 """
 import contextlib
 import math
@@ -146,7 +154,12 @@ class Rule:
 
     def _slot_initial_value(self, name, var):
         """A slot's initial tensor for `var`: `_slot_initial(name)` everywhere by default."""
-        return tf.fill(var.shape, tf.cast(self._slot_initial(name), var.dtype))
+        init = self._slot_initial(name)
+        # A Python number straight to the variable's dtype (tf.cast would first round it to
+        # float32: a float64 slot would start 1e-8 off the stock class's).
+        init = (tf.constant(init, var.dtype) if isinstance(init, numbers.Real) and not isinstance(init, bool)
+                else tf.cast(init, var.dtype))
+        return tf.fill(var.shape, init)
 
     # -- hyper-parameters ---------------------------------------------------------------
     def current_learning_rate(self):
@@ -689,3 +702,106 @@ class ScheduleFreeAdamW(_BetasEpsilonStep):
 
     def _op_hparams(self, has_counter):
         return {**super()._op_hparams(has_counter), "warmup_steps": self.warmup_steps}
+
+
+class _Proximal(Rule):
+    """A TF1 proximal rule (no weight decay: the stock classes have none). l1/l2 strengths given
+    as numbers must be >= 0 (the core's table; a tensor is checked by the op when the step runs,
+    before it writes anything). IndexedSlices: densified by default (rows no slice touches
+    still get the l1/l2 shrink); `lazy_sparse=True` updates only the touched rows, each
+    duplicate in turn, as TF1's sparse kernels do."""
+
+    def __init__(self, learning_rate, l1_regularization_strength, l2_regularization_strength, name):
+        self.l1_regularization_strength = l1_regularization_strength
+        self.l2_regularization_strength = l2_regularization_strength
+        super().__init__(learning_rate, 0.0, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate,
+                "l1_regularization_strength": self.l1_regularization_strength,
+                "l2_regularization_strength": self.l2_regularization_strength}
+
+    def _op_hparams(self, has_counter):
+        return {"lr": self.current_learning_rate(), "l1": self.l1_regularization_strength,
+                "l2": self.l2_regularization_strength}
+
+
+class ProximalGradientDescent(_Proximal):
+    """tf.compat.v1.train.ProximalGradientDescentOptimizer (FOBOS; ResourceApplyProximalGradientDescent):
+    `prox = var - lr*g; var = sign(prox) * max(|prox| - lr*l1, 0) / (1 + lr*l2)`. No slots."""
+
+    kind = "proximal_gradient_descent"
+
+    def __init__(self, learning_rate, l1_regularization_strength=0.0, l2_regularization_strength=0.0,
+                 name=None):
+        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name)
+
+
+class ProximalAdagrad(_Proximal):
+    """tf.compat.v1.train.ProximalAdagradOptimizer (ResourceApplyProximalAdagrad): `accumulator
+    += g^2`, then the proximal step with the learning rate `lr / sqrt(accumulator)`. Slot
+    `accumulator`, starting at `initial_accumulator_value` (> 0, as the stock class checks). As
+    TF's kernel, a learning rate <= 0 is refused: a number at construction (ValueError), a
+    tensor when the step runs (InvalidArgumentError, nothing written)."""
+
+    kind = "proximal_adagrad"
+    slot_names = ("accumulator",)
+
+    def __init__(self, learning_rate, initial_accumulator_value=0.1, l1_regularization_strength=0.0,
+                 l2_regularization_strength=0.0, name=None):
+        if initial_accumulator_value <= 0.0:  # the stock class's check and words
+            raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
+        self.initial_accumulator_value = initial_accumulator_value
+        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name)
+
+    def _check_stock_ranges(self):
+        lr = self.learning_rate
+        if isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr <= 0:
+            raise ValueError(f"learning_rate must be > 0 (TF's ProximalAdagrad kernel refuses it), got {lr}")
+
+    def _config_numbers(self):
+        return {**super()._config_numbers(), "initial_accumulator_value": self.initial_accumulator_value}
+
+    def _slot_initial(self, name):
+        return self.initial_accumulator_value
+
+    def _op_hparams(self, has_counter):
+        hp = super()._op_hparams(has_counter)
+        if not isinstance(self.learning_rate, numbers.Real):  # a tensor, variable or schedule
+            check = tf.debugging.assert_positive(
+                hp["lr"], message="learning_rate must be > 0 (TF's ProximalAdagrad kernel refuses it)")
+            with tf.control_dependencies([check]):
+                hp["lr"] = tf.identity(hp["lr"])
+        return hp
+
+
+class AdagradDA(_Proximal):
+    """tf.compat.v1.train.AdagradDAOptimizer (ResourceApplyAdagradDA), its `global_step` the
+    rule's own count: step t (from 1) is given t, as the stock class given a global step that
+    starts at 0 and advances with each applied step. Slots `gradient_accumulator` and
+    `gradient_squared_accumulator` (starting at `initial_gradient_squared_accumulator_value`,
+    > 0 as the stock class checks)."""
+
+    kind = "adagrad_da"
+    slot_names = ("gradient_accumulator", "gradient_squared_accumulator")
+
+    def __init__(self, learning_rate, initial_gradient_squared_accumulator_value=0.1,
+                 l1_regularization_strength=0.0, l2_regularization_strength=0.0, name=None):
+        if initial_gradient_squared_accumulator_value <= 0.0:  # the stock class's check and words
+            raise ValueError("initial_gradient_squared_accumulator_value must be positive: "
+                             f"{initial_gradient_squared_accumulator_value}")
+        self.initial_gradient_squared_accumulator_value = initial_gradient_squared_accumulator_value
+        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name)
+
+    def _config_numbers(self):
+        return {**super()._config_numbers(),
+                "initial_gradient_squared_accumulator_value": self.initial_gradient_squared_accumulator_value}
+
+    def _slot_initial(self, name):
+        return self.initial_gradient_squared_accumulator_value if name == "gradient_squared_accumulator" else 0.0
+
+    def _host_counter(self):
+        return None  # global_step is iterations + 1, read before the op: the step is counted here
+
+    def _op_hparams(self, has_counter):
+        return {**super()._op_hparams(has_counter), "global_step": self._step(False)}

@@ -28,11 +28,11 @@ own variables, outside `optimizer.variables` and checkpoints.
 `Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
 stock advances its momentum-cache product once per variable there).
 
-`tfclip.tf_keras.legacy.SGD`, `Adam`, `RMSprop`, `Adadelta`, `Adamax` and `Ftrl` subclass the
-`tf_keras.optimizers.legacy` (OptimizerV2) classes, on the core rules that compute TF's training
-ops (see `legacy`). Legacy RMSprop without momentum, complex variables, `gradient_transformers`
-and more than one clip argument run the stock step (a warning once); legacy Adagrad and Nadam
-compute what no tfclip rule does and have no drop-in.
+`tfclip.tf_keras.legacy.SGD`, `Adam`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax` and `Ftrl`
+subclass the `tf_keras.optimizers.legacy` (OptimizerV2) classes, on the core rules that compute
+TF's training ops and stock's own update (see `legacy`). Complex variables,
+`gradient_transformers` and more than one clip argument run the stock step (a warning once);
+legacy Nadam computes what no tfclip rule does and has no drop-in.
 
 Inside an XLA-compiled function (`model.compile(..., jit_compile=True)`) the fused op compiles to
 tfclip's own XLA custom calls; a build of tfclip without them warns once and runs the stock
@@ -632,33 +632,59 @@ class _LegacyAdam(_LegacyFusedMixin, _legacy_stock.Adam):
 
 
 class _LegacyRMSprop(_LegacyFusedMixin, _legacy_stock.RMSprop):
-    """tf_keras.optimizers.legacy.RMSprop with momentum as one fused op: TF's
-    ResourceApplyRMSProp / ResourceApplyCenteredRMSProp (tfclip's `tf_rmsprop` rule; slots `rms`,
-    `momentum`, `mg`), and for IndexedSlices, as stock's ResourceSparseApply(Centered)RMSProp,
+    """tf_keras.optimizers.legacy.RMSprop as one fused op (slots `rms`, `momentum`, `mg`).
+
+    With momentum: TF's ResourceApplyRMSProp / ResourceApplyCenteredRMSProp (tfclip's
+    `tf_rmsprop` rule), and for IndexedSlices, as stock's ResourceSparseApply(Centered)RMSProp,
     only the rows the gradient touches (`lazy_sparse` defaults to True).
 
-    Without momentum stock legacy RMSprop computes `var -= lr * g / (sqrt(rms) + epsilon)`
-    (epsilon outside the square root), which no tfclip rule computes: that configuration runs the
-    stock step, with a warning once."""
+    Without momentum (the stock default) stock's own ops: `rms = rho*rms + (1-rho)*g^2` (centered:
+    `mg = rho*mg + (1-rho)*g`, the denominator `rms - mg^2`), `var -= lr*g / (sqrt(rms) +
+    epsilon)`, epsilon outside the square root (tfclip's `rmsprop` rule with
+    `epsilon_outside_sqrt`). Stock's IndexedSlices update decays every row's `rms` (and `mg`) and
+    moves only the touched rows of the variable, which is the densified gradient's update (a
+    zero gradient moves a variable by 0): `lazy_sparse` defaults to False there (True decays
+    only the touched rows' slots, not stock)."""
 
     _checked = ("rho", "momentum", "epsilon")
 
-    _lazy_default = True
-
-    def _no_rule_reason(self):
-        if not self._momentum:
-            return ("momentum is 0 (stock legacy RMSprop then adds epsilon outside the square root, "
-                    "which no tfclip rule computes; with momentum > 0 the step is fused)")
-        return None
+    @property
+    def _lazy_default(self):
+        return bool(self._momentum)
 
     def _op_inputs(self, tvars):
         dtype = tvars[0].dtype.base_dtype
+        # rho in the variables' dtype, as stock: 1 - rho from it is stock's one_minus_rho.
+        rho = tf.identity(self._get_hyper("rho", dtype))
+        if not self._momentum:
+            slots = {"velocity": self._slot_handles("rms", tvars)}
+            if self.centered:
+                slots["average_gradient"] = self._slot_handles("mg", tvars)
+            return ("rmsprop", slots, {"rho": rho, "momentum": 0.0, "epsilon": self.epsilon},
+                    {"centered": bool(self.centered), "has_momentum": False, "epsilon_outside_sqrt": True})
         slots = [self._slot_handles("rms", tvars), self._slot_handles("momentum", tvars)]
         if self.centered:
             slots.append(self._slot_handles("mg", tvars))
-        return ("tf_rmsprop", slots, {"rho": tf.identity(self._get_hyper("rho", dtype)),
+        return ("tf_rmsprop", slots, {"rho": rho,
                                       "momentum": tf.identity(self._get_hyper("momentum", dtype)),
                                       "epsilon": self.epsilon}, {"centered": bool(self.centered)})
+
+
+class _LegacyAdagrad(_LegacyFusedMixin, _legacy_stock.Adagrad):
+    """tf_keras.optimizers.legacy.Adagrad as one fused op: TF's ResourceApplyAdagradV2,
+    `accumulator += g^2; var -= lr*g / (sqrt(accumulator) + epsilon)`, epsilon outside the square
+    root (tfclip's `adagrad` rule with `epsilon_outside_sqrt`; slot `accumulator`, starting at
+    `initial_accumulator_value`), and for IndexedSlices, as stock's
+    ResourceSparseApplyAdagradV2, only the rows the gradient touches (`lazy_sparse` defaults to
+    True)."""
+
+    _checked = ("epsilon",)
+
+    _lazy_default = True
+
+    def _op_inputs(self, tvars):
+        return ("adagrad", [self._slot_handles("accumulator", tvars)], {"epsilon": self.epsilon},
+                {"epsilon_outside_sqrt": True})
 
 
 class _LegacyAdadelta(_LegacyFusedMixin, _legacy_stock.Adadelta):
@@ -725,27 +751,30 @@ class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
 
 
 for _cls, _name in ((_LegacySGD, "SGD"), (_LegacyAdam, "Adam"), (_LegacyRMSprop, "RMSprop"),
-                    (_LegacyAdadelta, "Adadelta"), (_LegacyAdamax, "Adamax"), (_LegacyFtrl, "Ftrl")):
+                    (_LegacyAdagrad, "Adagrad"), (_LegacyAdadelta, "Adadelta"), (_LegacyAdamax, "Adamax"),
+                    (_LegacyFtrl, "Ftrl")):
     # (qualname: reprs say tfclip.tf_keras.legacy.Adam, not tfclip.tf_keras.Adam)
     _cls.__name__, _cls.__qualname__ = _name, "legacy." + _name
 
 
 class legacy:  # noqa: N801 (a namespace, as tf_keras.optimizers.legacy)
-    """Drop-ins for tf_keras.optimizers.legacy.SGD, Adam, RMSprop, Adadelta, Adamax and Ftrl.
+    """Drop-ins for tf_keras.optimizers.legacy.SGD, Adam, RMSprop, Adagrad, Adadelta, Adamax and
+    Ftrl.
 
-    legacy Adagrad (ResourceApplyAdagradV2: epsilon outside the square root) and legacy Nadam
-    (its momentum schedule 0.96^(0.004 t)) compute updates no tfclip rule computes: they have no
-    drop-in here."""
+    legacy Nadam (its momentum schedule 0.96^(0.004 t)) computes an update no tfclip rule
+    computes: it has no drop-in here."""
 
     SGD = _LegacySGD
     Adam = _LegacyAdam
     RMSprop = _LegacyRMSprop
+    Adagrad = _LegacyAdagrad
     Adadelta = _LegacyAdadelta
     Adamax = _LegacyAdamax
     Ftrl = _LegacyFtrl
 
 
-_LEGACY_CLASSES = (legacy.SGD, legacy.Adam, legacy.RMSprop, legacy.Adadelta, legacy.Adamax, legacy.Ftrl)
+_LEGACY_CLASSES = (legacy.SGD, legacy.Adam, legacy.RMSprop, legacy.Adagrad, legacy.Adadelta, legacy.Adamax,
+                   legacy.Ftrl)
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 

@@ -42,12 +42,15 @@ namespace tfclip {
   X(warmup_steps, "warmup_steps", 0.0, -INFINITY, false, INFINITY, false) \
   X(global_step, "global_step", 1.0, -INFINITY, false, INFINITY, false)
 
-// X(field, op attr name): the rules' boolean options.
+// X(field, op attr name): the rules' boolean options. eps_outside (Adagrad, RMSprop): epsilon
+// added to the square root, lr*g / (sqrt(x) + eps), as TF's ResourceApplyAdagradV2 and
+// tf_keras's legacy RMSprop without momentum, instead of Keras 3's lr*g / sqrt(x + eps).
 #define TFCLIP_FOR_EACH_FLAG(X) \
   X(nesterov, "use_nesterov")   \
   X(amsgrad, "amsgrad")         \
   X(centered, "centered")       \
-  X(has_momentum, "has_momentum")
+  X(has_momentum, "has_momentum") \
+  X(eps_outside, "epsilon_outside_sqrt")
 
 // HP::lr, ... : an hyper-parameter's index; HPBit(HP::lr) its bit in a rule's mask.
 enum class HP : int {

@@ -30,10 +30,10 @@ namespace tfclip {
         TFCLIP_H(step) TFCLIP_H(beta_1_power) TFCLIP_H(beta_2_power),                          \
     0u TFCLIP_F(amsgrad))                                                                      \
   X(kAdagrad, AdagradRule, "Adagrad", "adagrad", "accumulator",                                \
-    0u TFCLIP_H(lr) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), 0u)                              \
+    0u TFCLIP_H(lr) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), 0u TFCLIP_F(eps_outside))        \
   X(kRmsProp, RmsPropRule, "RmsProp", "rmsprop", "velocity,momentum_slot,average_gradient",         \
     0u TFCLIP_H(lr) TFCLIP_H(rho) TFCLIP_H(momentum) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), \
-    0u TFCLIP_F(centered) TFCLIP_F(has_momentum))                                              \
+    0u TFCLIP_F(centered) TFCLIP_F(has_momentum) TFCLIP_F(eps_outside))                        \
   X(kAdadelta, AdadeltaRule, "Adadelta", "adadelta", "accumulated_grad,accumulated_delta_var", \
     0u TFCLIP_H(lr) TFCLIP_H(rho) TFCLIP_H(epsilon) TFCLIP_H(weight_decay), 0u)                \
   X(kAdamax, AdamaxRule, "Adamax", "adamax", "m,u",                                            \

@@ -51,6 +51,10 @@ struct StepConsts {
   // kernel's static_cast<float>) then the dtype, t*l1 and l2*(t*lr).
   M l2, lr_l1, one_plus_l2_lr, da_t_l1, da_l2_t_lr;
   bool l1_on;  // l1 > 0: the kernels' branch to the l1 shrinkage
+  // Adagrad, RMSprop: epsilon inside the square root (eps_in; eps_out 0), or, eps_outside,
+  // added to it (eps_out; eps_in 0): one sqrt either way, and x + 0 is x, so each form keeps
+  // its own rounding and the loop has no branch.
+  M eps_in, eps_out;
   bool nesterov, amsgrad, decay, sum_of_squares, centered, has_momentum;
 };
 
@@ -115,6 +119,8 @@ TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.sum_of_squares = hp.sum_of_squares;
   c.centered = hp.centered;
   c.has_momentum = hp.has_momentum;
+  c.eps_in = hp.eps_outside ? M(0) : c.epsilon;
+  c.eps_out = hp.eps_outside ? c.epsilon : M(0);
   return c;
 }
 
@@ -205,8 +211,8 @@ struct AdamRule : RuleBase {
 };
 
 struct AdagradRule : RuleBase {
-  // accum += g^2; var -= lr*g / sqrt(accum + eps)  (keras 3 Adagrad; not ResourceApplyAdagradV2,
-  // whose epsilon is outside the sqrt: lr*g / (sqrt(accum) + eps))
+  // accum += g^2; var -= lr*g / sqrt(accum + eps) (keras 3 Adagrad); with eps_outside
+  // var -= lr*g / (sqrt(accum) + eps) (ResourceApplyAdagradV2, tf_keras's legacy Adagrad).
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
@@ -214,14 +220,15 @@ struct AdagradRule : RuleBase {
   static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
     const M accum = s[0] + gsq;
     s[0] = accum;
-    var = var - (c.lr * g) / std::sqrt(accum + c.epsilon);
+    var = var - (c.lr * g) / (std::sqrt(accum + c.eps_in) + c.eps_out);
   }
 };
 
 struct RmsPropRule : RuleBase {
   // keras RMSprop: v = rho*v + (1-rho)*g^2; [centered: a = rho*a + (1-rho)*g; den = v - a^2 + eps,
   // else den = v + eps]; inc = lr*g / sqrt(den); [momentum: m = momentum*m + inc; var -= m,
-  // else var -= inc]. Slots, in this order: velocity, momentum (has_momentum; the op input
+  // else var -= inc]. eps_outside (tf_keras's legacy RMSprop without momentum): epsilon added to
+  // the square root instead, inc = lr*g / (sqrt(den - eps) + eps). Slots, in this order: velocity, momentum (has_momentum; the op input
   // momentum_slot, as `momentum` is the hyper-parameter), average_gradient (centered); the op's
   // inputs of the slots left out are empty.
   static constexpr bool kScatter = false;
@@ -237,8 +244,8 @@ struct RmsPropRule : RuleBase {
     const M v = c.rho * s[0] + c.one_minus_rho * gsq;
     s[0] = v;
     const M avg = c.rho * (c.has_momentum ? s[2] : s[1]) + c.one_minus_rho * g;
-    const M den = c.centered ? (v - avg * avg) + c.epsilon : v + c.epsilon;
-    const M inc = (c.lr * g) / std::sqrt(den);
+    const M den = c.centered ? (v - avg * avg) + c.eps_in : v + c.eps_in;
+    const M inc = (c.lr * g) / (std::sqrt(den) + c.eps_out);
     const M m = c.momentum * s[1] + inc;
     // The store of a slot the flags leave out is never written back (ApplyElem stores the
     // NumSlots first): s[1] is the momentum, else (centered) the average; s[2] the average.

@@ -192,6 +192,12 @@ RULES = {
     "rmsprop": (["velocity", "momentum", "average_gradient"],
                 {"learning_rate": 0.01, "rho": 0.8, "momentum": 0.5, "centered": True,
                  "has_momentum": True}),
+    # epsilon_outside_sqrt: ResourceApplyAdagradV2's and tf_keras legacy RMSprop's sqrt(x) + eps
+    "adagrad_eps_outside": (["accumulator"], {"learning_rate": 0.05, "epsilon": 1e-3,
+                                              "epsilon_outside_sqrt": True}),
+    "rmsprop_eps_outside": (["velocity", "average_gradient"],
+                            {"learning_rate": 0.01, "rho": 0.8, "epsilon": 1e-3, "centered": True,
+                             "epsilon_outside_sqrt": True}),
     "adadelta": (["accumulated_grad", "accumulated_delta_var"], {"learning_rate": 1.0, "rho": 0.9}),
     "adamax": (["m", "u"], {"learning_rate": 0.02, "beta_1": 0.8, "weight_decay": 0.004}),
     "lion": (["m"], {"learning_rate": 0.003, "beta_1": 0.9, "beta_2": 0.99}),
@@ -220,7 +226,7 @@ PAIRS = [("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32"
 
 
 def core_rule(rule):
-    return "adam" if rule == "amsgrad" else rule
+    return {"amsgrad": "adam", "adagrad_eps_outside": "adagrad", "rmsprop_eps_outside": "rmsprop"}.get(rule, rule)
 
 
 def run_both(rng, rule, var_dtype, grad_dtype, mode, shapes, steps=2, nonfinite="skip", poison=None):
