@@ -6,7 +6,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as _dist_values
 from tensorflow.python.framework.ops import EagerTensor
 
-from tfclip import _eager, _loader, _opcall
+from tfclip import _eager, _loader, _opcall, clipping
 from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
 from tfclip.rules import Rule
 
@@ -169,6 +169,7 @@ def fused_clip_apply(
     global_clipnorm=None,
     clipnorm=None,
     clipvalue=None,
+    clip=None,
     use_norm=None,
     nonfinite="skip",
     lazy_sparse=False,
@@ -183,7 +184,11 @@ def fused_clip_apply(
     - `global_clipnorm`: scale all gradients by `min(1, global_clipnorm / global_norm)`
       (`tf.clip_by_global_norm`);
     - `clipnorm`: clip each gradient to that norm on its own (`tf.clip_by_norm`);
-    - `clipvalue`: clip each element to `[-clipvalue, clipvalue]` (`tf.clip_by_value`).
+    - `clipvalue`: clip each element to `[-clipvalue, clipvalue]` (`tf.clip_by_value`);
+    - `clip`: an adaptive clip (`tfclip.clipping`): "zclip" or "autoclip" (their defaults, the
+      state kept on `rule`), or a `tfclip.clipping.ZClip(...)` / `AutoClip(...)` object (the
+      state kept on it). The threshold follows the global norms of past steps; the step is
+      clipped to it as `global_clipnorm` clips, in the same two passes.
 
     Args:
       grads_and_vars: (gradient, variable) pairs, as `compute_gradients` or `zip(grads, vars)`
@@ -225,7 +230,12 @@ def fused_clip_apply(
     """
     if not isinstance(rule, Rule):
         raise TypeError(f"rule must be a tfclip.rules object (e.g. tfclip.rules.Adam()), got {type(rule).__name__}")
-    clip_mode, clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
+    adaptive = _adaptive_clip(clip, rule, global_clipnorm=global_clipnorm, clipnorm=clipnorm,
+                              clipvalue=clipvalue)
+    if adaptive is None:
+        clip_mode, clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
+    else:
+        clip_mode, clip = "adaptive", adaptive
     _opcall.check_policy(nonfinite)
     if isinstance(use_norm, numbers.Real) and use_norm < 0:  # NaN is the nonfinite policy's
         raise ValueError(f"use_norm must be >= 0, got {use_norm}")
@@ -256,6 +266,21 @@ def fused_clip_apply(
     with tf.name_scope(name or f"clip_apply_{rule.kind}"):
         return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
                            bool(lazy_sparse))
+
+
+def _adaptive_clip(clip, rule, **fixed):
+    """The clip object of `clip=` (None for none); a mode's name gets one kept on the rule."""
+    if clip is None:
+        return None
+    if isinstance(clip, str):
+        named = rule.__dict__.setdefault("_named_clips", {})
+        obj = named.get(clip)
+        if obj is None:
+            obj = named[clip] = clipping.get(clip)
+    else:
+        obj = clipping.get(clip)
+    clipping.check_exclusive(obj, **fixed)
+    return obj
 
 
 # ---------------------------------------------------------------- tf.distribute

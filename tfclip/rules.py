@@ -54,7 +54,8 @@ import numbers
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BaseResourceVariable
 
-from tfclip import _opcall
+from tfclip import _loader, _opcall
+from tfclip import clipping as _clipping
 from tfclip._opcall import ClipApplyResult
 
 
@@ -142,10 +143,13 @@ class Rule:
 
     @property
     def variables(self):
-        """Every variable this rule owns: iterations, then each model variable's slots."""
+        """Every variable this rule owns: iterations, each model variable's slots, then the state
+        of the adaptive clips named by `clip="zclip"`-style arguments (tfclip.clipping)."""
         out = [self.iterations]
         for slots in self._slots.values():
             out.extend(slots.values())
+        for clip in self.__dict__.get("_named_clips", {}).values():
+            out.extend((clip.state or {}).values())
         return out
 
     def _slot_initial(self, name):
@@ -226,8 +230,36 @@ class Rule:
         # would deadlock); in a graph the op's locks and the op-owned counter order the steps.
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             with _opcall.state_lock(self):
-                return self._apply_step(grads, variables, *args, **kwargs)
-        return self._apply_step(grads, variables, *args, **kwargs)
+                return self._clip_and_step(grads, variables, *args, **kwargs)
+        return self._clip_and_step(grads, variables, *args, **kwargs)
+
+    def _clip_and_step(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
+                       all_dense=False):
+        if clip_mode != "adaptive":
+            return self._apply_step(grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse,
+                                    all_dense)
+        # An adaptive clip (tfclip.clipping): the norm pass, the threshold from the norm and the
+        # clip's state (scalar ops on the device), then the clip-and-apply pass with that norm
+        # and threshold; the state advances once the step is applied (not for a non-finite norm).
+        with _opcall.state_lock(self), _state_scope():
+            state = clip.build()
+        _check_clip_state(clip, self)
+        values = grads if all_dense else _opcall.op_grads(grads)[0]
+        if use_norm is None:
+            norm, tensor_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
+        else:
+            norm, tensor_norms = _opcall.scalar(use_norm, "use_norm"), None
+        step = clip.step(norm)
+        result = self._apply_step(grads, variables, "global_norm", step.clip, norm, nonfinite, lazy_sparse,
+                                  all_dense)
+        if tensor_norms is not None:
+            result = result._replace(tensor_norms=tf.cast(tensor_norms, tf.float32))
+        clip._remember(step)
+        done = _clipping.assign_updates(step, after=[result.applied])
+        if done is None:
+            return result
+        with tf.control_dependencies([done]):
+            return ClipApplyResult(*[tf.identity(t) for t in result])
 
     def _apply_step(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
                     all_dense=False):
@@ -295,6 +327,20 @@ class Rule:
         if has_counter:
             return 1.0
         return tf.cast(self.iterations + 1, tf.float64)
+
+
+def _check_clip_state(clip, owner):
+    """An adaptive clip's state serves one rule or optimizer, and under tf.distribute is mirrored
+    (made on its first step, in the strategy's scope)."""
+    clip.bind(owner)
+    state = clip.state
+    if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        for v in state.values():
+            if not isinstance(v, tf.distribute.DistributedValues):
+                raise ValueError(
+                    f"the adaptive clip's state variable {v.name} was made outside "
+                    f"{type(tf.distribute.get_strategy()).__name__}'s scope, so it is not mirrored: "
+                    "use a new clip object under the strategy (its state is made on its first step)")
 
 
 @contextlib.contextmanager
