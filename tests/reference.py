@@ -172,3 +172,49 @@ def num_slots(rule, hp):
              "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2, "lamb": 2, "proximal_gradient_descent": 0,
              "proximal_adagrad": 1, "adagrad_da": 2, "schedule_free_adamw": 2}
     return fixed.get(rule, 3 if hp.get("amsgrad") else 2)
+
+
+def zclip_targets(norms, alpha=0.97, z_thresh=2.5, warmup_steps=25, clip_to="adaptive", max_norm=None,
+                  eps=1e-6, skip_update_on_spike=False):
+    """ZClip (Kumar et al. 2025) in float64, from the paper's definitions: per step the norm the
+    gradients are clipped to (None: not clipped; a non-finite norm is left out of the
+    statistics), and the (mu, s2) after the step."""
+    buf, mu, s2, out = [], None, None, []
+    for g in norms:
+        if not np.isfinite(g):
+            out.append((None, mu, s2))
+            continue
+        if mu is None:  # warm-up: gather, clip by the cap only
+            buf.append(g)
+            target = max_norm if max_norm is not None and g > max_norm else None
+            if len(buf) == warmup_steps:
+                mu = float(np.mean(buf))
+                s2 = float(np.var(buf))  # the population variance
+            out.append((target, mu, s2))
+            continue
+        z = (g - mu) / (np.sqrt(s2) + eps)
+        spike = z > z_thresh
+        x = (mu + z_thresh ** 2 * np.sqrt(s2) / z if clip_to == "adaptive" else mu) if spike else g
+        target = x if spike else None
+        if max_norm is not None and min(x, max_norm) < g:
+            target = min(x, max_norm)
+        if not (skip_update_on_spike and spike):
+            mu = alpha * mu + (1 - alpha) * x
+            s2 = alpha * s2 + (1 - alpha) * (x - mu) ** 2
+        out.append((target, mu, s2))
+    return out
+
+
+def autoclip_targets(norms, percentile=10.0, history_size=1000):
+    """AutoClip (Seetharaman et al. 2020) in float64: per step the norm the gradients are
+    clipped to (None: not clipped), the threshold being the percentile of the last
+    history_size finite norms, this step's included."""
+    hist, out = [], []
+    for g in norms:
+        if not np.isfinite(g):
+            out.append(None)
+            continue
+        hist = (hist + [g])[-history_size:]
+        thr = float(np.percentile(hist, percentile))
+        out.append(thr if thr < g else None)
+    return out

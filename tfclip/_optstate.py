@@ -11,7 +11,8 @@ import tensorflow as tf
 STATE_VARIABLES = (("_global_norm", "global_norm", 0.0, "float32"),
                    ("_skipped_steps", "skipped_steps", 0, "int64"),
                    ("_clipped_steps", "clipped_steps", 0, "int64"),
-                   ("_clip_scale_sum", "clip_scale_sum", 0.0, "float64"))
+                   ("_clip_scale_sum", "clip_scale_sum", 0.0, "float64"),
+                   ("_clip_threshold", "clip_threshold", float("nan"), "float64"))
 
 
 class NormState:
@@ -49,14 +50,21 @@ class NormState:
         the clip fired on average (tfclip.keras.GradientNormLogger logs it)."""
         return self._clip_scale_sum
 
+    @property
+    def clip_threshold(self):
+        """With an adaptive clip (`clip=`): the norm above which the last step would have been
+        clipped (tfclip.clipping.ClipStep.threshold); NaN without one (a variable)."""
+        return self._clip_threshold
+
     def _norm_positions(self, tvars):
         """Where the step's variables sit in `tensor_norms`: (their indices, its length), or None
         where that is not known (then `tensor_norms` keeps its value)."""
         raise NotImplementedError
 
-    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip):
+    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip, adaptive=None):
         """The step's norms and clip counts into the optimizer's state variables: a few scalar
-        ops, no pass over the gradients."""
+        ops, no pass over the gradients. `adaptive`: an adaptive clip's ClipStep, whose state
+        updates are assigned here, once the step has run."""
         self._global_norm.assign(tf.cast(norm, tf.float32))
         self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
         where = self._norm_positions(tvars) if self._tensor_norms is not None else None
@@ -66,6 +74,11 @@ class NormState:
             if idx != list(range(total)):  # some variable got no gradient: its norm is 0
                 tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
             self._tensor_norms.assign(tn)
+        if adaptive is not None:
+            from tfclip import clipping
+
+            clipping.assign_updates(adaptive, after=[applied])
+            self._clip_threshold.assign(adaptive.threshold)
         if mode not in ("global_norm", "norm"):
             return
         clip = tf.cast(clip, tf.float64)

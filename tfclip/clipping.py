@@ -38,7 +38,7 @@ import weakref
 
 import tensorflow as tf
 
-__all__ = ["AdaptiveClip", "ZClip", "AutoClip", "ClipStep", "get"]
+__all__ = ["AdaptiveClip", "ZClip", "AutoClip", "ClipStep", "get", "serialize"]
 
 _TINY = 2.2250738585072014e-308  # the least normal double: a clip target of 0 still clips
 
@@ -141,10 +141,12 @@ def assign_updates(step, after=None):
     run; returns the group op (graph mode) or None."""
     deps = [] if after is None else [t for t in after if t is not None]
     with tf.control_dependencies(deps):
-        ops = [v.assign(x, read_value=False) for v, x in step.updates]
+        # (a tf.Variable's assign op itself; a keras.Variable assigns its tf.Variable)
+        ops = [v.assign(x, read_value=False) if isinstance(v, tf.Variable) else v.assign(x)
+               for v, x in step.updates]
     if tf.executing_eagerly():
         return None
-    return tf.group(*ops)
+    return tf.group(*[o for o in ops if isinstance(o, (tf.Tensor, tf.Operation))])
 
 
 class ZClip(AdaptiveClip):
@@ -279,13 +281,21 @@ class AutoClip(AdaptiveClip):
 _MODES = {c.mode: c for c in (ZClip, AutoClip)}
 
 
+def serialize(clip):
+    """A clip object as a config dict (`get` makes it again): its mode and settings."""
+    return dict(mode=clip.mode, **clip.get_config())
+
+
 def get(clip):
-    """A clip object from `clip=`: None, a mode's name ("zclip", "autoclip") for its defaults, or
-    an `AdaptiveClip` (returned as is)."""
+    """A clip object from `clip=`: None, a mode's name ("zclip", "autoclip") for its defaults, a
+    `serialize` dict, or an `AdaptiveClip` (returned as is)."""
     if clip is None or isinstance(clip, AdaptiveClip):
         return clip
     if isinstance(clip, str) and clip in _MODES:
         return _MODES[clip]()
+    if isinstance(clip, dict) and clip.get("mode") in _MODES:
+        config = dict(clip)
+        return _MODES[config.pop("mode")](**config)
     raise ValueError(f"clip must be one of {sorted(_MODES)} or a tfclip.clipping object "
                      f"(ZClip(...), AutoClip(...)), got {clip!r}")
 

@@ -58,6 +58,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.python.ops import control_flow_util
 
 from tfclip import _loader, _opcall, _optstate
+from tfclip import clipping as _clipping
 from tfclip.rules import _check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
@@ -101,7 +102,7 @@ def _xla_fallback_reason(opt, grads, tvars):
     # On GPU the XLA kernel densifies IndexedSlices (XLA keeps their indices on the device), which
     # cannot give lazy_sparse's rows or stock Keras's sum of a repeated row's squares.
     if (any(isinstance(g, tf.IndexedSlices) for g in grads) and any("GPU" in v.device for v in tvars)
-            and (opt.lazy_sparse or opt._clip_mode()[0] != "global_norm")):
+            and (opt.lazy_sparse or (opt._clip_mode()[0] != "global_norm" and opt.clip is None))):
         return ("IndexedSlices on the GPU are densified inside XLA, which cannot give "
                 + ("lazy_sparse's touched rows" if opt.lazy_sparse else
                    "stock Keras's sum of a repeated row's squares (without global_clipnorm)"))
@@ -156,6 +157,17 @@ class _FusedMixin(_optstate.NormState):
 
     _tfclip_kind = None  # set per class
 
+    def __init__(self, *args, clip=None, **kwargs):
+        # `clip`: an adaptive clip (tfclip.clipping), taken here for every class; the stock
+        # class gets the rest.
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
+
+    @property
+    def clip(self):
+        """The adaptive clip (a tfclip.clipping object), or None."""
+        return self._tfclip_clip
+
     def _tfclip_init(self, nonfinite, lazy_sparse):
         # A tf_keras (Keras 2) program handing this optimizer to its model: tfclip.tf_keras wraps
         # tf_keras's optimizers.get so that the error names tfclip.tf_keras.<Class> (only where
@@ -173,6 +185,8 @@ class _FusedMixin(_optstate.NormState):
             _check_number("weight_decay", float(wd))
         # Keras allows one of the three (it raises first otherwise); each None or 0 is no clip.
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+        _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
+                                  clipnorm=self.clipnorm, clipvalue=self.clipvalue)
         if not isinstance(lazy_sparse, bool):
             raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
         self.nonfinite = nonfinite
@@ -191,6 +205,14 @@ class _FusedMixin(_optstate.NormState):
         super().build(var_list)
         object.__setattr__(self, "_tensor_norms", _state_variable(
             [0.0] * len(var_list), "tensor_norms", "float32"))
+        clip = self._tfclip_clip
+        if clip is not None:
+            # The adaptive clip's state: optimizer variables (checkpoints, .keras files), on the
+            # variables' device, the same on every replica.
+            clip.bind(self)
+            clip.build(lambda name, shape, dtype: self.add_variable(
+                shape, initializer="zeros", dtype=dtype, aggregation="only_first_replica",
+                name=f"{clip.mode}_{name}"))
 
     @property
     def tensor_norm_names(self):
@@ -209,6 +231,8 @@ class _FusedMixin(_optstate.NormState):
             config["nonfinite"] = self.nonfinite
         if self.lazy_sparse:
             config["lazy_sparse"] = True
+        if self._tfclip_clip is not None:
+            config["clip"] = _clipping.serialize(self._tfclip_clip)
         return config
 
     def apply(self, grads, trainable_variables=None):
@@ -281,10 +305,17 @@ class _FusedMixin(_optstate.NormState):
         lr = _opcall.scalar(learning_rate, "learning_rate")
         use_norm, given = tf.constant(0.0, tf.float64), False
         tensor_norms = None
-        if len(groups) > 1:  # both groups' ops take the global norm (and the tensors' norms) of one pass
+        adaptive = None
+        clip = _opcall.scalar(clip, "clip")
+        if len(groups) > 1 or self.clip is not None:
+            # Both groups' ops take the global norm (and the tensors' norms) of one pass; so does
+            # an adaptive clip, whose threshold comes from it (scalar ops on the device).
             values, _ = _opcall.op_grads(grads)
             use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
+            if self.clip is not None:
+                adaptive = self.clip.step(use_norm)
+                mode, clip = "global_norm", adaptive.clip
         norm = applied = None
         for with_decay, idx in sorted(groups.items()):
             values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
@@ -293,13 +324,13 @@ class _FusedMixin(_optstate.NormState):
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
             n, a, tn = _opcall.apply(
                 kind, [_tf_var(v).handle for v in group], slots, values, hparams, flags,
-                clip=tf.constant(clip, tf.float64), use_norm=use_norm, iterations=[],
+                clip=clip, use_norm=use_norm, iterations=[],
                 clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
                 sum_of_squares=mode != "global_norm", **sparse_kw)
             norm = n if norm is None else norm
             applied = a if applied is None else applied
             tensor_norms = tn if tensor_norms is None else tensor_norms
-        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip)
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive)
         return applied
 
     def _hp(self, name):
@@ -324,9 +355,14 @@ class _FusedMixin(_optstate.NormState):
         tensor_norms = tf.sqrt(sumsq)
         norm = tf.sqrt(tf.reduce_sum(sumsq))
         base = super(_FusedMixin, self)
+        adaptive = None if self.clip is None else self.clip.step(norm)
 
         def update():
-            clipped = base._clip_gradients(grads)
+            if adaptive is None:
+                clipped = base._clip_gradients(grads)
+            else:  # TF's clip_by_global_norm scale, to the adaptive threshold when it clips
+                scale = tf.where(adaptive.clipped, adaptive.clip / tf.cast(norm, tf.float64), 1.0)
+                clipped = [_scaled(g, scale) for g in grads]
             base._apply_weight_decay(keras_vars)
             tf.__internal__.distribute.interim.maybe_merge_call(
                 self._distributed_tf_update_step, self._distribution_strategy,
@@ -340,7 +376,13 @@ class _FusedMixin(_optstate.NormState):
             update()
             applied = tf.constant(True)
         mode, clip = self._clip_mode()
-        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip)
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive)
+
+
+def _scaled(g, scale):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(scale, g.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(scale, g.dtype)
 
 
 class SGD(_FusedMixin, keras.optimizers.SGD):

@@ -64,8 +64,9 @@ import numbers
 
 import tensorflow as tf
 
-from tfclip import _opcall
-from tfclip.rules import _check_number
+from tfclip import _loader, _opcall
+from tfclip import clipping as _clipping
+from tfclip.rules import _check_number, _state_scope
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
            "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer", "ProximalGradientDescentOptimizer",
@@ -101,9 +102,14 @@ class _Fused(tf.compat.v1.train.Optimizer):
     _slot_names = ()
     _op_slot_names = None  # the op's order, where it differs
 
-    def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite):
+    def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip=None):
         super().__init__(use_locking, name)
         self._clip_mode, self._clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
+        # An adaptive clip (tfclip.clipping): its state is made with the slots, on the first
+        # apply_gradients, as graph variables (global variables: Saver saves them).
+        self._adaptive = _clipping.get(clip)
+        _clipping.check_exclusive(self._adaptive, global_clipnorm=global_clipnorm, clipnorm=clipnorm,
+                                  clipvalue=clipvalue)
         _opcall.check_policy(nonfinite)
         self._nonfinite = nonfinite
         self._tfclip_norms = {}  # graph (None: eager) -> its global-norm variable; not tracked
@@ -247,17 +253,24 @@ class _Fused(tf.compat.v1.train.Optimizer):
             raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in pairs]}")
         with tf.init_scope():
             self._create_slots(var_list)
+            if self._adaptive is not None:
+                self._adaptive.bind(self)
+                with _state_scope():
+                    self._adaptive.build()
             norm_var = self._norm_var(var_list)
             tnorm_var = self._tnorm_var(all_vars)
 
         def step(grads):
             self._prepare()
-            norm, applied, tnorms = self._fused(var_list, grads)
+            norm, applied, tnorms, adaptive = self._fused(var_list, grads)
             if len(var_list) < len(all_vars):  # a 0 for each pair without a gradient
                 tnorms = tf.gather(tf.concat([tnorms, [0.0]], 0),
                                    [len(var_list) if k is None else k for k in where])
-            return [norm_var.assign(norm, read_value=False),
-                    tnorm_var.assign(tnorms, read_value=False), *self._finish_step(applied)]
+            updates = [norm_var.assign(norm, read_value=False),
+                       tnorm_var.assign(tnorms, read_value=False), *self._finish_step(applied)]
+            if adaptive is not None:
+                updates.append(_clipping.assign_updates(adaptive, after=[applied]))
+            return [u for u in updates if u is not None]
 
         with tf.name_scope(name or self._name):
             if strategy is None:
@@ -296,13 +309,22 @@ class _Fused(tf.compat.v1.train.Optimizer):
             ref_vars = [var_list[i] for i in positions]
             var_list = [v for v in var_list if not _is_ref(v)]
             refs = (positions, ref_vars, [[self._slot_of(v, s, True) for v in ref_vars] for s in names])
-        return _opcall.apply(
+        mode, clip, use_norm, adaptive = self._clip_mode, tf.constant(self._clip, tf.float64), None, None
+        if self._adaptive is not None:  # the norm pass, the threshold, then the apply pass with both
+            use_norm, tensor_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
+            adaptive = self._adaptive.step(use_norm)
+            mode, clip = "global_norm", adaptive.clip
+        norm, applied, tnorms = _opcall.apply(
             kind, [v.handle for v in var_list],
             [[self._slot_of(v, s, False).handle for v in var_list] for s in names],
             values,
-            hparams, flags, refs=refs, clip=tf.constant(self._clip, tf.float64),
-            use_norm=tf.constant(0.0, tf.float64), iterations=[], clip_mode=self._clip_mode,
-            nonfinite=self._nonfinite, lazy=self._lazy_sparse, **sparse_kw)
+            hparams, flags, refs=refs, clip=clip,
+            use_norm=tf.constant(0.0, tf.float64) if use_norm is None else use_norm, iterations=[],
+            clip_mode=mode, nonfinite=self._nonfinite, lazy=self._lazy_sparse,
+            use_given_norm=use_norm is not None, **sparse_kw)
+        if adaptive is not None:
+            tnorms = tf.cast(tensor_norms, tnorms.dtype)
+        return norm, applied, tnorms, adaptive
 
     def _slot_of(self, v, name, ref):
         slot = self.get_slot(v, name)
@@ -324,8 +346,8 @@ class GradientDescentOptimizer(_Fused):
     """tf.compat.v1.train.GradientDescentOptimizer with fused clipping."""
 
     def __init__(self, learning_rate, use_locking=False, name="GradientDescent", *, global_clipnorm=None,
-                 clipnorm=None, clipvalue=None, nonfinite="skip"):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+                 clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate)
         self._learning_rate = learning_rate
 
@@ -340,8 +362,8 @@ class MomentumOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyMomentum updates only the touched rows
 
     def __init__(self, learning_rate, momentum, use_locking=False, name="Momentum", use_nesterov=False, *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate, momentum=momentum)
         self._learning_rate, self._momentum, self._use_nesterov = learning_rate, momentum, use_nesterov
 
@@ -356,8 +378,8 @@ class AdamOptimizer(_Fused):
     _slot_names = ("m", "v")
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, use_locking=False,
-                 name="Adam", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+                 name="Adam", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
         self._lr, self._beta1, self._beta2, self._epsilon = learning_rate, beta1, beta2, epsilon
 
@@ -403,8 +425,8 @@ class RMSPropOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyRMSProp updates only the touched rows
 
     def __init__(self, learning_rate, decay=0.9, momentum=0.0, epsilon=1e-10, use_locking=False, centered=False,
-                 name="RMSProp", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+                 name="RMSProp", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate, decay=decay, momentum=momentum, epsilon=epsilon)
         self._learning_rate, self._decay, self._momentum = learning_rate, decay, momentum
         self._epsilon, self._centered = epsilon, centered
@@ -427,10 +449,10 @@ class AdagradOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyAdagrad updates only the touched rows
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, use_locking=False, name="Adagrad", *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
         if initial_accumulator_value <= 0.0:
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value)
         self._learning_rate, self._initial = learning_rate, initial_accumulator_value
 
@@ -451,8 +473,8 @@ class AdadeltaOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyAdadelta updates only the touched rows
 
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-8, use_locking=False, name="Adadelta", *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate, rho=rho, epsilon=epsilon)
         self._learning_rate, self._rho, self._epsilon = learning_rate, rho, epsilon
 
@@ -472,7 +494,7 @@ class FtrlOptimizer(_Fused):
     def __init__(self, learning_rate, learning_rate_power=-0.5, initial_accumulator_value=0.1,
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0, use_locking=False,
                  name="Ftrl", accum_name=None, linear_name=None, l2_shrinkage_regularization_strength=0.0,
-                 beta=None, *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+                 beta=None, *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
         for what, v in (("initial_accumulator_value", initial_accumulator_value),
                         ("l1_regularization_strength", l1_regularization_strength),
                         ("l2_regularization_strength", l2_regularization_strength),
@@ -481,7 +503,7 @@ class FtrlOptimizer(_Fused):
                 raise ValueError(f"{what} {v:f} needs to be positive or zero")
         if learning_rate_power > 0.0:
             raise ValueError(f"learning_rate_power {learning_rate_power:f} needs to be negative or zero")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         beta = 0.0 if beta is None else beta
         self._check_numbers(learning_rate=learning_rate, learning_rate_power=learning_rate_power,
                             initial_accumulator_value=initial_accumulator_value,
@@ -517,8 +539,8 @@ class ProximalGradientDescentOptimizer(_Fused):
 
     def __init__(self, learning_rate, l1_regularization_strength=0.0, l2_regularization_strength=0.0,
                  use_locking=False, name="ProximalGradientDescent", *, global_clipnorm=None, clipnorm=None,
-                 clipvalue=None, nonfinite="skip"):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+                 clipvalue=None, nonfinite="skip", clip=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate, l1_regularization_strength=l1_regularization_strength,
                             l2_regularization_strength=l2_regularization_strength)
         self._check_strengths(l1_regularization_strength=l1_regularization_strength,
@@ -542,10 +564,10 @@ class ProximalAdagradOptimizer(_Fused):
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, l1_regularization_strength=0.0,
                  l2_regularization_strength=0.0, use_locking=False, name="ProximalAdagrad", *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
         if initial_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value,
                             l1_regularization_strength=l1_regularization_strength,
                             l2_regularization_strength=l2_regularization_strength)
@@ -583,7 +605,7 @@ class AdagradDAOptimizer(_Fused):
 
     def __init__(self, learning_rate, global_step, initial_gradient_squared_accumulator_value=0.1,
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0, use_locking=False,
-                 name="AdagradDA", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip"):
+                 name="AdagradDA", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
         if initial_gradient_squared_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError("initial_gradient_squared_accumulator_value must be positive: "
                              f"{initial_gradient_squared_accumulator_value}")
@@ -592,7 +614,7 @@ class AdagradDAOptimizer(_Fused):
             raise ValueError("AdagradDAOptimizer needs global_step, the training step counter (a tensor or "
                              "variable, e.g. tf.compat.v1.train.get_or_create_global_step()): its update "
                              "uses global_step + 1; got None")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
         self._check_numbers(learning_rate=learning_rate,
                             initial_gradient_squared_accumulator_value=initial_gradient_squared_accumulator_value,
                             l1_regularization_strength=l1_regularization_strength,

@@ -1,0 +1,279 @@
+"""Adaptive clipping (tfclip.clipping: ZClip, AutoClip) against NumPy float64 references written
+from the papers' definitions (tests/reference.py), over many steps with injected gradient spikes,
+from every front door."""
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import reference
+import tfclip
+from tfclip import clipping
+
+LR = 0.1
+SPIKES = (31, 47, 48)  # gradients x100 at these steps
+
+
+def _grads(steps, shapes, seed=0, spikes=SPIKES, nan_at=()):
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        scale = 100.0 if t in spikes else 1.0 + 0.2 * math.sin(t / 3.0)
+        gs = [rng.normal(size=s) * scale for s in shapes]
+        if t in nan_at:
+            gs[0].flat[0] = np.nan
+        out.append(gs)
+    return out
+
+
+def _sgd_reference(grad_steps, targets, init):
+    """SGD with each step's gradients scaled as TF's clip_by_global_norm scales them to the
+    target (None: not clipped); a None step in `skipped` is not applied."""
+    w = [np.array(x, np.float64) for x in init]
+    for gs, target in zip(grad_steps, targets):
+        n = reference.global_norm(gs)
+        if not np.isfinite(n):
+            continue
+        scale = 1.0 if target is None else target * min(1.0 / n, 1.0 / target)
+        w = [x - LR * g * scale for x, g in zip(w, gs)]
+    return w
+
+
+SHAPES = [(6, 5), (5,), (3, 2, 4)]
+ZCLIP_CASES = [
+    dict(warmup_steps=25),
+    dict(warmup_steps=10, clip_to="mean", alpha=0.9),
+    dict(warmup_steps=5, z_thresh=2.0, max_norm=9.0),
+    dict(warmup_steps=8, skip_update_on_spike=True),
+]
+
+
+@pytest.mark.parametrize("case", ZCLIP_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_zclip_follows_the_float64_reference_step_by_step(case, graph):
+    steps = 60
+    grad_steps = _grads(steps, SHAPES)
+    norms = [reference.global_norm(gs) for gs in grad_steps]
+    ref = reference.zclip_targets(norms, **case)
+    init = [np.ones(s) for s in SHAPES]
+    variables = [tf.Variable(x) for x in init]
+    clip = clipping.ZClip(**case)
+    rule = tfclip.rules.SGD(LR)
+
+    def step(gs):
+        return tfclip.fused_clip_apply(zip(gs, variables), rule, clip=clip)
+
+    step_fn = tf.function(step) if graph else step
+    for t, gs in enumerate(grad_steps):
+        result = step_fn([tf.constant(g) for g in gs])
+        target, mu, s2 = ref[t]
+        assert bool(result.applied)
+        assert float(result.global_norm) == pytest.approx(norms[t], rel=1e-6)
+        want = _sgd_reference(grad_steps[: t + 1], [r[0] for r in ref[: t + 1]], init)
+        for v, w in zip(variables, want):
+            np.testing.assert_allclose(v.numpy(), w, rtol=1e-12, atol=1e-12, err_msg=f"step {t}")
+        assert int(clip.state["count"].numpy()) == t + 1
+        if mu is not None:
+            assert float(clip.state["mean"].numpy()) == pytest.approx(mu, rel=1e-12)
+            assert float(clip.state["var"].numpy()) == pytest.approx(s2, rel=1e-10)
+    # The spikes were clipped back to near the running mean; the other steps (past the warm-up)
+    # were not clipped at all.
+    for t in SPIKES:
+        assert ref[t][0] is not None and ref[t][0] < 3 * np.mean(norms[:25]), t
+    clipped = [t for t in range(steps) if ref[t][0] is not None]
+    if "max_norm" not in case:
+        assert set(clipped) <= set(SPIKES) | {t for t in range(steps) if norms[t] > 1.5 * np.median(norms)}
+
+
+@pytest.mark.parametrize("percentile,history", [(10.0, 1000), (50.0, 16), (0.0, 7), (100.0, 5), (37.5, 9)])
+def test_autoclip_follows_the_float64_reference_step_by_step(percentile, history):
+    steps = 50
+    grad_steps = _grads(steps, SHAPES, seed=1)
+    norms = [reference.global_norm(gs) for gs in grad_steps]
+    targets = reference.autoclip_targets(norms, percentile, history)
+    init = [np.zeros(s) for s in SHAPES]
+    variables = [tf.Variable(x) for x in init]
+    clip = clipping.AutoClip(percentile=percentile, history_size=history)
+    rule = tfclip.rules.SGD(LR)
+    @tf.function
+    def step_fn(gs):
+        tfclip.fused_clip_apply(zip(gs, variables), rule, clip=clip)
+        return clip.last_step.threshold  # (in a tf.function, last_step holds the graph's tensors)
+
+    for t, gs in enumerate(grad_steps):
+        threshold = step_fn([tf.constant(g) for g in gs])
+        want = _sgd_reference(grad_steps[: t + 1], targets[: t + 1], init)
+        for v, w in zip(variables, want):
+            np.testing.assert_allclose(v.numpy(), w, rtol=1e-12, atol=1e-12, err_msg=f"step {t}")
+    # The threshold of the last step is the percentile of the last `history` norms.
+    assert float(threshold) == pytest.approx(np.percentile(norms[-history:], percentile), rel=1e-12)
+    if percentile <= 50:
+        for t in SPIKES:
+            assert targets[t] is not None and targets[t] < 10 * np.median(norms[:30])
+
+
+def test_a_spike_is_clipped_back_and_normal_steps_are_not():
+    grad_steps = _grads(40, SHAPES, seed=2, spikes=(35,))
+    variables = [tf.Variable(np.zeros(s)) for s in SHAPES]
+    rule = tfclip.rules.SGD(1.0)
+    clip = clipping.ZClip(warmup_steps=10)
+    for t, gs in enumerate(grad_steps):
+        before = [v.numpy().copy() for v in variables]
+        tfclip.fused_clip_apply(zip([tf.constant(g) for g in gs], variables), rule, clip=clip)
+        moved = math.sqrt(sum(np.sum((v.numpy() - b) ** 2) for v, b in zip(variables, before)))
+        n = reference.global_norm(gs)
+        if t == 35:
+            assert moved < 0.05 * n  # x100: clipped back to about the usual norm
+            assert bool(clip.last_step.clipped)
+        else:
+            assert moved == pytest.approx(n, rel=1e-12)
+            assert not bool(clip.last_step.clipped)
+
+
+@pytest.mark.parametrize("policy", ["skip", "propagate", "raise"])
+def test_a_non_finite_norm_leaves_the_statistics_alone(policy):
+    grad_steps = _grads(30, SHAPES, seed=3, spikes=(), nan_at=(20,))
+    variables = [tf.Variable(np.zeros(s)) for s in SHAPES]
+    rule = tfclip.rules.SGD(LR)
+    clip = clipping.ZClip(warmup_steps=10)
+    for t, gs in enumerate(grad_steps):
+        before = {k: v.numpy().copy() for k, v in clip.state.items()} if clip.state else None
+        if t == 20 and policy == "raise":
+            with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+                tfclip.fused_clip_apply(zip([tf.constant(g) for g in gs], variables), rule, clip=clip,
+                                        nonfinite=policy)
+        else:
+            r = tfclip.fused_clip_apply(zip([tf.constant(g) for g in gs], variables), rule, clip=clip,
+                                        nonfinite=policy)
+            assert bool(r.applied) == (t != 20 or policy == "propagate")
+        if t == 20:
+            for k, v in clip.state.items():
+                np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+    norms = [reference.global_norm(gs) for gs in grad_steps]
+    _, mu, s2 = reference.zclip_targets(norms, warmup_steps=10)[-1]
+    assert float(clip.state["mean"].numpy()) == pytest.approx(mu, rel=1e-12)
+    assert float(clip.state["var"].numpy()) == pytest.approx(s2, rel=1e-10)
+
+
+def test_indexed_slices_and_mixed_dtypes_take_the_norm_of_their_values():
+    rng = np.random.default_rng(4)
+    emb = tf.Variable(np.ones((10, 3), np.float32))
+    dense = tf.Variable(np.ones((4,), np.float64))
+    rule = tfclip.rules.Adam(1e-2)
+    clip = clipping.AutoClip(percentile=50, history_size=8)
+    norms = []
+    for t in range(12):
+        k = 50.0 if t == 9 else 1.0
+        vals = (rng.normal(size=(3, 3)) * k).astype(np.float32)
+        idx = np.array([1, 4, 1])
+        gd = rng.normal(size=4) * k
+        norms.append(reference.global_norm([vals, gd]))
+        r = tfclip.fused_clip_apply(
+            [(tf.IndexedSlices(tf.constant(vals), tf.constant(idx), tf.constant([10, 3])), emb),
+             (tf.constant(gd), dense)], rule, clip=clip)
+        np.testing.assert_allclose(r.tensor_norms.numpy(),
+                                   [np.linalg.norm(vals.astype(np.float64)), np.linalg.norm(gd)], rtol=1e-6)
+        target = reference.autoclip_targets(norms, 50, 8)[-1]
+        assert bool(clip.last_step.clipped) == (target is not None)
+        if target is not None:
+            assert float(clip.last_step.clip) == pytest.approx(target, rel=1e-6)  # a float32 value's norm
+    assert reference.autoclip_targets(norms, 50, 8)[9] is not None
+
+
+def test_the_state_checkpoints_and_a_restored_run_continues_identically(tmp_path):
+    grad_steps = _grads(40, SHAPES, seed=5)
+
+    def run(steps, clip, variables, rule):
+        for gs in steps:
+            tfclip.fused_clip_apply(zip([tf.constant(g) for g in gs], variables), rule, clip=clip)
+
+    def fresh():
+        return clipping.ZClip(warmup_steps=6), [tf.Variable(np.zeros(s)) for s in SHAPES], tfclip.rules.Adam(1e-2)
+
+    clip, variables, rule = fresh()
+    run(grad_steps, clip, variables, rule)
+    clip2, variables2, rule2 = fresh()
+    run(grad_steps[:20], clip2, variables2, rule2)
+    ckpt = tf.train.Checkpoint(clip=clip2, variables=variables2, rule=rule2.variables)
+    path = ckpt.save(str(tmp_path / "c"))
+    clip3, variables3, rule3 = fresh()
+    rule3._make_state(variables3)
+    clip3.build()
+    tf.train.Checkpoint(clip=clip3, variables=variables3, rule=rule3.variables).restore(path).assert_consumed()
+    assert int(clip3.state["count"].numpy()) == 20
+    run(grad_steps[20:], clip3, variables3, rule3)
+    for a, b in zip(variables, variables3):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for k in clip.state:
+        np.testing.assert_array_equal(clip.state[k].numpy(), clip3.state[k].numpy())
+
+
+def test_a_named_mode_keeps_its_state_on_the_rule():
+    v = tf.Variable(np.zeros(3))
+    rule = tfclip.rules.SGD(LR)
+    for _ in range(3):
+        tfclip.fused_clip_apply([(tf.constant([1.0, 2.0, 3.0], tf.float64), v)], rule, clip="autoclip")
+    names = [x.name for x in rule.variables]
+    assert any("autoclip_count" in n for n in names) and any("autoclip_history" in n for n in names)
+    count = [x for x in rule.variables if "autoclip_count" in x.name][0]
+    assert int(count.numpy()) == 3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(clip="zclip", global_clipnorm=1.0), "cannot be combined with global_clipnorm"),
+    (dict(clip="agc-ish"), "clip must be one of"),
+    (dict(clip=clipping.ZClip, clipvalue=0.5), "clip must be one of"),
+])
+def test_bad_clip_arguments_are_refused_by_name(kwargs, match):
+    v = tf.Variable(np.zeros(2))
+    with pytest.raises(ValueError, match=match):
+        tfclip.fused_clip_apply([(tf.constant([1.0, 1.0], tf.float64), v)], tfclip.rules.SGD(0.1), **kwargs)
+    np.testing.assert_array_equal(v.numpy(), [0.0, 0.0])
+
+
+@pytest.mark.parametrize("cls,kwargs,match", [
+    (clipping.ZClip, dict(alpha=1.0), "alpha"),
+    (clipping.ZClip, dict(alpha=0.0), "alpha"),
+    (clipping.ZClip, dict(z_thresh=-1), "z_thresh"),
+    (clipping.ZClip, dict(warmup_steps=2.5), "warmup_steps"),
+    (clipping.ZClip, dict(warmup_steps=0), "warmup_steps"),
+    (clipping.ZClip, dict(clip_to="median"), "clip_to"),
+    (clipping.ZClip, dict(max_norm=math.inf), "max_norm"),
+    (clipping.AutoClip, dict(percentile=101), "percentile"),
+    (clipping.AutoClip, dict(percentile=-1), "percentile"),
+    (clipping.AutoClip, dict(history_size=0), "history_size"),
+])
+def test_bad_settings_are_refused_by_name(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_one_clip_object_serves_one_rule():
+    clip = clipping.ZClip()
+    v = tf.Variable(np.zeros(2))
+    first = tfclip.rules.SGD(0.1)
+    tfclip.fused_clip_apply([(tf.constant([1.0, 1.0], tf.float64), v)], first, clip=clip)
+    with pytest.raises(ValueError, match="already serves"):
+        tfclip.fused_clip_apply([(tf.constant([1.0, 1.0], tf.float64), v)], tfclip.rules.SGD(0.1), clip=clip)
+
+
+def test_compat_v1_graph_session_takes_an_adaptive_clip():
+    """TF1 code as written: the clip's state joins the graph's variables, Saver saves it."""
+    grad_steps = _grads(30, [(3, 2)], seed=6, spikes=(25,))
+    norms = [reference.global_norm(gs) for gs in grad_steps]
+    targets = [r[0] for r in reference.zclip_targets(norms, warmup_steps=10)]
+    want = _sgd_reference(grad_steps, targets, [np.ones((3, 2))])[0]
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=np.ones((3, 2)), use_resource=True)
+        g = tf.compat.v1.placeholder(tf.float64, [3, 2])
+        opt = tfclip.compat.v1.GradientDescentOptimizer(LR, clip=clipping.ZClip(warmup_steps=10))
+        train = opt.apply_gradients([(g, w)])
+        names = [v.name for v in tf.compat.v1.global_variables()]
+        assert any("zclip_mean" in n for n in names), names
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for gs in grad_steps:
+                sess.run(train, {g: gs[0]})
+            got = sess.run(w)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
