@@ -277,3 +277,112 @@ def test_compat_v1_graph_session_takes_an_adaptive_clip():
                 sess.run(train, {g: gs[0]})
             got = sess.run(w)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ Keras 3
+keras = pytest.importorskip("keras", reason="Keras 3 front door (TF 2.15 has no Keras 3)")
+
+
+def _scaled_steps(grad_steps, targets):
+    """Each step's gradients as the reference clips them (None targets: as they are)."""
+    out = []
+    for gs, target in zip(grad_steps, targets):
+        n = reference.global_norm(gs)
+        scale = 1.0 if target is None else target * min(1.0 / n, 1.0 / target)
+        out.append([g * scale for g in gs])
+    return out
+
+
+@pytest.mark.parametrize("how", ["eager", "tf.function", "jit_compile"])
+@pytest.mark.parametrize("make_clip,ref", [
+    (lambda: clipping.ZClip(warmup_steps=10), lambda n: [r[0] for r in reference.zclip_targets(n, warmup_steps=10)]),
+    (lambda: clipping.AutoClip(percentile=25, history_size=12), lambda n: reference.autoclip_targets(n, 25, 12)),
+], ids=["zclip", "autoclip"])
+def test_keras_adam_with_an_adaptive_clip_is_stock_adam_on_the_reference_clipped_gradients(how, make_clip, ref):
+    grad_steps = _grads(40, SHAPES, seed=7)
+    targets = ref([reference.global_norm(gs) for gs in grad_steps])
+    assert any(t is not None for t in targets)
+    init = [np.full(s, 0.5) for s in SHAPES]
+    ours, unclipped, stock = ([keras.Variable(x, dtype="float64") for x in init] for _ in range(3))
+    opt = tfclip.keras.Adam(1e-2, clip=make_clip())
+    # Fed the reference's clipped gradients: tfclip's Adam without a clip (the same arithmetic:
+    # to the last bits), and stock Keras Adam (whose float64 step differs from tfclip's, with or
+    # without a clip, near float32 rounding: 3e-7 here).
+    plain_opt, stock_opt = tfclip.keras.Adam(1e-2), keras.optimizers.Adam(1e-2)
+
+    def step(gs):
+        opt.apply(gs, ours)
+
+    if how != "eager":
+        step = tf.function(step, jit_compile=how == "jit_compile")
+    for gs, clipped in zip(grad_steps, _scaled_steps(grad_steps, targets)):
+        step([tf.constant(g) for g in gs])
+        plain_opt.apply([tf.constant(g) for g in clipped], unclipped)
+        stock_opt.apply([tf.constant(g) for g in clipped], stock)
+    for a, b, c in zip(ours, unclipped, stock):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(a.numpy(), c.numpy(), rtol=1e-5, atol=1e-6)
+    assert int(opt.clipped_steps.numpy()) == sum(t is not None for t in targets)
+    assert int(opt.clip.state["count"].numpy()) == 40
+
+
+def test_keras_fit_saves_and_loads_the_clip_and_its_state(tmp_path):
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=tfclip.keras.SGD(0.05, clip=clipping.ZClip(warmup_steps=4, z_thresh=2.0)), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    opt = model.optimizer
+    names = [v.path for v in opt.variables]
+    assert any(n.endswith("zclip_mean") for n in names), names
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    lo = loaded.optimizer
+    assert isinstance(lo.clip, clipping.ZClip) and lo.clip.get_config() == opt.clip.get_config()
+    for k in ("count", "mean", "var", "warmup_norms"):
+        np.testing.assert_array_equal(lo.clip.state[k].numpy(), opt.clip.state[k].numpy(), err_msg=k)
+    # Both continue identically.
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert float(opt.clip_threshold.numpy()) > 0
+
+
+def test_keras_refuses_a_fixed_clip_beside_an_adaptive_one():
+    with pytest.raises(ValueError, match="cannot be combined with global_clipnorm"):
+        tfclip.keras.Adam(1e-3, clip="zclip", global_clipnorm=1.0)
+    with pytest.raises(ValueError, match="clip must be one of"):
+        tfclip.keras.Adam(1e-3, clip="sometimes")
+
+
+def test_gradient_norm_logger_writes_the_adaptive_threshold(tmp_path):
+    from test_norm_logger import read_events
+
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(80, 4)).astype(np.float32)
+    y = rng.normal(size=(80, 1)).astype(np.float32)
+    x[60:64] *= 200.0  # a spike at step 16
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = tfclip.keras.SGD(0.01, clip=clipping.ZClip(warmup_steps=5))
+    model.compile(optimizer=opt, loss="mse")
+    seen = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
+        (float(opt.global_norm.numpy()), float(opt.clip_threshold.numpy()))))
+    log_dir = str(tmp_path / "logs")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[tfclip.keras.GradientNormLogger(log_dir, every_n_steps=1), record])
+    events, _ = read_events(log_dir)
+    thr = {s: float(v) for s, v in events["gradients/clip_threshold"]}
+    assert sorted(thr) == list(range(1, 21))
+    for step, (norm, threshold) in enumerate(seen, 1):
+        assert thr[step] == pytest.approx(threshold, rel=1e-6) if np.isfinite(threshold) else np.isinf(thr[step])
+    norms = [n for n, _ in seen]
+    ref = reference.zclip_targets(norms, warmup_steps=5)
+    assert ref[15][0] is not None  # the spike was clipped ...
+    fraction = {s: float(v) for s, v in events["gradients/clip_fraction"]}
+    assert fraction[16] == 1.0 and sum(fraction.values()) == sum(r[0] is not None for r in ref)

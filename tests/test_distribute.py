@@ -155,3 +155,17 @@ def test_compat_v1_in_a_replica_context_sums_like_stock_and_keeps_copies_identic
     np.testing.assert_allclose(r["v1_tfclip_1.0"], r["v1_one_device_1.0"], rtol=1e-6, atol=1e-7)
     for clip in ("None", "1.0"):
         assert int(r[f"v1_gstep_tensorflow_{clip}"]) == int(r[f"v1_gstep_tfclip_{clip}"]) == 3
+
+
+@pytest.mark.parametrize("clip", ["zclip", "autoclip"])
+@pytest.mark.parametrize("front", ["rule", "keras"])
+def test_an_adaptive_clip_takes_the_all_reduced_norm_and_keeps_the_replicas_identical(replica_apply, clip,
+                                                                                      front):
+    """ZClip / AutoClip inside strategy.run (a different gradient per replica, a x100 spike at
+    step 6 of 8): the statistics come from the summed gradient's norm, every copy of the weights
+    and of the clip's state is the same bits after every step (checked in the subprocess), and
+    the weights equal one device's given the summed gradient."""
+    r = replica_apply
+    key = f"adaptive_{clip}_{front}"
+    np.testing.assert_allclose(r[key + "_mirrored"], r[key + "_one_device"], rtol=1e-6, atol=1e-7)
+    assert list(r[key + "_count"]) == [8, 8]

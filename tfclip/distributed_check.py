@@ -185,6 +185,52 @@ def _replica_apply(strategy):
         out[f"{rule_name}_one_device"] = np.concatenate([np.ravel(w.numpy()) for w in one])
         out[f"{rule_name}_norm"] = np.array([norms[-1], float(want.global_norm)])
 
+    # An adaptive clip (ZClip, AutoClip) from the all-reduced norm: the same statistics on every
+    # replica, equal to one device given the summed gradient; a x100 spike at step 6. Through
+    # fused_clip_apply (a rule) and a Keras 3 optimizer's apply.
+    from tfclip import clipping
+
+    for clip_name, make in (("zclip", lambda: clipping.ZClip(warmup_steps=3)),
+                            ("autoclip", lambda: clipping.AutoClip(percentile=30, history_size=5))):
+        for front in ("rule", "keras"):
+            with strategy.scope():
+                ws = [keras.Variable(x) for x in init]
+                if front == "rule":
+                    rule, clip = tfclip.rules.Adam(0.05), make()
+                else:
+                    # Built before the first traced step: stock Keras optimizers built inside the
+                    # first strategy.run of a tf.function fail the same way (a placeholder of
+                    # tf.function's variable-lifting cond is never fed), clip or not.
+                    opt = tfclip.keras.Adam(0.05, clip=make())
+                    opt.build(ws)
+            spike = tf.Variable(1.0)
+
+            @tf.function
+            def step():
+                def replica_step():
+                    grads = [_replica_gradient(b) * spike for b in bases]
+                    if front == "rule":
+                        return tfclip.fused_clip_apply(zip(grads, ws), rule, clip=clip).global_norm
+                    opt.apply(grads, ws)
+                    return tf.constant(0.0)
+                return strategy.run(replica_step)
+
+            one = [tf.Variable(x) for x in init]
+            one_rule, one_clip = tfclip.rules.Adam(0.05), make()
+            for t in range(8):
+                spike.assign(100.0 if t == 6 else 1.0)
+                step()
+                state = clip.state if front == "rule" else opt.clip.state
+                _check_replicas_identical(strategy, ws + list(state.values()))
+                tfclip.fused_clip_apply([(b * total * spike, w) for b, w in zip(bases, one)], one_rule,
+                                        clip=one_clip)
+            key = f"adaptive_{clip_name}_{front}"
+            out[key + "_mirrored"] = np.concatenate([np.ravel(w.numpy()) for w in ws])
+            out[key + "_one_device"] = np.concatenate([np.ravel(w.numpy()) for w in one])
+            out[key + "_count"] = np.array([int(np.asarray(strategy.experimental_local_results(
+                state["count"])[0])), int(one_clip.state["count"].numpy())])
+            out[key + "_clipped"] = bool(one_clip.last_step.clipped)
+
     # Called in the cross-replica context with mirrored variables: every copy moves.
     with strategy.scope():
         v = tf.Variable([1.0, 1.0], aggregation=agg.MEAN)

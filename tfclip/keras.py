@@ -627,8 +627,10 @@ class GradientNormLogger(keras.callbacks.Callback):
     Every `every_n_steps` training steps it writes, with `tf.summary`, under `log_dir`:
 
     - `{prefix}/global_norm`: the pre-clip global norm of the step;
-    - `{prefix}/clip_fraction` and `{prefix}/clip_scale_mean` (with `global_clipnorm` or
-      `clipnorm`): the share of the steps since the last write that the clip scaled down, and
+    - `{prefix}/clip_threshold` (with an adaptive `clip=`, tfclip.clipping): the norm above which
+      the step would have been clipped;
+    - `{prefix}/clip_fraction` and `{prefix}/clip_scale_mean` (with `global_clipnorm`,
+      `clipnorm` or an adaptive `clip=`): the share of the steps since the last write that the clip scaled down, and
       their mean clip scale (1 for a step left alone, clip / norm for a clipped one);
     - `{prefix}/skipped_steps`: steps skipped for a non-finite norm since the last write (and
       `{prefix}/skipped_steps_total`);
@@ -720,9 +722,11 @@ class GradientNormLogger(keras.callbacks.Callback):
             tf.summary.scalar(f"{p}/global_norm", float(opt.global_norm.numpy()))
             tf.summary.scalar(f"{p}/skipped_steps", skipped)
             tf.summary.scalar(f"{p}/skipped_steps_total", now[1])
-            if mode in ("global_norm", "norm") and steps > 0:
+            if (mode in ("global_norm", "norm") or opt.clip is not None) and steps > 0:
                 tf.summary.scalar(f"{p}/clip_fraction", clipped / steps)
                 tf.summary.scalar(f"{p}/clip_scale_mean", scale_sum / steps)
+            if opt.clip is not None:  # the adaptive threshold of the last step, beside its norm
+                tf.summary.scalar(f"{p}/clip_threshold", float(opt.clip_threshold.numpy()))
             if opt.tensor_norms is not None:
                 names, norms = self.group_norms(opt)
                 for name, n in list(zip(names, norms))[:self.top_k]:
