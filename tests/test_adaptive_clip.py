@@ -27,7 +27,7 @@ def _grads(steps, shapes, seed=0, spikes=SPIKES, nan_at=()):
     return out
 
 
-def _sgd_reference(grad_steps, targets, init):
+def _sgd_reference(grad_steps, targets, init, lr=LR):
     """SGD with each step's gradients scaled as TF's clip_by_global_norm scales them to the
     target (None: not clipped); a None step in `skipped` is not applied."""
     w = [np.array(x, np.float64) for x in init]
@@ -36,7 +36,7 @@ def _sgd_reference(grad_steps, targets, init):
         if not np.isfinite(n):
             continue
         scale = 1.0 if target is None else target * min(1.0 / n, 1.0 / target)
-        w = [x - LR * g * scale for x, g in zip(w, gs)]
+        w = [x - lr * g * scale for x, g in zip(w, gs)]
     return w
 
 
@@ -386,3 +386,36 @@ def test_gradient_norm_logger_writes_the_adaptive_threshold(tmp_path):
     assert ref[15][0] is not None  # the spike was clipped ...
     fraction = {s: float(v) for s, v in events["gradients/clip_fraction"]}
     assert fraction[16] == 1.0 and sum(fraction.values()) == sum(r[0] is not None for r in ref)
+
+
+# ------------------------------------------------------------------ tf_keras (Keras 2)
+@pytest.mark.parametrize("legacy", [False, True], ids=["optimizer", "legacy"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_tf_keras_sgd_with_zclip_follows_the_reference(legacy, graph):
+    tf_keras = pytest.importorskip("tf_keras", reason="tf-keras is the optional Keras 2 extra")
+    import tfclip.tf_keras as tk
+
+    grad_steps = _grads(40, SHAPES, seed=10)
+    norms = [reference.global_norm(gs) for gs in grad_steps]
+    targets = [r[0] for r in reference.zclip_targets(norms, warmup_steps=8)]
+    init = [np.full(s, 0.25) for s in SHAPES]
+    variables = [tf.Variable(x) for x in init]
+    cls = tk.legacy.SGD if legacy else tk.SGD
+    opt = cls(0.125, clip=clipping.ZClip(warmup_steps=8))  # (tf_keras keeps lr in float32: 0.125 exact)
+
+    def step(gs):
+        opt.apply_gradients(zip(gs, variables))
+
+    if graph:
+        step = tf.function(step)
+    for gs in grad_steps:
+        step([tf.constant(g) for g in gs])
+    want = _sgd_reference(grad_steps, targets, init, lr=0.125)
+    for v, w in zip(variables, want):
+        np.testing.assert_allclose(v.numpy(), w, rtol=1e-12, atol=1e-12)
+    names = [v.name for v in opt.variables()] if legacy else [v.name for v in opt.variables]
+    assert any("zclip_mean" in n for n in names), names
+    config = opt.get_config()
+    assert config["clip"]["mode"] == "zclip" and cls.from_config(config).clip.warmup_steps == 8
+    with pytest.raises(ValueError, match="cannot be combined"):
+        cls(LR, clip="autoclip", clipnorm=1.0)

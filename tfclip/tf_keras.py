@@ -54,7 +54,8 @@ from tensorflow.python.ops import control_flow_util
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
 from tfclip import _loader, _opcall, _optstate
-from tfclip.rules import _check_number
+from tfclip import clipping as _clipping
+from tfclip.rules import _check_number, _state_scope
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "legacy",
            "get"]
@@ -122,7 +123,8 @@ class _FusedMixin(_optstate.NormState):
 
     _checked = ()
 
-    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, **kwargs):
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, **kwargs):
+        object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         super().__init__(*args, **kwargs)
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, tf.Variable) and tf.executing_eagerly():
@@ -133,7 +135,14 @@ class _FusedMixin(_optstate.NormState):
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         self._tfclip_init(nonfinite, lazy_sparse)
 
+    @property
+    def clip(self):
+        """The adaptive clip (a tfclip.clipping object), or None."""
+        return self._tfclip_clip
+
     def _tfclip_init(self, nonfinite, lazy_sparse):
+        _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
+                                  clipnorm=self.clipnorm, clipvalue=self.clipvalue)
         _opcall.check_policy(nonfinite)
         _check_numbers(self, self._checked)
         if not isinstance(lazy_sparse, bool):
@@ -158,6 +167,24 @@ class _FusedMixin(_optstate.NormState):
             object.__setattr__(self, "_tensor_norms", _state_variable(
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
+        self._tfclip_build_clip(self._tfclip_add_clip_variable)
+
+    def _tfclip_add_clip_variable(self, name, shape, dtype):
+        # As add_variable, with the aggregation a mirrored copy needs to be assigned per replica.
+        v = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._variables.append(v)
+        return v
+
+    def _tfclip_build_clip(self, add):
+        """The adaptive clip's state (once): optimizer variables (checkpoints, optimizer.variables),
+        made in the strategy's scope, if any."""
+        clip = self._tfclip_clip
+        if clip is None or clip.state is not None:
+            return
+        clip.bind(self)
+        with _state_scope():
+            clip.build(lambda name, shape, dtype: add(f"{clip.mode}_{name}", shape, dtype))
 
     def _tfclip_value(self, name):
         """A constructor argument, as given, for the checks."""
@@ -178,6 +205,8 @@ class _FusedMixin(_optstate.NormState):
             config["nonfinite"] = self.nonfinite
         if self.lazy_sparse:
             config["lazy_sparse"] = True
+        if self._tfclip_clip is not None:
+            config["clip"] = _clipping.serialize(self._tfclip_clip)
         return config
 
     def _clip_mode(self):
@@ -259,15 +288,21 @@ class _FusedMixin(_optstate.NormState):
     def _fused_step(self, grads, tvars):
         ops = _loader.ops()
         mode, clip = self._clip_mode()
-        use_norm, given, tensor_norms = tf.constant(0.0, tf.float64), False, None
+        clip = _opcall.scalar(clip, "clip")
+        use_norm, given, tensor_norms, adaptive = tf.constant(0.0, tf.float64), False, None, None
         decay = self._tfclip_decay()
         groups = {}
         for i, v in enumerate(tvars):
             groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
-        if len(groups) > 1:  # both groups' ops take the norms of one norm pass
+        if len(groups) > 1 or self.clip is not None:
+            # Both groups' ops take the norms of one norm pass; so does an adaptive clip, whose
+            # threshold comes from it (scalar ops on the device).
             values, _ = _opcall.op_grads(grads)
             use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
+            if self.clip is not None:
+                adaptive = self.clip.step(use_norm)
+                mode, clip = "global_norm", adaptive.clip
         lr = _opcall.scalar(self._tfclip_lr(tvars), "learning_rate")
         norm = applied = None
         for with_decay, idx in sorted(groups.items()):
@@ -277,7 +312,7 @@ class _FusedMixin(_optstate.NormState):
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
             n, a, tn = _opcall.apply(
                 kind, [v.handle for v in group], slots, values, hparams, flags,
-                clip=tf.constant(clip, tf.float64), use_norm=use_norm, iterations=[], clip_mode=mode,
+                clip=clip, use_norm=use_norm, iterations=[], clip_mode=mode,
                 nonfinite=self.nonfinite, use_given_norm=given, lazy=self._tfclip_lazy(),
                 # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
                 # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped
@@ -286,7 +321,7 @@ class _FusedMixin(_optstate.NormState):
             norm = n if norm is None else norm
             applied = a if applied is None else applied
             tensor_norms = tn if tensor_norms is None else tensor_norms
-        self._record_norms(norm, applied, tensor_norms, tvars, mode, clip)
+        self._record_norms(norm, applied, tensor_norms, tvars, mode, clip, adaptive)
         return applied
 
     def _norm_positions(self, tvars):
@@ -451,7 +486,8 @@ class _LegacyFusedMixin(_FusedMixin):
 
     _lazy_default = False
 
-    def __init__(self, *args, nonfinite="skip", lazy_sparse=None, **kwargs):
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=None, clip=None, **kwargs):
+        object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         super(_FusedMixin, self).__init__(*args, **kwargs)
         if lazy_sparse is None:
             lazy_sparse = self._lazy_default
@@ -469,6 +505,8 @@ class _LegacyFusedMixin(_FusedMixin):
             config["nonfinite"] = self.nonfinite
         if self.lazy_sparse != self._lazy_default:
             config["lazy_sparse"] = self.lazy_sparse
+        if self._tfclip_clip is not None:
+            config["clip"] = _clipping.serialize(self._tfclip_clip)
         return config
 
     def _clip_mode(self):
@@ -517,6 +555,14 @@ class _LegacyFusedMixin(_FusedMixin):
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
             object.__setattr__(self, "_tfclip_index", {_legacy_var_key(v): i for i, v in enumerate(var_list)})
+        self._tfclip_build_clip(self._tfclip_add_clip_weight)
+
+    def _tfclip_add_clip_weight(self, name, shape, dtype):
+        # A named checkpoint dependency (add_weight), listed in variables() as the slots are.
+        v = self.add_weight(name, shape, dtype, initializer="zeros", trainable=False,
+                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._weights.append(v)
+        return v
 
     def _index(self, v):
         return getattr(self, "_tfclip_index", {}).get(_legacy_var_key(v))
