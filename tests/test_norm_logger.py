@@ -150,12 +150,21 @@ def test_by_variable_and_bad_arguments(tmp_path, rng):
 
 # ---------------------------------------------------------------- the demo's picture
 def test_demo_saves_its_picture(tmp_path, capsys):
-    png = tmp_path / "demo.png"
-    tfclip.demo.main(["--steps", "3", "--units", "8", "--length", "6", "--batch", "8", "--plot", str(png)])
+    png, adaptive_png = tmp_path / "demo.png", tmp_path / "adaptive.png"
+    tfclip.demo.main(["--steps", "12", "--units", "8", "--length", "6", "--batch", "8", "--plot", str(png),
+                      "--spikes", "11", "--adaptive-plot", str(adaptive_png)])
     out = capsys.readouterr().out
     assert f"saved the plot of norms and loss to {png}" in out
-    data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000
+    assert f"saved the comparison of fixed and adaptive clipping to {adaptive_png}" in out
+    for p in (png, adaptive_png):
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000
+    # The spiked batch (step 11, targets x50) is clipped by ZClip (past its 10-step warm-up) and
+    # by AutoClip.
+    lines = {line.split()[0]: line for line in out.splitlines() if "(spiked batches left out)" in line}
+    assert set(lines) == {"fixed", "zclip", "autoclip"}
+    for mode in ("zclip", "autoclip"):
+        assert int(lines[mode].split("clipped ")[1].split()[0]) >= 1, lines[mode]
 
 
 def test_demo_without_matplotlib_says_how_to_get_the_plot(tmp_path, monkeypatch):

@@ -14,6 +14,11 @@ clip threshold, the loss, and the five variables with the largest gradient norms
 fused step's own norm pass (`result.tensor_norms`). The picture needs matplotlib
 (`pip install "tfclip[plot]"`); without it the demo runs and says so.
 
+It then trains the same model from the same start three more times on the same batches, two of
+them corrupted (targets x50: gradient spikes), with a fixed `global_clipnorm` and with the
+adaptive clips of `tfclip.clipping` (ZClip, AutoClip), and saves a second picture
+(`--adaptive-plot`) of each run's norm, threshold and loss (`--adaptive ""` skips this part).
+
 With `--workers N` it starts N worker processes on localhost (`TF_CONFIG`,
 `MultiWorkerMirroredStrategy`), each with its shard of every global batch, training with
 `tfclip.keras.Adam(global_clipnorm=...)`: the clip is applied to the all-reduced gradient, so
@@ -80,6 +85,11 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=1, help="train on N local worker processes")
     p.add_argument("--plot", default="tfclip-demo.png",
                    help="where to save the PNG of norms and loss ('' for none; needs matplotlib)")
+    p.add_argument("--adaptive", default="zclip,autoclip",
+                   help="adaptive clips to compare with the fixed one ('' for none)")
+    p.add_argument("--spikes", default="24,31", help="steps whose batch targets are x50 (gradient spikes)")
+    p.add_argument("--adaptive-plot", default="tfclip-demo-adaptive.png",
+                   help="where to save the comparison PNG ('' for none)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.workers < 1:
@@ -122,6 +132,8 @@ def main(argv=None):
     names = [v.path for v in model.trainable_variables]  # every variable gets a gradient here
     if args.plot:
         print(save_plot(args.plot, history, names, args.clip))
+    if args.adaptive:
+        compare_adaptive(args, x, y, loss_fn)
 
     # --- timing: the same model and gradients, fused vs TF's unfused recipe -------------------
     xb, yb = tf.constant(x[: args.batch]), tf.constant(y[: args.batch])
@@ -162,6 +174,87 @@ def main(argv=None):
           f"{t_ut * 1e3:8.3f} ms   ratio {t_ut / t_uf:5.2f}x")
     print(f"  whole training step: tfclip {t_sf * 1e3:8.3f} ms   tf.clip_by_global_norm + Keras Adam "
           f"{t_st * 1e3:8.3f} ms   ratio {t_st / t_sf:5.2f}x")
+
+
+def compare_adaptive(args, x, y, loss_fn):
+    """The fixed clip against the adaptive ones, from the same start on the same (spiked) batches."""
+    from tfclip import clipping
+
+    spikes = {int(s) for s in args.spikes.split(",") if s.strip()}
+    modes = ["fixed"] + [m.strip() for m in args.adaptive.split(",") if m.strip()]
+    makers = {"zclip": lambda: clipping.ZClip(warmup_steps=10), "autoclip": lambda: clipping.AutoClip(percentile=10)}
+    for m in modes[1:]:
+        if m not in makers:
+            raise SystemExit(f"--adaptive: unknown clip {m!r} (zclip, autoclip)")
+    runs = {}
+    print(f"\nFixed global_clipnorm={args.clip} against adaptive clipping, batches {sorted(spikes)} "
+          "with targets x50:")
+    for mode in modes:
+        model = make_model(args.seed, args.length, args.units)
+        rule = tfclip.rules.Adam(learning_rate=3e-3)
+        clip = None if mode == "fixed" else makers[mode]()
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            pairs = zip(grads, model.trainable_variables)
+            if clip is None:
+                res = tfclip.fused_clip_apply(pairs, rule, global_clipnorm=args.clip)
+                return loss, res.global_norm, tf.constant(args.clip, tf.float64)
+            res = tfclip.fused_clip_apply(pairs, rule, clip=clip)
+            return loss, res.global_norm, clip.last_step.threshold
+
+        hist = {"loss": [], "norm": [], "threshold": []}
+        for i in range(args.steps):
+            sl = slice(i * args.batch, (i + 1) * args.batch)
+            yb = y[sl] * (50.0 if i in spikes else 1.0)
+            loss, norm, thr = step(x[sl], yb)
+            hist["loss"].append(float(loss))
+            hist["norm"].append(float(norm))
+            hist["threshold"].append(float(thr))
+        clean = [l for i, l in enumerate(hist["loss"]) if i not in spikes]
+        print(f"  {mode:9s} loss {clean[0]:.4f} -> {clean[-1]:.4f} (spiked batches left out); clipped "
+              f"{sum(n > t for n, t in zip(hist['norm'], hist['threshold']))} of {args.steps} steps")
+        runs[mode] = hist
+    if args.adaptive_plot:
+        print(save_adaptive_plot(args.adaptive_plot, runs, spikes))
+    return runs
+
+
+def save_adaptive_plot(path, runs, spikes):
+    """The comparison picture: per run, the norm and threshold per step, and the losses."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "(no comparison plot: matplotlib is not installed)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(8, 3 * (len(runs) + 1)), sharex=True)
+    for ax, (mode, hist) in zip(axes, runs.items()):
+        steps = np.arange(len(hist["norm"]))
+        ax.semilogy(steps, hist["norm"], marker=".", label="global norm (before the clip)")
+        thr = np.where(np.isfinite(hist["threshold"]), hist["threshold"], np.nan)
+        ax.semilogy(steps, thr, color="tab:red", linestyle="--", label="clip threshold")
+        for sp in sorted(spikes):
+            ax.axvline(sp, color="gray", alpha=0.3)
+        ax.set_ylabel("gradient norm")
+        ax.set_title({"fixed": "fixed global_clipnorm"}.get(mode, f"clip='{mode}' (tfclip.clipping)"))
+        ax.legend(fontsize="small")
+    ax = axes[-1]
+    for mode, hist in runs.items():
+        ax.semilogy(np.arange(len(hist["loss"])), hist["loss"], label=mode)
+    for sp in sorted(spikes):
+        ax.axvline(sp, color="gray", alpha=0.3)
+    ax.set_ylabel("loss (MSE; spiked batches at the gray lines)")
+    ax.set_xlabel("step")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return f"saved the comparison of fixed and adaptive clipping to {os.path.abspath(path)}"
 
 
 def save_plot(path, history, names, clip, top=5):
