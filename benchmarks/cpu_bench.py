@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,tf1,grad_dtypes,overhead]
+                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -16,7 +16,9 @@ Extras: every rule (SGD ... Lamb, ScheduleFreeAdamW) on the BERT-base set agains
 slot; Lamb 44, its three passes) and against the stock Keras optimizer's tf.function step; the
 TF1-only optimizers (ProximalGradientDescent, ProximalAdagrad, AdagradDA: tfclip.compat.v1)
 against their floor and the stock tf.compat.v1.train class after tf.clip_by_global_norm, in
-tf.function; float16/bfloat16 gradients for float32 variables, per parameter,
+tf.function; the adaptive clips (tfclip.clipping ZClip, AutoClip) with Adam against the fixed
+global clip's fused step, the floor, and the same clipping written with stock TF ops
+(tf.linalg.global_norm, the threshold, tf.clip_by_global_norm, Keras Adam); float16/bfloat16 gradients for float32 variables, per parameter,
 against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
 `tf.function`. Machines are shared and noisy: compare ratios within one run.
 """
@@ -357,6 +359,61 @@ def tf1_table(args, rng):
         del ours, stock, fused, stock_step, harness, slots
 
 
+def adaptive_table(args, rng):
+    """The adaptive clips on the BERT-base set with Adam, whole tf.function calls: tfclip's step
+    (norm pass, threshold on the device, clip-and-apply pass) against the fixed global clip's
+    fused step, the 32 B/param floor, and the same clipping written with stock TF ops."""
+    from tfclip import clipping
+
+    shapes, variables, grads = make_set("bert_base", rng)
+    n = sum(int(np.prod(s)) for s in shapes)
+    print(f"\nbert_base ({n / 1e6:.1f}M params), Adam: adaptive clipping fused (tfclip.clipping) against "
+          "the fixed global clip's fused step, the floor, and the same clip in stock TF ops + Keras Adam "
+          "(tf.function, whole calls)")
+    print(f"{'clip':<10} {'ms/call':>8} {'net ms':>8} {'x floor':>8} {'x fixed':>8} {'stock ms':>9} {'x stock':>8}")
+    makers = {"zclip": lambda: clipping.ZClip(warmup_steps=3), "autoclip": lambda: clipping.AutoClip()}
+    fixed_rule = tfclip.rules.Adam(1e-9)
+
+    @tf.function
+    def fixed():
+        return tfclip.fused_clip_apply(zip(grads, variables), fixed_rule, global_clipnorm=1.0).applied
+
+    fixed()
+
+    @tf.function
+    def harness():
+        return consume([v.handle for v in list(variables) + fixed_rule.variables[1:]] + list(grads))
+
+    for label, make in makers.items():
+        rule, clip, stock_clip = tfclip.rules.Adam(1e-9), make(), make()
+        stock = keras.optimizers.Adam(1e-9)
+        stock.build(variables)
+        stock_clip.build()
+
+        @tf.function
+        def fused():
+            return tfclip.fused_clip_apply(zip(grads, variables), rule, clip=clip).applied
+
+        @tf.function
+        def stock_step():
+            norm = tf.linalg.global_norm(grads)
+            step = stock_clip.step(norm)
+            threshold = tf.cast(tf.where(step.clipped, step.clip, tf.cast(norm, tf.float64)), tf.float32)
+            clipped, _ = tf.clip_by_global_norm(grads, threshold, use_norm=norm)
+            stock.apply_gradients(zip(clipped, variables))
+            for v, x in step.updates:
+                v.assign(x)
+
+        r = interleaved_medians({"fused": fused, "fixed": fixed, "harness": harness, "stock": stock_step,
+                                 "floor": floor_copy(n)}, args.repeats)
+        net = r["fused"] - r["harness"]
+        print(f"{label:<10} {r['fused'] * 1e3:8.2f} {net * 1e3:8.2f} {net / r['floor']:8.2f} "
+              f"{r['fused'] / r['fixed']:8.2f} {r['stock'] * 1e3:9.2f} {r['fused'] / r['stock']:8.2f}", flush=True)
+        print(f"{'  fixed':<10} {r['fixed'] * 1e3:8.2f} {(r['fixed'] - r['harness']) * 1e3:8.2f} "
+              f"{(r['fixed'] - r['harness']) / r['floor']:8.2f}", flush=True)
+        del rule, clip, stock, fused, stock_step
+
+
 def grad_dtypes_table(args, rng):
     """Float32 variables with float32, float16 and bfloat16 gradients: time per parameter."""
     shapes = SETS["bert_base"]()
@@ -501,8 +558,8 @@ def main(argv=None):
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
-    p.add_argument("--extras", default="rules,tf1,grad_dtypes,overhead",
-                   help="comma list of rules, tf1, grad_dtypes, overhead (or empty)")
+    p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead",
+                   help="comma list of rules, tf1, adaptive, grad_dtypes, overhead (or empty)")
     args = p.parse_args(argv)
 
     isa = tfclip._core.cpu_isa()
@@ -516,6 +573,8 @@ def main(argv=None):
         rules_table(args, rng)
     if "tf1" in extras:
         tf1_table(args, rng)
+    if "adaptive" in extras:
+        adaptive_table(args, rng)
     if "grad_dtypes" in extras:
         grad_dtypes_table(args, rng)
     if "overhead" in extras:
