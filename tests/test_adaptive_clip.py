@@ -426,3 +426,53 @@ def test_tf_keras_sgd_with_zclip_follows_the_reference(legacy, graph):
     assert config["clip"]["mode"] == "zclip" and cls.from_config(config).clip.warmup_steps == 8
     with pytest.raises(ValueError, match="cannot be combined"):
         cls(LR, clip="autoclip", clipnorm=1.0)
+
+
+# ------------------------------------------------------------------ TF1 as written
+TF1_PROGRAM = """
+import sys
+import numpy as np
+import tensorflow.compat.v1 as tf
+tf.disable_v2_behavior()
+import tfclip
+from tfclip import clipping
+
+steps = np.load(sys.argv[1])["grads"]
+w = tf.get_variable("w", initializer=np.ones((3, 2)))  # a ref variable under disable_v2_behavior
+assert w.dtype._is_ref_dtype
+g = tf.placeholder(tf.float64, [3, 2])
+loss = tf.reduce_sum(w * g)  # d loss / d w = g
+opt = tfclip.compat.v1.GradientDescentOptimizer(0.1, clip=clipping.ZClip(warmup_steps=10))
+train = opt.minimize(loss)
+saver = tf.train.Saver()
+with tf.Session() as sess:
+    sess.run(tf.global_variables_initializer())
+    for gs in steps:
+        sess.run(train, {g: gs})
+    names = [v.name for v in tf.global_variables()]
+    np.savez(sys.argv[2], w=sess.run(w), names=np.array(names), count=sess.run(opt._adaptive.state["count"]))
+"""
+
+
+def test_tf1_program_with_ref_variables_under_disable_v2_behavior(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    grad_steps = _grads(30, [(3, 2)], seed=11, spikes=(25,))
+    np.savez(tmp_path / "in.npz", grads=np.stack([gs[0] for gs in grad_steps]))
+    script = tmp_path / "prog.py"
+    script.write_text(TF1_PROGRAM)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                       env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    norms = [reference.global_norm(gs) for gs in grad_steps]
+    targets = [t[0] for t in reference.zclip_targets(norms, warmup_steps=10)]
+    assert targets[25] is not None
+    np.testing.assert_allclose(out["w"], _sgd_reference(grad_steps, targets, [np.ones((3, 2))])[0],
+                               rtol=1e-12, atol=1e-12)
+    assert int(out["count"]) == 30
+    assert any("zclip_mean" in str(n) for n in out["names"])
