@@ -249,12 +249,19 @@ def save_adaptive_plot(path, runs, spikes):
     for sp in sorted(spikes):
         ax.axvline(sp, color="gray", alpha=0.3)
     ax.set_ylabel("loss (MSE; spiked batches at the gray lines)")
+    _finish(fig, ax, path)
+    return f"saved the comparison of fixed and adaptive clipping to {os.path.abspath(path)}"
+
+
+def _finish(fig, ax, path):
+    """The last axes' step label and legend, then the PNG."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("step")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
-    return f"saved the comparison of fixed and adaptive clipping to {os.path.abspath(path)}"
 
 
 def save_plot(path, history, names, clip, top=5):
@@ -284,11 +291,7 @@ def save_plot(path, history, names, clip, top=5):
         ax.semilogy(steps, per[:, i], label=names[i])
     ax.set_ylabel("gradient norm")
     ax.set_title(f"the {len(biggest)} variables with the largest gradient norms (result.tensor_norms)")
-    ax.set_xlabel("step")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _finish(fig, ax, path)
     return f"saved the plot of norms and loss to {os.path.abspath(path)}"
 
 
