@@ -297,12 +297,20 @@ def _scaled_steps(grad_steps, targets):
 
 
 @needs_keras3
-@pytest.mark.parametrize("how", ["eager", "tf.function", "jit_compile"])
+@pytest.mark.parametrize("how", ["eager", "tf.function", "jit_compile", "xla_fallback"])
 @pytest.mark.parametrize("make_clip,ref", [
     (lambda: clipping.ZClip(warmup_steps=10), lambda n: [r[0] for r in reference.zclip_targets(n, warmup_steps=10)]),
     (lambda: clipping.AutoClip(percentile=25, history_size=12), lambda n: reference.autoclip_targets(n, 25, 12)),
 ], ids=["zclip", "autoclip"])
-def test_keras_adam_with_an_adaptive_clip_is_stock_adam_on_the_reference_clipped_gradients(how, make_clip, ref):
+def test_keras_adam_with_an_adaptive_clip_is_stock_adam_on_the_reference_clipped_gradients(how, make_clip, ref,
+                                                                                          monkeypatch):
+    """xla_fallback: a build without tfclip's XLA kernels, under jit_compile, takes stock Keras ops
+    (with a warning), the adaptive clip computed the same way."""
+    if how == "xla_fallback":
+        import tfclip.keras as tk
+
+        monkeypatch.setattr(tk, "_XLA_KERNELS", False)
+        monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", True)
     grad_steps = _grads(40, SHAPES, seed=7)
     targets = ref([reference.global_norm(gs) for gs in grad_steps])
     assert any(t is not None for t in targets)
@@ -318,13 +326,17 @@ def test_keras_adam_with_an_adaptive_clip_is_stock_adam_on_the_reference_clipped
         opt.apply(gs, ours)
 
     if how != "eager":
-        step = tf.function(step, jit_compile=how == "jit_compile")
+        step = tf.function(step, jit_compile=how in ("jit_compile", "xla_fallback"))
     for gs, clipped in zip(grad_steps, _scaled_steps(grad_steps, targets)):
         step([tf.constant(g) for g in gs])
         plain_opt.apply([tf.constant(g) for g in clipped], unclipped)
         stock_opt.apply([tf.constant(g) for g in clipped], stock)
-    for a, b, c in zip(ours, unclipped, stock):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+    # (The XLA fallback runs stock Keras's Adam, its norm in float32: it is the stock result that
+    # it matches closely.)
+    close, loose = (stock, unclipped) if how == "xla_fallback" else (unclipped, stock)
+    tight = 1e-7 if how == "xla_fallback" else 1e-10
+    for a, b, c in zip(ours, close, loose):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=tight, atol=1e-12)
         np.testing.assert_allclose(a.numpy(), c.numpy(), rtol=1e-5, atol=1e-6)
     assert int(opt.clipped_steps.numpy()) == sum(t is not None for t in targets)
     assert int(opt.clip.state["count"].numpy()) == 40

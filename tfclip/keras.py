@@ -375,7 +375,7 @@ class _FusedMixin(_optstate.NormState):
         else:
             update()
             applied = tf.constant(True)
-        mode, clip = self._clip_mode()
+        mode, clip = self._clip_mode() if adaptive is None else ("global_norm", adaptive.clip)
         self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive)
 
 
