@@ -6,6 +6,7 @@ registered as TF custom ops::
     clipped, norm = tfclip.fused_clip_by_global_norm(grads, 5.0)   # = tf.clip_by_global_norm
     rule = tfclip.rules.Adam(learning_rate=1e-3)
     tfclip.fused_clip_apply(zip(grads, variables), rule, global_clipnorm=5.0)
+    tfclip.fused_clip_apply(zip(grads, variables), rule, clip="zclip")   # tfclip.clipping
 
 `tfclip._core` is the same core on NumPy arrays and imports without TensorFlow.
 """
@@ -23,7 +24,7 @@ except ModuleNotFoundError as _e:  # a host with only tfclip._core (e.g. a GPU t
         raise ImportError(f"tfclip.{name} needs TensorFlow, which is not installed") from _TF_MISSING
 
 else:
-    from tfclip import compat, rules
+    from tfclip import clipping, compat, rules
     from tfclip._keras_version import KERAS_PROBLEM as _KERAS_PROBLEM
 
     if _KERAS_PROBLEM is None:
@@ -49,6 +50,7 @@ else:
 
     __all__ = [
         "ClipApplyResult",
+        "clipping",
         "fused_clip_apply",
         "fused_clip_by_global_norm",
         "compat",
