@@ -928,6 +928,11 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
   *r = StepResult{};
   const int n = args.n;
   const ApplyTensor* ts = args.ts;
+  if (args.cfg.mode == ClipMode::kAgc) {
+    r->error = "clip_mode='agc' is not supported by the CUDA driver yet (the CPU driver has it); "
+               "no variable was updated";
+    return "";
+  }
   // Host values are checked here, device ones by the finalize kernel.
   const bool on_device = ds.any();
   HParams hp;

@@ -170,6 +170,9 @@ class ClipApplyXla : public XlaOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
     OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
     OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
+    OP_REQUIRES(c, cfg_.mode != ClipMode::kAgc,
+                tf::errors::Unimplemented("clip_mode='agc' is not supported under XLA "
+                                          "(jit_compile) yet; run the step without jit_compile"));
     OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
                 tf::errors::InvalidArgument("nonfinite ", policy));
     OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
