@@ -400,3 +400,36 @@ def test_opcall_clip_config_accepts_agc():
     assert _opcall.check_agc_eps(1e-3) == 1e-3
     with pytest.raises(ValueError, match="agc_eps must be a finite number >= 0"):
         _opcall.check_agc_eps(float("nan"))
+
+
+# ------------------------------------------------------------------ XLA (jit_compile, CPU)
+
+def test_xla_same_bits_as_the_op(rng):
+    """Under tf.function(jit_compile=True) the op's XLA kernel runs the same core step through
+    its custom calls (in groups of variables, each with the norm call's global norm): the same
+    bits as the eager op, IndexedSlices included."""
+    shapes = [(13, 6), (37,), (3, 3, 4, 8), (), (40_000, 3)]
+    w0 = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    g = [mixed_grads(rng, s, np.float32, w.astype(np.float64)) for s, w in zip(shapes, w0)]
+    idx = np.array([2, 0, 2, 5], np.int64)
+    sw0 = rng.normal(size=(8, 4)).astype(np.float32)
+    sval = (rng.normal(size=(4, 4)) * [3.0, 1e-3, 3.0, 1e-3]).astype(np.float32)
+    eps = 2.0 ** -7
+
+    def step(variables, grads):
+        return raw_sgd(variables, grads + [tf.constant(sval)], indices=[tf.constant(idx)],
+                       sparse=[len(grads)], agc_eps=eps)
+
+    ev = [tf.Variable(w) for w in w0] + [tf.Variable(sw0)]
+    xv = [tf.Variable(w) for w in w0] + [tf.Variable(sw0)]
+    gs = [tf.constant(x) for x in g]
+    en, ea, et = step(ev, gs)
+    xn, xa, xt = tf.function(step, jit_compile=True)(xv, gs)
+    assert bool(ea) and bool(xa)
+    np.testing.assert_array_equal(en.numpy(), xn.numpy())
+    np.testing.assert_array_equal(et.numpy(), xt.numpy())
+    for a, b in zip(ev, xv):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # And the reference, for the dense ones.
+    for v, w, gg in zip(xv, w0, g):
+        assert_close(v.numpy(), w.astype(np.float64) - LR * agc_clip(gg, w, 0.05)[0], "float32", scale=2)
