@@ -119,9 +119,11 @@ ffi::Error ApplyCall::Decode(const ffi::RemainingArgs& args, const ffi::Remainin
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "rule", &rule));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "flags", &flags));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "mode", &mode));
-  int64_t eps_bits = 0;
-  TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "agc_eps_bits", &eps_bits));
-  std::memcpy(&step.cfg.agc_eps, &eps_bits, sizeof(double));
+  if (mode == static_cast<int64_t>(ClipMode::kAgc)) {  // (the other modes' calls need not carry it)
+    int64_t eps_bits = 0;
+    TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "agc_eps_bits", &eps_bits));
+    std::memcpy(&step.cfg.agc_eps, &eps_bits, sizeof(double));
+  }
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "policy", &policy));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "has_use_norm", &has_use_norm));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "lazy", &lazy));
