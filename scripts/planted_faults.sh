@@ -28,6 +28,8 @@ FAULTS=(
   "tail_stride|TFCLIP_PLANT_TAIL_STRIDE|misaligned"
   "chunk_end|TFCLIP_PLANT_CHUNK_END|test_global_norm_parity"
   "skip_ignored|TFCLIP_PLANT_SKIP_IGNORED|nonfinite"
+  "agc_unit|TFCLIP_PLANT_AGC_UNIT|test_agc_dense_parity"
+  "agc_block|TFCLIP_PLANT_AGC_BLOCK|test_agc_dense_parity"
 )
 # What each fault is (cuda_driver.cu has the same words where it acts).
 declare -A WHAT=(
@@ -36,6 +38,8 @@ declare -A WHAT=(
   [tail_stride]="the apply's scalar loop strides by the block (kThreads) where its crew is a warp"
   [chunk_end]="a chunk followed by another of its tensor ends one element early"
   [skip_ignored]="the apply kernel ignores the skip flag (status->apply)"
+  [agc_unit]="AGC's apply reads the scale of the next unit (i + 1) % units"
+  [agc_block]="AGC's norm pass writes every row block's partials to block 0"
 )
 
 mkdir -p "$BUILD/planted"

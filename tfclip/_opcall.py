@@ -50,19 +50,27 @@ def state_lock(owner):
     return lock
 
 
-CLIP_ARGS = ("global_clipnorm", "clipnorm", "clipvalue")
-_CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue": "value"}
+CLIP_ARGS = ("global_clipnorm", "clipnorm", "clipvalue")  # Keras's (the drop-ins read these)
+_ALL_CLIP_ARGS = CLIP_ARGS + ("agc_clip_factor",)
+_CLIP_MODES = {"global_clipnorm": "global_norm", "clipnorm": "norm", "clipvalue": "value",
+               "agc_clip_factor": "agc"}
 POLICIES = ("skip", "propagate", "raise")
+AGC_EPS = 1e-3  # the paper's (and optax's) floor of a unit's weight norm
 
 
-def clip_config(global_clipnorm=None, clipnorm=None, clipvalue=None):
-    """(clip_mode, clip) for the op from Keras's three clip arguments (at most one set).
+def clip_config(global_clipnorm=None, clipnorm=None, clipvalue=None, agc_clip_factor=None):
+    """(clip_mode, clip) for the op from Keras's three clip arguments and AGC's clip factor (at
+    most one set).
 
     One rule everywhere, as Keras: None or 0 is no clip; otherwise a finite number > 0.
+    agc_clip_factor: adaptive gradient clipping, unit-wise (clip_mode "agc", the paper's lambda;
+    csrc/core/agc.h); its eps goes to the op as the `agc_eps` attr (check_agc_eps).
     """
-    given = {k: v for k, v in zip(CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue)) if v is not None}
+    given = {k: v for k, v in zip(_ALL_CLIP_ARGS, (global_clipnorm, clipnorm, clipvalue, agc_clip_factor))
+             if v is not None}
     if len(given) > 1:
-        raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue; got {sorted(given)}")
+        raise ValueError(f"set at most one of global_clipnorm, clipnorm, clipvalue, agc_clip_factor; "
+                         f"got {sorted(given)}")
     for k, v in given.items():
         if isinstance(v, (tf.Tensor, tf.Variable)):
             return _CLIP_MODES[k], v  # checked by the op (0: no clip there too)
@@ -71,6 +79,14 @@ def clip_config(global_clipnorm=None, clipnorm=None, clipvalue=None):
         if v > 0:
             return _CLIP_MODES[k], float(v)
     return "none", 0.0
+
+
+def check_agc_eps(eps):
+    """AGC's eps as the op's `agc_eps` attr: a Python number, finite and >= 0 (a float attr, so
+    the op holds it as float32)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"agc_eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
 
 
 def check_policy(nonfinite):

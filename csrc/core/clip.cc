@@ -10,6 +10,7 @@ bool ParseClipMode(const std::string& s, ClipMode* out) {
   else if (s == "global_norm") *out = ClipMode::kGlobalNorm;
   else if (s == "norm") *out = ClipMode::kNorm;
   else if (s == "value") *out = ClipMode::kValue;
+  else if (s == "agc") *out = ClipMode::kAgc;
   else return false;
   return true;
 }
@@ -23,7 +24,8 @@ bool ParseNonFinitePolicy(const std::string& s, NonFinitePolicy* out) {
 }
 
 bool NeedsNormPass(const ClipConfig& cfg) {
-  return !(cfg.has_use_norm && cfg.mode != ClipMode::kNorm);
+  // clipnorm and AGC need each tensor's (each unit's) own sums whatever the global norm.
+  return !(cfg.has_use_norm && cfg.mode != ClipMode::kNorm && cfg.mode != ClipMode::kAgc);
 }
 
 ClipOutcome ComputeClipFactors(const ClipConfig& cfg, const double* per_tensor_sumsq,

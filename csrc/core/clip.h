@@ -9,7 +9,9 @@
 
 namespace tfclip {
 
-enum class ClipMode : int { kNone = 0, kGlobalNorm = 1, kNorm = 2, kValue = 3 };
+// kAgc: adaptive gradient clipping, unit-wise (Brock et al. 2021, NFNets; csrc/core/agc.h): each
+// unit's gradient G_u is scaled to clip * max(||W_u||, agc_eps) when its norm is above that.
+enum class ClipMode : int { kNone = 0, kGlobalNorm = 1, kNorm = 2, kValue = 3, kAgc = 4 };
 enum class NonFinitePolicy : int { kSkip = 0, kPropagate = 1, kRaise = 2 };
 
 bool ParseClipMode(const std::string& s, ClipMode* out);
@@ -23,14 +25,22 @@ struct ClipConfig {
   bool has_use_norm = false;
   double use_norm = 0.0;  // a global norm computed elsewhere (e.g. all-reduced across shards)
   NonFinitePolicy policy = NonFinitePolicy::kSkip;
+  // kAgc: the floor of a unit's weight norm in its bound, clip * max(||W_u||, agc_eps) (the
+  // paper's and optax's default 1e-3); finite and >= 0.
+  double agc_eps = 1e-3;
 };
 
 // The clip folded into the apply pass, per tensor: g' = clamp(g * scale, lo, hi), with the
 // scale first rounded to the gradient's dtype as TF's `v * cast(scale, v.dtype)` does.
+// kAgc: the scale is per unit instead, unit_scale[unit of element] (the step's per-unit scales,
+// host memory on the CPU, device memory on CUDA), the element at flat index i of a tensor of
+// `units` units being unit i % units (units = var.shape[-1], 1 for rank <= 1); scale stays 1.
 struct ClipFactor {
   double scale = 1.0;
   double lo = -INFINITY;
   double hi = INFINITY;
+  const double* unit_scale = nullptr;
+  int64_t units = 0;
 };
 
 // A gradient element through its clip factor, as the dense apply pass does it:
@@ -95,6 +105,7 @@ TFCLIP_HD ClipMode ActiveClipMode(const ClipConfig& cfg) {
 TFCLIP_HD int ClipConfigError(const ClipConfig& cfg) {
   if (cfg.mode != ClipMode::kNone && !(cfg.clip - cfg.clip == 0.0 && cfg.clip >= 0.0)) return 1;
   if (cfg.has_use_norm && cfg.use_norm < 0.0) return 2;
+  if (cfg.mode == ClipMode::kAgc && !(cfg.agc_eps - cfg.agc_eps == 0.0 && cfg.agc_eps >= 0.0)) return 3;
   return 0;
 }
 
@@ -124,8 +135,25 @@ TFCLIP_HD ClipFactor TensorClipFactor(ClipMode mode, double clip, double global_
       f.lo = -clip;
       f.hi = clip;
       break;
+    case ClipMode::kAgc: break;  // per unit: AgcUnitScale, in unit_scale
   }
   return f;
+}
+
+// AGC's scale of one unit from its fp64 sums of squares: g2 of the (pre-clip) gradient, w2 of
+// the variable before the step. The paper (Brock et al. 2021, eq. 3): G_u is multiplied by
+// clip * max(||W_u||, eps) / ||G_u|| when ||G_u|| > clip * max(||W_u||, eps), else left as it
+// is. (optax divides by max(||G_u||, 1e-6): the same whenever clip * eps >= 1e-6, since then the
+// scaled branch has ||G_u|| > 1e-6; with a smaller bound we follow the paper.) Non-finite norms,
+// which the paper leaves open, as optax's adaptive_grad_clip and TF's clip_by_norm treat them: a
+// NaN gradient or weight norm makes the whole unit NaN (the scale is NaN), an infinite gradient
+// norm under a finite bound gives scale 0. (The non-finite policy acts on the global norm first:
+// only nonfinite='propagate' writes such a step.) Clipped: every scale but 1, NaN included.
+TFCLIP_HD double AgcUnitScale(double clip, double eps, double g2, double w2) {
+  const double wn = std::sqrt(w2), gn = std::sqrt(g2);
+  const double floor = wn != wn ? wn : (wn > eps ? wn : eps);
+  const double bound = clip * floor;
+  return gn <= bound ? 1.0 : bound / gn;
 }
 
 // The global norm a step reports: the given one, or sqrt of the summed squares.

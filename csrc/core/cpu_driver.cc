@@ -18,6 +18,12 @@ void SumSquaresCpu(const TensorView* ts, int n, const ChunkPlan& plan, double* p
   ActiveCpuKernels().sum_squares(ts, n, plan, partials, per_tensor, total, exec);
 }
 
+void AgcSumsCpu(const ApplyTensor* ts, const AgcPlan& plan, const SparsePlan& sp, double* part_g,
+                double* part_w, double* unit_g, double* sparse_values_sumsq,
+                const CpuExecutor& exec) {
+  ActiveCpuKernels().agc_sums(ts, plan, sp, part_g, part_w, unit_g, sparse_values_sumsq, exec);
+}
+
 void ScaleCpu(const TensorView* in, const TensorView* out, const ChunkPlan& plan,
               double scale, const CpuExecutor& exec) {
   ActiveCpuKernels().scale(in, out, plan, scale, exec);
@@ -124,12 +130,36 @@ StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& ex
   s->per_tensor.assign(n, 0.0);
   s->factors.resize(n);
   double total = 0.0;
-  if (NeedsNormPass(a.cfg)) {
+  const bool agc = ActiveClipMode(a.cfg) == ClipMode::kAgc;
+  if (agc) {
+    // One pass reads each gradient and its variable: per-unit sums, the tensors' and the total
+    // from them (agc.h).
+    r.error = PlanAgc(ts, n, &s->agc);
+    if (!r.error.empty()) return r;
+    const size_t np = static_cast<size_t>(s->agc.num_partials());
+    const size_t nu = static_cast<size_t>(s->agc.num_units());
+    s->agc_part_g.resize(np);
+    s->agc_part_w.resize(np);
+    s->unit_g.resize(nu);
+    s->unit_w.resize(nu);
+    s->unit_scale.resize(nu);
+    s->sparse_vsq.assign(n, 0.0);
+    AgcSumsCpu(ts, s->agc, s->sparse, s->agc_part_g.data(), s->agc_part_w.data(), s->unit_g.data(),
+               s->sparse_vsq.data(), exec);
+    ReduceAgcSums(ts, n, s->agc, s->agc_part_g.data(), s->agc_part_w.data(), s->unit_g.data(),
+                  s->unit_w.data(), s->sparse_vsq.data(), s->per_tensor.data(), &total);
+  } else if (NeedsNormPass(a.cfg)) {
     s->partials.resize(s->plan.chunks.size());
     SumSquaresCpu(s->grads.data(), n, s->plan, s->partials.data(), s->per_tensor.data(), &total,
                   exec);
   }
   const ClipOutcome oc = ComputeClipFactors(a.cfg, s->per_tensor.data(), total, n, s->factors.data());
+  if (agc) {
+    AgcScales(a.cfg, ts, n, s->agc, s->unit_g.data(), s->unit_w.data(), s->unit_scale.data(),
+              a.agc_clipped, s->factors.data());
+  } else if (a.agc_clipped != nullptr) {
+    for (int i = 0; i < n; ++i) a.agc_clipped[i] = 0;
+  }
   if (a.tensor_norms != nullptr) {
     TensorNorms(NeedsNormPass(a.cfg) ? s->per_tensor.data() : nullptr, n, a.tensor_norms);
   }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/agc.h"
 #include "csrc/core/chunk_plan.h"
 #include "csrc/core/clip.h"
 #include "csrc/core/rule_table.h"
@@ -36,6 +37,11 @@ double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec,
 // Each tensor's L2 norm from the norm pass's per-tensor fp64 sums of squares (reduced in chunk
 // order: the same bits for any thread count), or NaN for all when no norm pass ran.
 void TensorNorms(const double* per_tensor_sumsq, int n, double* out);
+
+// AGC's norm pass (agc.h) over the plan's tiles and the IndexedSlices gradients' spans.
+void AgcSumsCpu(const ApplyTensor* ts, const AgcPlan& plan, const SparsePlan& sp, double* part_g,
+                double* part_w, double* unit_g, double* sparse_values_sumsq,
+                const CpuExecutor& exec);
 
 // Clip op's second pass over a whole list: out[i] = in[i] * cast<T>(scale).
 void ScaleListCpu(const TensorView* in, const TensorView* out, int n, double scale,
@@ -83,6 +89,9 @@ struct StepArgs {
   // the norm pass at no extra pass; NaN when none ran (use_norm). Written before the non-finite
   // policy acts, so a skipped step still tells which tensor was not finite.
   double* tensor_norms = nullptr;
+  // Out (may be null): with clip_mode agc, each tensor's count of clipped units (scale < 1);
+  // 0 in the other modes. Written with tensor_norms.
+  int64_t* agc_clipped = nullptr;
 };
 
 // Both passes of a clip-and-apply step, with the non-finite policy. Everything is checked before
@@ -102,6 +111,9 @@ struct StepScratch {
   std::vector<ClipFactor> factors;
   std::vector<TensorView> grads;
   SparsePlan sparse;
+  // AGC (agc.h): the plan, the tiles' partials, per-unit sums and scales.
+  AgcPlan agc;
+  std::vector<double> agc_part_g, agc_part_w, unit_g, unit_w, unit_scale, sparse_vsq;
 };
 StepResult ClipApplyCpu(const StepArgs& args, StepScratch* scratch, const CpuExecutor& exec);
 

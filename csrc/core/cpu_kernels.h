@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/agc.h"
 #include "csrc/core/cpu_driver.h"
 
 namespace tfclip {
@@ -26,6 +27,10 @@ struct CpuKernels {
                        const CpuExecutor& exec);
   void (*trust)(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const ChunkPlan& plan,
                 const SparsePlan& sp, const double* sums, const CpuExecutor& exec);
+  // AGC's norm pass (agc.h): the tiles' partials and the sparse gradients' unit sums.
+  void (*agc_sums)(const ApplyTensor* ts, const AgcPlan& plan, const SparsePlan& sp,
+                   double* part_g, double* part_w, double* unit_g, double* sparse_values_sumsq,
+                   const CpuExecutor& exec);
 };
 
 // The variant in use: the best the CPU supports, or TFCLIP_CPU_ISA (avx512 | avx2 | baseline)

@@ -7,6 +7,7 @@
 // the CPU build does not, and the apply pass would differ from the CPU in the last bit.
 #include "csrc/core/cuda_driver.h"
 
+#include "csrc/core/agc.h"
 #include "csrc/core/apply_elem.h"
 #include "csrc/core/sparse.h"
 #include "csrc/core/validate.h"
@@ -56,6 +57,35 @@ struct DevTensor {
   int32_t pad;
   int64_t first_unit;  // sparse: its units of the sparse plan (consecutive)
   int64_t num_units;
+  // AGC (csrc/core/agc.h): its units' scales in the workspace (null in the other modes), and
+  // its unit count; element i is in unit i % units.
+  const double* unit_scale;
+  int64_t units;
+};
+
+// AGC's norm pass and scales (csrc/core/agc.h): the plan's tables (uploaded with the tensor
+// table) and the device buffers, as the CPU driver's StepScratch has them.
+struct DevAgc {
+  const AgcTile* tiles;
+  int64_t ntiles;
+  const int64_t* unit_off;  // n + 1
+  const int64_t* part_off;  // n + 1
+  const int64_t* blocks;    // n
+  const SparseSpan* spans;
+  int64_t nspans;
+  const int64_t* order;     // the sparse plan's (spans index its urows and ustart)
+  const int64_t* urows;
+  const int64_t* ustart;
+  double* part_g;
+  double* part_w;
+  double* unit_g;
+  double* unit_w;
+  double* unit_scale;
+  double* vsq;  // n: an IndexedSlices gradient's values' sum of squares
+  int64_t nunits;
+  int n;
+  double clip, eps;
+  const double* dev_clip;  // the clip in device memory, or null
 };
 
 // The sparse apply pass's table (csrc/core/sparse.h), uploaded with the tensor table.
@@ -126,6 +156,8 @@ struct CudaPlan {
   size_t device_bytes = 0;  // the table's device copy, then partials, clip factors, status
   size_t off_partials = 0, off_factors = 0, off_status = 0, off_trust = 0, off_trust_sums = 0;
   bool trust = false;
+  const AgcPlan* agc = nullptr;  // an AGC step's plan (null otherwise)
+  size_t off_agc = 0;            // its device buffers: part_g, part_w, unit_g, unit_w, unit_scale, vsq
 };
 
 size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
@@ -135,7 +167,7 @@ size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
 // (each 256-aligned).
 struct HostLayout {
   size_t off_hparams, off_tensors, off_chunks, off_blocks, off_many, off_units, off_order,
-      off_urows, off_ustart, bytes;
+      off_urows, off_ustart, off_tiles, off_uoff, off_poff, off_ablocks, off_spans, bytes;
 };
 template <typename T>
 size_t Bytes(const std::vector<T>& v) {
@@ -158,13 +190,23 @@ HostLayout Layout(const CudaPlan& p) {
     l.off_ustart = l.off_urows + Bytes(sp.urows);
     l.bytes = l.off_ustart + Bytes(sp.ustart);
   }
+  l.off_tiles = l.off_uoff = l.off_poff = l.off_ablocks = l.off_spans = l.bytes;
+  if (p.agc != nullptr) {
+    l.off_uoff = l.off_tiles + Bytes(p.agc->tiles);
+    l.off_poff = l.off_uoff + Bytes(p.agc->unit_off);
+    l.off_ablocks = l.off_poff + Bytes(p.agc->part_off);
+    l.off_spans = l.off_ablocks + Bytes(p.agc->blocks);
+    l.bytes = l.off_spans + (p.sparse != nullptr ? Bytes(p.sparse->spans) : 0);
+  }
   return l;
 }
 
-void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust) {
+void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust,
+                  const AgcPlan* agc) {
   p->n = n;
   p->sparse = sparse;
   p->trust = trust;
+  p->agc = agc;
   PlanChunks(sizes, n, kCudaChunkElems, &p->plan);
   PackCudaBlocks(&p->plan);
   p->many.clear();
@@ -182,6 +224,12 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
     const size_t nunits = sparse != nullptr ? sparse->units.size() : 0;
     p->off_trust_sums = p->off_trust + Align256(2 * sizeof(double) * (nchunks + nunits));
     p->device_bytes = p->off_trust_sums + Align256(2 * sizeof(double) * static_cast<size_t>(n));
+  }
+  p->off_agc = p->device_bytes;
+  if (agc != nullptr) {
+    const size_t np = static_cast<size_t>(agc->num_partials()), nu = static_cast<size_t>(agc->num_units());
+    p->device_bytes += 2 * Align256(sizeof(double) * np) + 3 * Align256(sizeof(double) * nu) +
+                       Align256(sizeof(double) * static_cast<size_t>(n));
   }
 }
 
@@ -296,6 +344,169 @@ __global__ void __launch_bounds__(kThreads) NormKernel(Table t) {
     const double s = crew.Sum(acc);
     if (crew.rank == 0) t.partials[c] = s;
   });
+}
+
+// ---------------------------------------------------------------- kernel 1 (AGC): unit sums
+// The CPU driver's AGC norm pass (cpu_kernels.inc: AgcTileSums, AgcSparseGradSums) with the same
+// order per sum, so the unit sums are the CPU's bits: a one-unit tile on kLanes lanes (thread k
+// sums lane k, elements r0 + k, r0 + k + 16, ...; thread 0 adds the lanes pairwise), a wider one
+// a thread per column over its rows in order; an IndexedSlices gradient a thread per unit, rows
+// ascending, columns u, u + C, ... (each row's slices summed in the gradient's dtype).
+constexpr int kAgcLanes = 16;
+
+template <typename G, typename V, bool kGrad>
+__device__ void AgcTileDev(const G* g, const V* w, int64_t units, const AgcTile& tl, double* pg,
+                           double* pw) {
+  if (units == 1) {
+    TFCLIP_SHARED_ARRAY(double, lanes, 2 * kAgcLanes);
+    if (threadIdx.x < kAgcLanes) {
+      double ag = 0.0, aw = 0.0;
+      for (int64_t r = tl.r0 + threadIdx.x; r < tl.r1; r += kAgcLanes) {
+        if (kGrad) ag += Sq(g[r]);
+        aw += Sq(w[r]);
+      }
+      lanes[threadIdx.x] = ag;
+      lanes[kAgcLanes + threadIdx.x] = aw;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int h = kAgcLanes / 2; h > 0; h /= 2) {
+        for (int k = 0; k < h; ++k) {
+          lanes[k] += lanes[k + h];
+          lanes[kAgcLanes + k] += lanes[kAgcLanes + k + h];
+        }
+      }
+      if (kGrad) pg[0] = lanes[0];
+      pw[0] = lanes[kAgcLanes];
+    }
+    return;
+  }
+  const int64_t cw = tl.c1 - tl.c0;
+  for (int64_t k = threadIdx.x; k < cw; k += kThreads) {
+    double ag = 0.0, aw = 0.0;
+    for (int64_t r = tl.r0; r < tl.r1; ++r) {
+      const int64_t i = r * units + tl.c0 + k;
+      if (kGrad) ag += Sq(g[i]);
+      aw += Sq(w[i]);
+    }
+    if (kGrad) pg[k] = ag;
+    pw[k] = aw;
+  }
+}
+
+template <typename G>
+__device__ void AgcSparseDev(const DevTensor& ten, const DevAgc& a, const SparseSpan& span,
+                             int64_t units) {
+  using GM = typename Elem<G>::Math;
+  const G* vals = static_cast<const G*>(ten.grad);
+  const int64_t w = ten.width;
+  double* ug = a.unit_g + a.unit_off[span.tensor];
+  for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+    double acc = 0.0;
+    for (int64_t x = span.u_first; x < span.u_last; ++x) {
+      const int64_t jb = a.ustart[x], je = a.ustart[x + 1];
+      for (int64_t col = u; col < w; col += units) {
+        GM s = GM(0);
+        for (int64_t j = jb; j < je; ++j) s = RoundTo<G>(s + Elem<G>::Load(vals[a.order[j] * w + col]));
+        const double d = static_cast<double>(s);
+        acc += d * d;
+      }
+    }
+    ug[u] = acc;
+  }
+  // The values' sum of squares on kLanes lanes, as the CPU's ChunkSumSquares.
+  TFCLIP_SHARED_ARRAY(double, lanes, kAgcLanes);
+  const int64_t nv = ten.size;  // nnz * width
+  if (threadIdx.x < kAgcLanes) {
+    double acc = 0.0;
+    for (int64_t i = threadIdx.x; i < nv; i += kAgcLanes) acc += Sq(vals[i]);
+    lanes[threadIdx.x] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int h = kAgcLanes / 2; h > 0; h /= 2) {
+      for (int k = 0; k < h; ++k) lanes[k] += lanes[k + h];
+    }
+    a.vsq[span.tensor] = nv > 0 ? lanes[0] : 0.0;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) AgcNormKernel(Table t, DevAgc a) {
+  const int64_t x = blockIdx.x;
+  if (x < a.ntiles) {
+    const AgcTile tl = a.tiles[x];
+    const DevTensor& ten = t.tensors[tl.tensor];
+    const int64_t units = a.unit_off[tl.tensor + 1] - a.unit_off[tl.tensor];
+#ifdef TFCLIP_PLANT_AGC_BLOCK
+    // Every tile's partials land in row block 0: a tensor of several row blocks loses all but one.
+    const int64_t off = a.part_off[tl.tensor] + tl.c0;
+#else
+    const int64_t off = a.part_off[tl.tensor] + tl.block * units + tl.c0;
+#endif
+    DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
+      using V = decltype(vtag);
+      const V* w = static_cast<const V*>(ten.var);
+      if (tl.kind == 1) {
+        AgcTileDev<V, V, false>(nullptr, w, units, tl, nullptr, a.part_w + off);
+      } else {
+        DispatchDType(static_cast<DType>(ten.grad_dtype), [&](auto gtag) {
+          using G = decltype(gtag);
+          AgcTileDev<G, V, true>(static_cast<const G*>(ten.grad), w, units, tl, a.part_g + off,
+                                 a.part_w + off);
+        });
+      }
+    });
+  } else {
+    const SparseSpan span = a.spans[x - a.ntiles];
+    const DevTensor& ten = t.tensors[span.tensor];
+    const int64_t units = a.unit_off[span.tensor + 1] - a.unit_off[span.tensor];
+    DispatchDType(static_cast<DType>(ten.grad_dtype), [&](auto gtag) {
+      AgcSparseDev<decltype(gtag)>(ten, a, span, units);
+    });
+  }
+}
+
+// A thread per unit: its partials added in row-block order (ReduceAgcSums).
+__global__ void __launch_bounds__(kThreads) AgcUnitKernel(Table t, DevAgc a) {
+  const int64_t u = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (u >= a.nunits) return;
+  int lo = 0, hi = a.n - 1;  // the tensor whose units hold u: the last i with unit_off[i] <= u
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a.unit_off[mid] <= u) lo = mid;
+    else hi = mid - 1;
+  }
+  const int i = lo;
+  const int64_t c = a.unit_off[i + 1] - a.unit_off[i], k = u - a.unit_off[i], po = a.part_off[i];
+  const bool sparse = t.tensors[i].sparse != 0;
+  double g = 0.0, w = 0.0;
+  for (int64_t b = 0; b < a.blocks[i]; ++b) {
+    if (!sparse) g += a.part_g[po + b * c + k];
+    w += a.part_w[po + b * c + k];
+  }
+  if (!sparse) a.unit_g[u] = g;
+  a.unit_w[u] = w;
+}
+
+// A thread per tensor: its sum of squares (dense: its units' in unit order; IndexedSlices: its
+// values'), put where the finalize kernel reads the norm pass's (its first chunk's partial, the
+// others 0: the finalize's sums then give it exactly), and its units' scales.
+__global__ void __launch_bounds__(kThreads) AgcTensorKernel(Table t, DevAgc a) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i >= a.n) return;
+  const DevTensor& ten = t.tensors[i];
+  const int64_t uo = a.unit_off[i], c = a.unit_off[i + 1] - uo;
+  double sum = 0.0;
+  if (ten.sparse) {
+    sum = a.vsq[i];
+  } else {
+    for (int64_t u = 0; u < c; ++u) sum += a.unit_g[uo + u];
+  }
+  for (int64_t k = 0; k < ten.num_chunks; ++k) t.partials[ten.first_chunk + k] = k == 0 ? sum : 0.0;
+  const double clip = a.dev_clip != nullptr ? *a.dev_clip : a.clip;
+  for (int64_t u = uo; u < uo + c; ++u) {
+    a.unit_scale[u] = clip == 0.0 ? 1.0 : AgcUnitScale(clip, a.eps, a.unit_g[u], a.unit_w[u]);
+  }
 }
 
 // ---------------------------------------------------------------- kernel 2: finalize
@@ -503,6 +714,39 @@ __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, cons
   return acc;
 }
 
+// A range of a dense tensor under AGC: each element's gradient times its unit's scale (in the
+// gradient's dtype, cast to the variable's: CastClipGradAt, as the CPU's ApplyChunkAgc), a
+// thread per element in crew order. The unit walks with the thread: one modulo per range, then
+// a step of crew.size % units with one compare per element.
+template <typename Rule, typename V, int kSlots>
+__device__ TrustAcc ApplyRangeAgc(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
+                                  int64_t b, int64_t e, Crew crew) {
+  using M = typename Elem<V>::Math;
+  TrustAcc acc;
+  V* var = static_cast<V*>(t.var);
+  V* s0 = static_cast<V*>(t.slots[0]);
+  V* s1 = static_cast<V*>(t.slots[1]);
+  V* s2 = static_cast<V*>(t.slots[2]);
+  const int64_t units = t.units;
+  const int64_t step = crew.size % units;
+#ifdef TFCLIP_PLANT_AGC_UNIT
+  // The unit index one off: element i takes unit (i + 1) % units's scale.
+  int64_t col = (b + crew.rank + 1) % units;
+#else
+  int64_t col = (b + crew.rank) % units;
+#endif
+  const DType gt = static_cast<DType>(t.grad_dtype);
+  for (int64_t i = b + crew.rank; i < e; i += crew.size) {
+    ClipFactor f;
+    f.scale = t.unit_scale[col];
+    const M g = CastClipGradAt<V>(t.grad, gt, i, f);
+    acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, var, s0, s1, s2, i));
+    col += step;
+    if (col >= units) col -= units;
+  }
+  return acc;
+}
+
 template <typename Rule, int kSlots>
 __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
 #ifndef TFCLIP_PLANT_SKIP_IGNORED
@@ -518,12 +762,20 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
     }
     const ClipFactor f = t.factors[ch.tensor];
     TrustAcc acc;
+    if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
+      DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
+        using V = decltype(vtag);
+        acc = ApplyRangeAgc<Rule, V, kSlots>(ConstsFor<V>(consts.f, consts.d), ten, ch.begin,
+                                             ch.end, crew);
+      });
+    } else {
     DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
                  [&](auto vtag, auto gtag) {
                    using V = decltype(vtag);
                    acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
                        ConstsFor<V>(consts.f, consts.d), ten, f, ch.begin, ch.end, crew);
                  });
+    }
     if constexpr (Rule::kTrustRatio) {
       const double w = crew.Sum(acc.w);
       const double u = crew.Sum(acc.u);
@@ -556,6 +808,10 @@ __device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, c
   // with the divisions done once: each step moves r by kThreads / w and col by kThreads % w.
   const int64_t dr = kThreads / w, dc = kThreads % w;
   int64_t r = threadIdx.x / w, col = threadIdx.x % w;
+  // AGC: the column's unit (w is a multiple of the units, so it moves with col alone).
+  const int64_t units = ten.units > 0 ? ten.units : 1;
+  const int64_t du = dc % units;
+  int64_t ucol = col % units;
   // The row's slices [jb, je), looked up when r changes. In an all-rows unit rows only grow,
   // so each binary search over the touched rows starts where the last one ended.
   int64_t looked_up = -1, row = 0, jb = 0, je = 0, lo = u.u_begin;
@@ -580,10 +836,20 @@ __device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, c
         je = sp.ustart[x + 1];
       }
     }
-    const RowGrads<M, GradReader<V, G>> rg{grad, w, col, sp.order, jb, je};
-    acc.Add(ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col));
+    if (ten.unit_scale != nullptr) {
+      ClipFactor fu;
+      fu.scale = ten.unit_scale[ucol];
+      const GradReader<V, G> ugrad(ten.grad, static_cast<DType>(ten.grad_dtype), fu);
+      const RowGrads<M, GradReader<V, G>> rg{ugrad, w, col, sp.order, jb, je};
+      acc.Add(ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col));
+    } else {
+      const RowGrads<M, GradReader<V, G>> rg{grad, w, col, sp.order, jb, je};
+      acc.Add(ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col));
+    }
     r += dr;
     col += dc;
+    ucol += du;
+    if (ucol >= units) ucol -= units;
     if (col >= w) {
       col -= w;
       ++r;
@@ -738,6 +1004,16 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
     std::memcpy(h + l.off_urows, sp.urows.data(), sizeof(int64_t) * sp.urows.size());
     std::memcpy(h + l.off_ustart, sp.ustart.data(), sizeof(int64_t) * sp.ustart.size());
   }
+  if (p.agc != nullptr) {
+    const AgcPlan& ap = *p.agc;
+    if (!ap.tiles.empty()) std::memcpy(h + l.off_tiles, ap.tiles.data(), sizeof(AgcTile) * ap.tiles.size());
+    std::memcpy(h + l.off_uoff, ap.unit_off.data(), sizeof(int64_t) * ap.unit_off.size());
+    std::memcpy(h + l.off_poff, ap.part_off.data(), sizeof(int64_t) * ap.part_off.size());
+    if (!ap.blocks.empty()) std::memcpy(h + l.off_ablocks, ap.blocks.data(), sizeof(int64_t) * ap.blocks.size());
+    if (p.sparse != nullptr && !p.sparse->spans.empty()) {
+      std::memcpy(h + l.off_spans, p.sparse->spans.data(), sizeof(SparseSpan) * p.sparse->spans.size());
+    }
+  }
   const cudaError_t e = cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream);
   if (e != cudaSuccess) return CudaError(e, "the tensor table upload");
   t->consts = reinterpret_cast<DevConsts*>(d);
@@ -784,9 +1060,31 @@ std::string Launched(const char* what) {
 
 // Norm (when needed) and finalize: the first two launches of every op.
 std::string NormAndFinalize(const CudaPlan& p, const Table& t, const FinalizeArgs& a,
-                            const void* dev_ws, cudaStream_t stream) {
+                            const void* dev_ws, cudaStream_t stream, const DevAgc* agc = nullptr) {
   const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
-  if (a.have_partials && nblocks > 0) {
+  if (agc != nullptr) {
+    // AGC's pass instead of the norm kernel: unit sums, then each tensor's sum where the
+    // finalize reads it, and the units' scales (csrc/core/agc.h). No host wait.
+    const int64_t nb = agc->ntiles + agc->nspans;
+    if (nb > 0) {
+      TFCLIP_LAUNCH(AgcNormKernel, static_cast<unsigned>(nb), kThreads, 0, stream)(t, *agc);
+      ++g_last_launches;
+      std::string e = Launched("the AGC norm kernel");
+      if (!e.empty()) return e;
+    }
+    if (agc->nunits > 0) {
+      TFCLIP_LAUNCH(AgcUnitKernel, static_cast<unsigned>((agc->nunits + kThreads - 1) / kThreads),
+                    kThreads, 0, stream)(t, *agc);
+      ++g_last_launches;
+      std::string e = Launched("the AGC unit kernel");
+      if (!e.empty()) return e;
+    }
+    TFCLIP_LAUNCH(AgcTensorKernel, static_cast<unsigned>((agc->n + kThreads - 1) / kThreads),
+                  kThreads, 0, stream)(t, *agc);
+    ++g_last_launches;
+    std::string e = Launched("the AGC tensor kernel");
+    if (!e.empty()) return e;
+  } else if (a.have_partials && nblocks > 0) {
     TFCLIP_LAUNCH(NormKernel, nblocks, kThreads, 0, stream)(t);
     ++g_last_launches;
     const std::string e = Launched("the norm kernel");
@@ -816,11 +1114,11 @@ std::vector<DevTensor> TensorsFromViews(const TensorView* in, const TensorView* 
 // every path: the one place a step's workspace is handed back (in stream order).
 template <typename Fn>
 std::string WithStepMemory(const int64_t* sizes, int n, const SparsePlan* sparse, bool trust,
-                           CudaStepMemory* mem, void* stream, Fn&& fn) {
+                           CudaStepMemory* mem, void* stream, Fn&& fn, const AgcPlan* agc = nullptr) {
   g_last_launches = 0;
   g_last_stream = stream;
   CudaPlan p;
-  PlanCudaStep(sizes, n, &p, sparse, trust);
+  PlanCudaStep(sizes, n, &p, sparse, trust, agc);
   g_last_blocks = p.plan.num_blocks();
   void* host = nullptr;
   void* dev = nullptr;
@@ -928,8 +1226,15 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
   *r = StepResult{};
   const int n = args.n;
   const ApplyTensor* ts = args.ts;
-  // Host values are checked here, device ones by the finalize kernel.
+  // Host values are checked here, device ones by the finalize kernel (agc_eps is a host value).
   const bool on_device = ds.any();
+  if (args.cfg.mode == ClipMode::kAgc) {
+    ClipConfig eps_only = args.cfg;  // its eps alone (the clip may be on the device)
+    eps_only.clip = 0.0;
+    eps_only.has_use_norm = false;
+    r->error = ValidateClipConfig(eps_only);
+    if (!r->error.empty()) return "";
+  }
   HParams hp;
   if (!on_device) {
     r->error = StepHParams(args, &hp);
@@ -941,6 +1246,13 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
   r->error = PlanSparse(ts, n, args.rule, hp, args.lazy, kCudaChunkElems, &sparse,
                         ds.hparams[static_cast<int>(HP::weight_decay)] != nullptr);
   if (!r->error.empty()) return "";
+  // AGC: with a clip given on the device (0 there is no clip: scales of 1) or a host one > 0.
+  const bool agc = args.cfg.mode == ClipMode::kAgc && (ds.clip != nullptr || args.cfg.clip != 0.0);
+  AgcPlan agc_plan;
+  if (agc) {
+    r->error = PlanAgc(ts, n, &agc_plan);
+    if (!r->error.empty()) return "";
+  }
   std::vector<int64_t> sizes(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) sizes[i] = ts[i].grad_size();
   DevStatus status{};
@@ -961,6 +1273,44 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       dt.grad_dtype = static_cast<int32_t>(ts[i].grad_dtype);
     }
     ChunkRanges(p, dts.data());
+    DevAgc dagc{};
+    if (agc) {
+      const HostLayout l = Layout(p);
+      char* dc = static_cast<char*>(d);
+      const size_t np = static_cast<size_t>(agc_plan.num_partials());
+      const size_t nu = static_cast<size_t>(agc_plan.num_units());
+      size_t o = p.off_agc;
+      auto take = [&](size_t count) {
+        double* q = reinterpret_cast<double*>(dc + o);
+        o += Align256(sizeof(double) * count);
+        return q;
+      };
+      dagc.part_g = take(np);
+      dagc.part_w = take(np);
+      dagc.unit_g = take(nu);
+      dagc.unit_w = take(nu);
+      dagc.unit_scale = take(nu);
+      dagc.vsq = take(static_cast<size_t>(n));
+      dagc.tiles = reinterpret_cast<const AgcTile*>(dc + l.off_tiles);
+      dagc.ntiles = static_cast<int64_t>(agc_plan.tiles.size());
+      dagc.unit_off = reinterpret_cast<const int64_t*>(dc + l.off_uoff);
+      dagc.part_off = reinterpret_cast<const int64_t*>(dc + l.off_poff);
+      dagc.blocks = reinterpret_cast<const int64_t*>(dc + l.off_ablocks);
+      dagc.spans = reinterpret_cast<const SparseSpan*>(dc + l.off_spans);
+      dagc.nspans = static_cast<int64_t>(sparse.spans.size());
+      dagc.order = reinterpret_cast<const int64_t*>(dc + l.off_order);
+      dagc.urows = reinterpret_cast<const int64_t*>(dc + l.off_urows);
+      dagc.ustart = reinterpret_cast<const int64_t*>(dc + l.off_ustart);
+      dagc.nunits = static_cast<int64_t>(nu);
+      dagc.n = n;
+      dagc.clip = args.cfg.clip;
+      dagc.eps = args.cfg.agc_eps;
+      dagc.dev_clip = ds.clip;
+      for (int i = 0; i < n; ++i) {
+        dts[i].unit_scale = dagc.unit_scale + agc_plan.unit_off[i];
+        dts[i].units = agc_plan.unit_off[i + 1] - agc_plan.unit_off[i];
+      }
+    }
     Table t;
     std::string err = Upload(p, dts.data(), &hp, h, d, stream, &t);
     if (!err.empty()) return err;
@@ -972,7 +1322,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
     a.ds = ds;
     a.read_scalars = on_device;
     a.out = out;
-    err = NormAndFinalize(p, t, a, d, stream);
+    err = NormAndFinalize(p, t, a, d, stream, agc ? &dagc : nullptr);
     if (!err.empty()) return err;
     const int nslots = NumSlots(args.rule, hp);
     const unsigned nblocks = static_cast<unsigned>(p.plan.num_blocks());
@@ -1029,7 +1379,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       if (ce != cudaSuccess) return CudaError(ce, "reading the step's status");
     }
     return "";
-  });
+  }, agc ? &agc_plan : nullptr);
   if (!e.empty()) return e;
   if (args.cfg.policy == NonFinitePolicy::kRaise) {
     r->global_norm = status.norm;

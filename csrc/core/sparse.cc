@@ -18,6 +18,7 @@ std::string PlanSparse(const ApplyTensor* ts, int n, RuleKind rule, const HParam
   plan->urows.clear();
   plan->ustart.clear();
   plan->units.clear();
+  plan->spans.clear();
   const bool all_rows = SparseAllRows(rule, hp, lazy, hparams_on_device);
   std::vector<int64_t>& local = plan->sort_buf;
   for (int i = 0; i < n; ++i) {
@@ -50,6 +51,7 @@ std::string PlanSparse(const ApplyTensor* ts, int n, RuleKind rule, const HParam
       plan->order.push_back(local[j]);
     }
     const int64_t u_last = static_cast<int64_t>(plan->urows.size());
+    plan->spans.push_back(SparseSpan{i, u_first, u_last});
     const int64_t width = std::max<int64_t>(t.width, 1);
     const int64_t per = std::max<int64_t>(1, unit_elems / width);
     if (all_rows) {

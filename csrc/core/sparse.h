@@ -38,7 +38,14 @@ struct SparseUnit {
   int64_t u_begin, u_end;  // all_rows: the touched rows inside [begin, end), as urows indices
 };
 
+// The touched rows of one sparse tensor: urows[u_first, u_last).
+struct SparseSpan {
+  int32_t tensor;
+  int64_t u_first, u_last;
+};
+
 struct SparsePlan {
+  std::vector<SparseSpan> spans;  // one per sparse tensor, in tensor order
   std::vector<int64_t> order;   // slice positions (within their tensor), grouped by row
   std::vector<int64_t> urows;   // touched rows, ascending, per tensor one after another
   std::vector<int64_t> ustart;  // urows.size() + 1 offsets into `order`

@@ -29,6 +29,10 @@ struct ApplyTensor {
   int64_t nnz = 0;
   int64_t rows = 0;
   int64_t width = 0;
+  // AGC's units (clip mode kAgc, clip.h): var.shape[-1] for a variable of rank >= 2, else 1 (the
+  // whole tensor one unit); element i of the variable is in unit i % units. Set by every adapter
+  // from the variable's shape; 0 (not given) is an error for an AGC step.
+  int64_t units = 0;
   int64_t grad_size() const { return sparse ? nnz * width : size; }
 };
 

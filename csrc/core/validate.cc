@@ -25,10 +25,12 @@ std::string ValidateClipConfig(const ClipConfig& cfg) {
       // Named as Keras names the argument for each mode.
       const char* what = cfg.mode == ClipMode::kGlobalNorm ? "global_clipnorm"
                          : cfg.mode == ClipMode::kNorm     ? "clipnorm"
+                         : cfg.mode == ClipMode::kAgc      ? "clip_factor (agc)"
                                                            : "clipvalue";
       return std::string(what) + " must be finite and >= 0 (0: no clip), got " + Fmt(cfg.clip);
     }
     case 2: return "use_norm must be >= 0 (it is a norm), got " + Fmt(cfg.use_norm);
+    case 3: return "agc_eps must be finite and >= 0, got " + Fmt(cfg.agc_eps);
     default: return "";
   }
 }

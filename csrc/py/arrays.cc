@@ -236,6 +236,7 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
     t.grad = g.data;
     t.grad_dtype = g.dtype;
     t.size = v.size;
+    t.units = v.shape.size() >= 2 ? v.shape.back() : 1;  // AGC's units (csrc/core/agc.h)
     for (int k = 0; k < nslots; ++k) {
       const Array& s = slots[k][i];
       if (s.dtype != v.dtype || s.shape != v.shape) Fail(s.name + " must have the dtype and shape of " + v.name);

@@ -344,9 +344,10 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
                            const std::string& clip_mode, py::object clip, py::object use_norm,
                            const std::string& nonfinite, py::object indices, bool lazy,
                            py::object iterations, py::object norm_out, py::object applied_out,
-                           py::object stream_o, py::object tensor_norms_out) {
+                           py::object stream_o, py::object tensor_norms_out, double agc_eps) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromCuda);
+  c.cfg.agc_eps = agc_eps;
   cuda::DeviceScalars ds;
   for (const auto& [k, o] : c.device_scalars) {
     if (k == kClipScalar) {
@@ -459,6 +460,7 @@ void DefineCuda(py::module_& m) {
         py::arg("iterations") = py::none(),
         py::arg("norm_out") = py::none(), py::arg("applied_out") = py::none(),
         py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
+        py::arg("agc_eps") = 1e-3,
         "clip_apply on CUDA arrays. With norm_out/applied_out (device scalars) nothing waits "
         "and None is returned; else (global_norm, applied) after a wait. nonfinite='raise' "
         "always waits. bfloat16 arrays are passed as uint16 views. indices (host NumPy arrays, "

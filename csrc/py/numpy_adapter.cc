@@ -64,6 +64,20 @@ double* NormsOut(py::object o, size_t n) {
   return static_cast<double*>(a.mutable_data());
 }
 
+// An optional output of one int64 per tensor (AGC's clipped units), or None (null).
+int64_t* ClippedOut(py::object o, size_t n) {
+  if (o.is_none()) return nullptr;
+  if (!py::isinstance<py::array>(o)) Fail("agc_clipped_out must be a NumPy int64 array");
+  py::array a = py::reinterpret_borrow<py::array>(o);
+  if (std::string(py::str(a.dtype().attr("name"))) != "int64" || !a.writeable() ||
+      !(a.flags() & py::array::c_style) || static_cast<size_t>(a.size()) != n) {
+    Fail("agc_clipped_out must be a writable C-contiguous NumPy int64 array of " +
+         std::to_string(n) + " elements (one per tensor), got " +
+         std::string(py::str(a.dtype().attr("name"))) + " with " + std::to_string(a.size()));
+  }
+  return static_cast<int64_t*>(a.mutable_data());
+}
+
 double Norm(const std::vector<TensorView>& ts, double* tensor_norms = nullptr) {
   py::gil_scoped_release nogil;
   return GlobalNormCpu(ts.data(), static_cast<int>(ts.size()), PyExecutor(), tensor_norms);
@@ -100,9 +114,10 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
                     const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
                     py::object clip, py::object use_norm, const std::string& nonfinite,
                     py::object indices, bool lazy, py::object iterations,
-                    py::object tensor_norms_out) {
+                    py::object tensor_norms_out, double agc_eps, py::object agc_clipped_out) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromNumpy);
+  c.cfg.agc_eps = agc_eps;
   if (!c.device_scalars.empty()) Fail("clip_apply takes numbers; device arrays go to cuda_clip_apply");
   StepArgs args = c.Args();
   int64_t* counter = nullptr;
@@ -117,6 +132,7 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
   }
   args.iterations = counter;
   args.tensor_norms = NormsOut(tensor_norms_out, static_cast<size_t>(args.n));
+  args.agc_clipped = ClippedOut(agc_clipped_out, static_cast<size_t>(args.n));
   StepScratch scratch;
   StepResult r;
   {
@@ -142,6 +158,7 @@ void DefineNumpy(py::module_& m) {
         py::arg("clip") = 0.0, py::arg("use_norm") = py::none(), py::arg("nonfinite") = "skip",
         py::arg("indices") = py::none(), py::arg("lazy") = false,
         py::arg("iterations") = py::none(), py::arg("tensor_norms_out") = py::none(),
+        py::arg("agc_eps") = 1e-3, py::arg("agc_clipped_out") = py::none(),
         "Clip and apply in place. rule: a name of rule_table(). slots: one list of arrays per "
         "slot the step uses (momentum: [accum]; adam: [m, v] or [m, v, vhat]). hparams: the "
         "rule's hyper-parameters and flags by name (rule_table(); missing ones take the table's "
@@ -150,7 +167,11 @@ void DefineNumpy(py::module_& m) {
         "sparse updates touch only those rows. iterations: None or a 1-element int64 array, a "
         "step counter: t = iterations + step, advanced when applied. tensor_norms_out: None or a "
         "float64 array of len(grads), given each gradient's pre-clip norm from the norm pass (NaN "
-        "with use_norm), also when the step is skipped. Returns (global_norm, applied).");
+        "with use_norm), also when the step is skipped. clip_mode 'agc': adaptive gradient clipping, "
+        "unit-wise (clip = the clip factor lambda; agc_eps the floor of a unit's weight norm; "
+        "units: var.shape[-1], the whole tensor for rank <= 1); agc_clipped_out: None or an "
+        "int64 array of len(grads), given each tensor's count of clipped units. Returns "
+        "(global_norm, applied).");
   m.def("set_num_threads", [](int n) { g_num_threads = n; }, py::arg("n"),
         "Threads for the CPU passes (0: all cores). Results do not depend on it.");
   m.def("num_threads", &NumThreads);

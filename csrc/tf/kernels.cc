@@ -345,6 +345,9 @@ class ClipApplyOp : public OpKernel {
     OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
     OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
                 tf::errors::InvalidArgument("nonfinite ", policy));
+    float agc_eps = 1e-3f;
+    OP_REQUIRES_OK(c, c->GetAttr("agc_eps", &agc_eps));
+    cfg_.agc_eps = static_cast<double>(agc_eps);
     OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
     int n_iterations = 0;
     OP_REQUIRES_OK(c, c->GetAttr("Niterations", &n_iterations));
@@ -602,6 +605,7 @@ class ClipApplyOp : public OpKernel {
                                            " but ", vr.name(), " has shape ", vt.shape().DebugString());
       }
       ts[i].size = vt.NumElements();
+      ts[i].units = vt.dims() >= 2 ? vt.dim_size(vt.dims() - 1) : 1;  // AGC's (csrc/core/agc.h)
       if (vr.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, vr.var, gpu_stream));
       ts[i].var = const_cast<char*>(vr.tensor()->tensor_data().data());
       ts[i].grad = grads[i].tensor_data().data();

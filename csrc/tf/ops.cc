@@ -90,6 +90,10 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // and tensor_norms: each gradient's pre-clip norm (IndexedSlices: its values'), summed by the same
 // norm pass (no extra pass), written even for a skipped step; NaN when no norm pass ran
 // (use_given_norm).
+// clip_mode 'agc': adaptive gradient clipping, unit-wise (csrc/core/agc.h): `clip` is the clip
+// factor lambda, `agc_eps` the floor of a unit's weight norm (a float attr: 1e-3 as float32);
+// units are var.shape[-1] (the whole variable for rank <= 1); global_norm and tensor_norms stay
+// the pre-clip norms.
 // IndexedSlices gradients: `sparse` lists their positions in `grad` (ascending); for each,
 // grad holds the slices (`.values`, shape [k] + var.shape[1:]) and `indices` one int32/int64
 // vector of k rows. `lazy`: only touched rows (and their slots) update; else stock Keras
@@ -142,7 +146,8 @@ void AddApplyOp(const RuleInfo& r, bool with_refs) {
       .Attr(with_refs ? "N: int >= 0" : "N: int >= 1")
       .Attr("Niterations: int >= 0 = 0")
       .Attr(TypeAttr("Tgrad", " >= 1"))
-      .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value'} = 'none'")
+      .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value', 'agc'} = 'none'")
+      .Attr("agc_eps: float = 0.001")
       .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")
       .Attr("use_given_norm: bool = false")
       .Attr("Tindices: list({int32, int64}) >= 0")

@@ -1,6 +1,8 @@
 // tfclip XLA glue: decoding shared by the Host and CUDA custom-call handlers (ffi_common.h).
 #include "csrc/xla/ffi_common.h"
 
+#include <cstring>
+
 #include <string>
 #include <vector>
 
@@ -117,6 +119,11 @@ ffi::Error ApplyCall::Decode(const ffi::RemainingArgs& args, const ffi::Remainin
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "rule", &rule));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "flags", &flags));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "mode", &mode));
+  if (mode == static_cast<int64_t>(ClipMode::kAgc)) {  // (the other modes' calls need not carry it)
+    int64_t eps_bits = 0;
+    TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "agc_eps_bits", &eps_bits));
+    std::memcpy(&step.cfg.agc_eps, &eps_bits, sizeof(double));
+  }
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "policy", &policy));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "has_use_norm", &has_use_norm));
   TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "lazy", &lazy));
@@ -185,6 +192,8 @@ ffi::Error ApplyCall::Tensors(const ffi::RemainingArgs& args, const ffi::Remaini
     t.size = vv.size;
     t.grad = gv.data;
     t.grad_dtype = gv.dtype;
+    const auto vdims = (*v)->dimensions();  // AGC's units (csrc/core/agc.h)
+    t.units = vdims.size() >= 2 ? vdims[vdims.size() - 1] : 1;
     for (int k = 0; k < nslots; ++k) {
       auto s = rets.get<ffi::AnyBuffer>(static_cast<size_t>((k + 1) * n + i));
       if (s.has_error()) return s.error();

@@ -23,6 +23,7 @@
 // (the op reports it). TFCLIP_XLA_DENSIFY_SPARSE=1 takes this path on CPU too (for tests).
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -170,6 +171,9 @@ class ClipApplyXla : public XlaOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
     OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
     OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
+    float agc_eps = 1e-3f;
+    OP_REQUIRES_OK(c, c->GetAttr("agc_eps", &agc_eps));
+    cfg_.agc_eps = static_cast<double>(agc_eps);
     OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
                 tf::errors::InvalidArgument("nonfinite ", policy));
     OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
@@ -358,10 +362,13 @@ class ClipApplyXla : public XlaOpKernel {
       outs.push_back(xla::ShapeUtil::MakeShape(xla::F32, {}));
       outs.push_back(xla::ShapeUtil::MakeShape(xla::F32, {gn}));
       if (has_iterations_) outs.push_back(xla::ShapeUtil::MakeShape(xla::S64, {}));
+      int64_t eps_bits = 0;
+      std::memcpy(&eps_bits, &cfg_.agc_eps, sizeof(eps_bits));
       Attrs attrs;
       attrs.I64("rule", static_cast<int64_t>(rule_.kind))
           .I64("flags", flags_)
           .I64("mode", static_cast<int64_t>(cfg_.mode))
+          .I64("agc_eps_bits", eps_bits)  // the double's bits (i64 attrs only)
           .I64("policy", static_cast<int64_t>(cfg_.policy))
           .I64("has_use_norm", 1)
           .I64("lazy", lazy_ ? 1 : 0)
