@@ -488,3 +488,119 @@ def test_tf1_program_with_ref_variables_under_disable_v2_behavior(tmp_path):
                                rtol=1e-12, atol=1e-12)
     assert int(out["count"]) == 30
     assert any("zclip_mean" in str(n) for n in out["names"])
+
+
+# ------------------------------------------------------------------ AGC from every front door
+AGC_SHAPES = [(), (7,), (6, 5), (3, 4, 5), (2, 3, 4, 6)]
+
+
+def _agc_reference(grad_steps, init, clip_factor, lr):
+    """SGD with each step's gradients clipped unit-wise (the paper's AGC, float64 reference of
+    tests/test_agc.py), against the weights before the step."""
+    from test_agc import agc_clip
+
+    w = [np.array(x, np.float64) for x in init]
+    for gs in grad_steps:
+        w = [x - lr * agc_clip(g, x, clip_factor)[0] for x, g in zip(w, gs)]
+    return w
+
+
+def _agc_grads(steps, seed):
+    return _grads(steps, AGC_SHAPES, seed=seed, spikes=(7,))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("clip", ["agc", clipping.AGC(clip_factor=0.05)], ids=["named", "object"])
+def test_agc_through_fused_clip_apply_follows_the_paper(graph, clip):
+    grad_steps = _agc_grads(10, seed=12)
+    rng = np.random.default_rng(13)
+    init = [rng.normal(size=s) + 0.5 for s in AGC_SHAPES]  # unit norms well above eps
+    variables = [tf.Variable(x) for x in init]
+    rule = tfclip.rules.SGD(LR)
+
+    def step(gs):
+        return tfclip.fused_clip_apply(zip(gs, variables), rule, clip=clip)
+
+    if graph:
+        step = tf.function(step)
+    for gs in grad_steps:
+        r = step([tf.constant(g) for g in gs])
+        assert bool(r.applied)
+    factor = 0.01 if clip == "agc" else 0.05
+    for v, w in zip(variables, _agc_reference(grad_steps, init, factor, LR)):
+        np.testing.assert_allclose(v.numpy(), w, rtol=1e-12, atol=1e-12)
+
+
+@needs_keras3
+@pytest.mark.parametrize("how", ["eager", "jit_compile", "xla_fallback"])
+def test_agc_in_keras_adam_is_adam_on_the_unit_clipped_gradients(how, monkeypatch):
+    from test_agc import agc_clip
+
+    if how == "xla_fallback":
+        import tfclip.keras as tk
+
+        monkeypatch.setattr(tk, "_XLA_KERNELS", False)
+        monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", True)
+    grad_steps = _agc_grads(8, seed=14)
+    rng = np.random.default_rng(15)
+    init = [rng.normal(size=s) + 0.5 for s in AGC_SHAPES]
+    ours, plain = ([keras.Variable(x, dtype="float64") for x in init] for _ in range(2))
+    opt = tfclip.keras.Adam(1e-2, clip=clipping.AGC(clip_factor=0.02))
+    # (The XLA fallback runs stock Keras's Adam, whose float64 step differs from tfclip's near
+    # float32 rounding: it is compared with stock Adam on the clipped gradients.)
+    plain_opt = keras.optimizers.Adam(1e-2) if how == "xla_fallback" else tfclip.keras.Adam(1e-2)
+
+    def step(gs):
+        opt.apply(gs, ours)
+
+    if how != "eager":
+        step = tf.function(step, jit_compile=True)
+    for gs in grad_steps:
+        clipped = [agc_clip(g, p.numpy(), 0.02)[0] for g, p in zip(gs, plain)]
+        step([tf.constant(g) for g in gs])
+        plain_opt.apply([tf.constant(c) for c in clipped], plain)
+    for a, b in zip(ours, plain):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)
+    assert opt.get_config()["clip"] == {"mode": "agc", "clip_factor": 0.02, "eps": 1e-3}
+
+
+@pytest.mark.parametrize("front", ["tf_keras", "tf_keras.legacy", "compat.v1"])
+def test_agc_in_tf_keras_and_compat_v1_follows_the_paper(front):
+    grad_steps = _agc_grads(8, seed=16)
+    rng = np.random.default_rng(17)
+    init = [rng.normal(size=s) + 0.5 for s in AGC_SHAPES]
+    want = _agc_reference(grad_steps, init, 0.03, 0.125)
+    clip = clipping.AGC(clip_factor=0.03)
+    if front == "compat.v1":
+        with tf.Graph().as_default():
+            ws = [tf.compat.v1.get_variable(f"w{i}", initializer=x, use_resource=True) for i, x in enumerate(init)]
+            gs = [tf.compat.v1.placeholder(tf.float64, s) for s in AGC_SHAPES]
+            train = tfclip.compat.v1.GradientDescentOptimizer(0.125, clip=clip).apply_gradients(zip(gs, ws))
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for step in grad_steps:
+                    sess.run(train, dict(zip(gs, step)))
+                got = sess.run(ws)
+    else:
+        pytest.importorskip("tf_keras", reason="tf-keras is the optional Keras 2 extra")
+        import tfclip.tf_keras as tk
+
+        cls = tk.legacy.SGD if front.endswith("legacy") else tk.SGD
+        ws = [tf.Variable(x) for x in init]
+        opt = cls(0.125, clip=clip)
+        for step in grad_steps:
+            opt.apply_gradients(zip([tf.constant(g) for g in step], ws))
+        got = [w.numpy() for w in ws]
+        assert cls.from_config(opt.get_config()).clip.clip_factor == 0.03
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_agc_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match="clip_factor"):
+        clipping.AGC(clip_factor=0.0)
+    with pytest.raises(ValueError, match="eps"):
+        clipping.AGC(eps=-1e-3)
+    with pytest.raises(ValueError, match="cannot be combined with clipnorm"):
+        tfclip.fused_clip_apply([(tf.constant([1.0]), tf.Variable([1.0]))], tfclip.rules.SGD(0.1), clip="agc",
+                                clipnorm=1.0)

@@ -11,8 +11,13 @@ These clip modes derive it from the global norms of past steps:
 - `AutoClip` (Seetharaman et al. 2020, arXiv 2007.14469): the threshold is the `percentile`-th
   percentile (NumPy's linear interpolation) of the global norms of the last `history_size`
   steps, this step's included.
+- `AGC` (Brock et al. 2021, the NFNets paper): unit-wise. Each unit's gradient (one index of the
+  last axis of a kernel, its norm over every other axis; a tensor of rank <= 1 is one unit) is
+  scaled to `clip_factor * max(||W_unit||, eps)` when its norm passes that bound. Stateless; the
+  core's norm pass sums each unit's g^2 and w^2 (one extra read of each variable), the
+  clip-and-apply pass applies each unit's scale (csrc/core/agc.h).
 
-Both clip to their threshold exactly as `global_clipnorm` does (TF's `clip_by_global_norm`:
+ZClip and AutoClip clip to their threshold exactly as `global_clipnorm` does (TF's `clip_by_global_norm`:
 every gradient times `threshold / max(g, threshold)`), inside the same two passes over memory
 as a fixed clip: the norm pass gives `g`, a handful of scalar ops on the device turn it and the
 state into the threshold, and the clip-and-apply pass uses it. Nothing waits on the host.
@@ -38,7 +43,7 @@ import weakref
 
 import tensorflow as tf
 
-__all__ = ["AdaptiveClip", "ZClip", "AutoClip", "ClipStep", "get", "serialize"]
+__all__ = ["AdaptiveClip", "ZClip", "AutoClip", "AGC", "ClipStep", "get", "serialize"]
 
 _TINY = 2.2250738585072014e-308  # the least normal double: a clip target of 0 still clips
 
@@ -278,7 +283,63 @@ class AutoClip(AdaptiveClip):
         return clip, threshold, clipped, {"count": count + 1, "history": hist_new}
 
 
-_MODES = {c.mode: c for c in (ZClip, AutoClip)}
+class AGC:
+    """Adaptive gradient clipping, unit-wise (Brock et al. 2021, "High-Performance Large-Scale
+    Image Recognition Without Normalization", the NFNets paper).
+
+    For each unit of each gradient — one index of the last axis (a Dense kernel's output unit, a
+    conv kernel's output channel), its norm taken over every other axis; a bias or any tensor of
+    rank <= 1 is one unit — with `W_u` the same unit of the variable before the step:
+    `bound = clip_factor * max(||W_u||, eps)`; a unit whose `||G_u||` passes it is scaled by
+    `bound / ||G_u||`. (optax's `adaptive_grad_clip` reduces only axis 0 of a rank-3 kernel; the
+    paper, and tfclip, every axis but the output one.) An IndexedSlices gradient's units are the
+    densified gradient's. The paper leaves the final linear layer unclipped: pass that variable
+    in a step of its own, or clip it with the other modes, where that matters.
+
+    Fused: the norm pass also reads each variable once (its unit norms), the clip-and-apply pass
+    scales each unit; no pass of its own, no state.
+
+    Args:
+      clip_factor: lambda (the paper uses 0.01 to 0.16, smaller for larger batches).
+      eps: the floor of a unit's weight norm (1e-3, as the paper; the op holds it as float32).
+    """
+
+    mode = "agc"
+    state = None  # (stateless)
+
+    def __init__(self, clip_factor=0.01, eps=1e-3):
+        self.clip_factor = _positive("clip_factor", clip_factor)
+        self.eps = _positive("eps", eps, allow_zero=True)
+
+    def get_config(self):
+        return dict(clip_factor=self.clip_factor, eps=self.eps)
+
+    def op_args(self):
+        """The apply op's clip arguments: clip_mode, clip (lambda) and agc_eps."""
+        return dict(clip_mode="agc", clip=self.clip_factor, agc_eps=self.eps)
+
+    def __repr__(self):
+        return f"AGC(clip_factor={self.clip_factor}, eps={self.eps})"
+
+    def unfused(self, grads, variables):
+        """The same clip in stock TF ops (unit norms by tf.norm, several passes): for a step that
+        cannot run the fused op (the Keras XLA fallback) and for the benchmark's comparison.
+        Each gradient (tensors or IndexedSlices, densified) clipped per unit, in its dtype."""
+        out = []
+        for g, v in zip(grads, variables):
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            w = tf.convert_to_tensor(v)
+            axes = None if g.shape.rank <= 1 else list(range(g.shape.rank - 1))
+            gn = tf.sqrt(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), axis=axes, keepdims=axes is not None))
+            wn = tf.sqrt(tf.reduce_sum(tf.square(tf.cast(w, tf.float64)), axis=axes, keepdims=axes is not None))
+            bound = self.clip_factor * tf.maximum(wn, tf.cast(tf.constant(self.eps, tf.float32), tf.float64))
+            scale = tf.where(gn > bound, bound / gn, tf.ones_like(gn))
+            out.append(g * tf.cast(scale, g.dtype))
+        return out
+
+
+_MODES = {c.mode: c for c in (ZClip, AutoClip, AGC)}
 
 
 def serialize(clip):
@@ -289,7 +350,7 @@ def serialize(clip):
 def get(clip):
     """A clip object from `clip=`: None, a mode's name ("zclip", "autoclip") for its defaults, a
     `serialize` dict, or an `AdaptiveClip` (returned as is)."""
-    if clip is None or isinstance(clip, AdaptiveClip):
+    if clip is None or isinstance(clip, (AdaptiveClip, AGC)):
         return clip
     if isinstance(clip, str) and clip in _MODES:
         return _MODES[clip]()
@@ -297,7 +358,7 @@ def get(clip):
         config = dict(clip)
         return _MODES[config.pop("mode")](**config)
     raise ValueError(f"clip must be one of {sorted(_MODES)} or a tfclip.clipping object "
-                     f"(ZClip(...), AutoClip(...)), got {clip!r}")
+                     f"(ZClip(...), AutoClip(...), AGC(...)), got {clip!r}")
 
 
 def check_exclusive(clip, **fixed):

@@ -206,7 +206,7 @@ class _FusedMixin(_optstate.NormState):
         object.__setattr__(self, "_tensor_norms", _state_variable(
             [0.0] * len(var_list), "tensor_norms", "float32"))
         clip = self._tfclip_clip
-        if clip is not None:
+        if isinstance(clip, _clipping.AdaptiveClip):
             # The adaptive clip's state: optimizer variables (checkpoints, .keras files), on the
             # variables' device, the same on every replica.
             clip.bind(self)
@@ -305,15 +305,18 @@ class _FusedMixin(_optstate.NormState):
         lr = _opcall.scalar(learning_rate, "learning_rate")
         use_norm, given = tf.constant(0.0, tf.float64), False
         tensor_norms = None
-        adaptive = None
+        adaptive, agc = None, {}
+        if isinstance(self.clip, _clipping.AGC):  # unit-wise, inside the op's own passes
+            a = self.clip.op_args()
+            mode, clip, agc = a["clip_mode"], a["clip"], {"agc_eps": a["agc_eps"]}
         clip = _opcall.scalar(clip, "clip")
-        if len(groups) > 1 or self.clip is not None:
+        if len(groups) > 1 or (self.clip is not None and not agc):
             # Both groups' ops take the global norm (and the tensors' norms) of one pass; so does
             # an adaptive clip, whose threshold comes from it (scalar ops on the device).
             values, _ = _opcall.op_grads(grads)
             use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
-            if self.clip is not None:
+            if self.clip is not None and not agc:
                 adaptive = self.clip.step(use_norm)
                 mode, clip = "global_norm", adaptive.clip
         norm = applied = None
@@ -326,7 +329,7 @@ class _FusedMixin(_optstate.NormState):
                 kind, [_tf_var(v).handle for v in group], slots, values, hparams, flags,
                 clip=clip, use_norm=use_norm, iterations=[],
                 clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
-                sum_of_squares=mode != "global_norm", **sparse_kw)
+                sum_of_squares=mode != "global_norm", **agc, **sparse_kw)
             norm = n if norm is None else norm
             applied = a if applied is None else applied
             tensor_norms = tn if tensor_norms is None else tensor_norms
@@ -355,10 +358,12 @@ class _FusedMixin(_optstate.NormState):
         tensor_norms = tf.sqrt(sumsq)
         norm = tf.sqrt(tf.reduce_sum(sumsq))
         base = super(_FusedMixin, self)
-        adaptive = None if self.clip is None else self.clip.step(norm)
+        adaptive = self.clip.step(norm) if isinstance(self.clip, _clipping.AdaptiveClip) else None
 
         def update():
-            if adaptive is None:
+            if isinstance(self.clip, _clipping.AGC):
+                clipped = self.clip.unfused(grads, tvars)
+            elif adaptive is None:
                 clipped = base._clip_gradients(grads)
             else:  # TF's clip_by_global_norm scale, to the adaptive threshold when it clips
                 scale = tf.where(adaptive.clipped, adaptive.clip / tf.cast(norm, tf.float64), 1.0)

@@ -238,6 +238,10 @@ class Rule:
         if clip_mode != "adaptive":
             return self._apply_step(grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse,
                                     all_dense)
+        if isinstance(clip, _clipping.AGC):  # unit-wise, inside the op's own two passes
+            a = clip.op_args()
+            return self._apply_step(grads, variables, a["clip_mode"], a["clip"], use_norm, nonfinite,
+                                    lazy_sparse, all_dense, agc_eps=a["agc_eps"])
         # An adaptive clip (tfclip.clipping): the norm pass, the threshold from the norm and the
         # clip's state (scalar ops on the device), then the clip-and-apply pass with that norm
         # and threshold; the state advances once the step is applied (not for a non-finite norm).
@@ -262,7 +266,7 @@ class Rule:
             return ClipApplyResult(*[tf.identity(t) for t in result])
 
     def _apply_step(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
-                    all_dense=False):
+                    all_dense=False, agc_eps=None):
         # The step counter advances only for an applied step. With host variables and a host
         # counter the op reads it (Adam's step) and advances it under the step's locks: the
         # same count, atomic with the update, without the eager reads, constants and increments
@@ -287,6 +291,7 @@ class Rule:
             clip_mode=clip_mode,
             nonfinite=nonfinite,
             use_given_norm=given,
+            **({} if agc_eps is None else {"agc_eps": agc_eps}),
         )
         if counter is not None:
             return ClipApplyResult(norm, applied, tensor_norms)

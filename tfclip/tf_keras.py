@@ -180,7 +180,7 @@ class _FusedMixin(_optstate.NormState):
         """The adaptive clip's state (once): optimizer variables (checkpoints, optimizer.variables),
         made in the strategy's scope, if any."""
         clip = self._tfclip_clip
-        if clip is None or clip.state is not None:
+        if not isinstance(clip, _clipping.AdaptiveClip) or clip.state is not None:
             return
         clip.bind(self)
         with _state_scope():
@@ -288,19 +288,23 @@ class _FusedMixin(_optstate.NormState):
     def _fused_step(self, grads, tvars):
         ops = _loader.ops()
         mode, clip = self._clip_mode()
+        agc = {}
+        if isinstance(self.clip, _clipping.AGC):  # unit-wise, inside the op's own passes
+            a = self.clip.op_args()
+            mode, clip, agc = a["clip_mode"], a["clip"], {"agc_eps": a["agc_eps"]}
         clip = _opcall.scalar(clip, "clip")
         use_norm, given, tensor_norms, adaptive = tf.constant(0.0, tf.float64), False, None, None
         decay = self._tfclip_decay()
         groups = {}
         for i, v in enumerate(tvars):
             groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
-        if len(groups) > 1 or self.clip is not None:
+        if len(groups) > 1 or (self.clip is not None and not agc):
             # Both groups' ops take the norms of one norm pass; so does an adaptive clip, whose
             # threshold comes from it (scalar ops on the device).
             values, _ = _opcall.op_grads(grads)
             use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
             given = True
-            if self.clip is not None:
+            if self.clip is not None and not agc:
                 adaptive = self.clip.step(use_norm)
                 mode, clip = "global_norm", adaptive.clip
         lr = _opcall.scalar(self._tfclip_lr(tvars), "learning_rate")
@@ -317,7 +321,7 @@ class _FusedMixin(_optstate.NormState):
                 # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
                 # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped
                 # slices summed, the rule fed the sum (not the sum of the slices' squares).
-                sum_of_squares=False, **sparse_kw)
+                sum_of_squares=False, **agc, **sparse_kw)
             norm = n if norm is None else norm
             applied = a if applied is None else applied
             tensor_norms = tn if tensor_norms is None else tensor_norms

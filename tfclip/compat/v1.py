@@ -253,7 +253,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in pairs]}")
         with tf.init_scope():
             self._create_slots(var_list)
-            if self._adaptive is not None:
+            if isinstance(self._adaptive, _clipping.AdaptiveClip):
                 self._adaptive.bind(self)
                 with _state_scope():
                     self._adaptive.build()
@@ -309,8 +309,11 @@ class _Fused(tf.compat.v1.train.Optimizer):
             ref_vars = [var_list[i] for i in positions]
             var_list = [v for v in var_list if not _is_ref(v)]
             refs = (positions, ref_vars, [[self._slot_of(v, s, True) for v in ref_vars] for s in names])
-        mode, clip, use_norm, adaptive = self._clip_mode, tf.constant(self._clip, tf.float64), None, None
-        if self._adaptive is not None:  # the norm pass, the threshold, then the apply pass with both
+        mode, clip, use_norm, adaptive, agc = self._clip_mode, tf.constant(self._clip, tf.float64), None, None, {}
+        if isinstance(self._adaptive, _clipping.AGC):  # unit-wise, inside the op's own passes
+            a = self._adaptive.op_args()
+            mode, clip, agc = a["clip_mode"], tf.constant(a["clip"], tf.float64), {"agc_eps": a["agc_eps"]}
+        elif self._adaptive is not None:  # the norm pass, the threshold, then the apply pass with both
             use_norm, tensor_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
             adaptive = self._adaptive.step(use_norm)
             mode, clip = "global_norm", adaptive.clip
@@ -321,7 +324,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             hparams, flags, refs=refs, clip=clip,
             use_norm=tf.constant(0.0, tf.float64) if use_norm is None else use_norm, iterations=[],
             clip_mode=mode, nonfinite=self._nonfinite, lazy=self._lazy_sparse,
-            use_given_norm=use_norm is not None, **sparse_kw)
+            use_given_norm=use_norm is not None, **agc, **sparse_kw)
         if adaptive is not None:
             tnorms = tf.cast(tensor_norms, tnorms.dtype)
         return norm, applied, tnorms, adaptive
