@@ -162,7 +162,7 @@ def test_demo_saves_its_picture(tmp_path, capsys):
     # The spiked batch (step 11, targets x50) is clipped by ZClip (past its 10-step warm-up) and
     # by AutoClip.
     lines = {line.split()[0]: line for line in out.splitlines() if "(spiked batches left out)" in line}
-    assert set(lines) == {"fixed", "zclip", "autoclip"}
+    assert set(lines) == {"fixed", "zclip", "autoclip", "agc"}
     for mode in ("zclip", "autoclip"):
         assert int(lines[mode].split("clipped ")[1].split()[0]) >= 1, lines[mode]
 

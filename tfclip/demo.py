@@ -14,9 +14,9 @@ clip threshold, the loss, and the five variables with the largest gradient norms
 fused step's own norm pass (`result.tensor_norms`). The picture needs matplotlib
 (`pip install "tfclip[plot]"`); without it the demo runs and says so.
 
-It then trains the same model from the same start three more times on the same batches, two of
+It then trains the same model from the same start four more times on the same batches, two of
 them corrupted (targets x50: gradient spikes), with a fixed `global_clipnorm` and with the
-adaptive clips of `tfclip.clipping` (ZClip, AutoClip), and saves a second picture
+adaptive clips of `tfclip.clipping` (ZClip, AutoClip, AGC), and saves a second picture
 (`--adaptive-plot`) of each run's norm, threshold and loss (`--adaptive ""` skips this part).
 
 With `--workers N` it starts N worker processes on localhost (`TF_CONFIG`,
@@ -85,7 +85,7 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=1, help="train on N local worker processes")
     p.add_argument("--plot", default="tfclip-demo.png",
                    help="where to save the PNG of norms and loss ('' for none; needs matplotlib)")
-    p.add_argument("--adaptive", default="zclip,autoclip",
+    p.add_argument("--adaptive", default="zclip,autoclip,agc",
                    help="adaptive clips to compare with the fixed one ('' for none)")
     p.add_argument("--spikes", default="24,31", help="steps whose batch targets are x50 (gradient spikes)")
     p.add_argument("--adaptive-plot", default="tfclip-demo-adaptive.png",
@@ -182,10 +182,11 @@ def compare_adaptive(args, x, y, loss_fn):
 
     spikes = {int(s) for s in args.spikes.split(",") if s.strip()}
     modes = ["fixed"] + [m.strip() for m in args.adaptive.split(",") if m.strip()]
-    makers = {"zclip": lambda: clipping.ZClip(warmup_steps=10), "autoclip": lambda: clipping.AutoClip(percentile=10)}
+    makers = {"zclip": lambda: clipping.ZClip(warmup_steps=10), "autoclip": lambda: clipping.AutoClip(percentile=10),
+              "agc": lambda: clipping.AGC(clip_factor=0.02)}
     for m in modes[1:]:
         if m not in makers:
-            raise SystemExit(f"--adaptive: unknown clip {m!r} (zclip, autoclip)")
+            raise SystemExit(f"--adaptive: unknown clip {m!r} (zclip, autoclip, agc)")
     runs = {}
     print(f"\nFixed global_clipnorm={args.clip} against adaptive clipping, batches {sorted(spikes)} "
           "with targets x50:")
@@ -204,6 +205,8 @@ def compare_adaptive(args, x, y, loss_fn):
                 res = tfclip.fused_clip_apply(pairs, rule, global_clipnorm=args.clip)
                 return loss, res.global_norm, tf.constant(args.clip, tf.float64)
             res = tfclip.fused_clip_apply(pairs, rule, clip=clip)
+            if isinstance(clip, clipping.AGC):  # unit-wise: no global threshold
+                return loss, res.global_norm, tf.constant(np.nan, tf.float64)
             return loss, res.global_norm, clip.last_step.threshold
 
         hist = {"loss": [], "norm": [], "threshold": []}
@@ -215,8 +218,9 @@ def compare_adaptive(args, x, y, loss_fn):
             hist["norm"].append(float(norm))
             hist["threshold"].append(float(thr))
         clean = [l for i, l in enumerate(hist["loss"]) if i not in spikes]
-        print(f"  {mode:9s} loss {clean[0]:.4f} -> {clean[-1]:.4f} (spiked batches left out); clipped "
-              f"{sum(n > t for n, t in zip(hist['norm'], hist['threshold']))} of {args.steps} steps")
+        clipped = ("per unit" if mode == "agc" else
+                   f"{sum(n > t for n, t in zip(hist['norm'], hist['threshold']))} of {args.steps} steps")
+        print(f"  {mode:9s} loss {clean[0]:.4f} -> {clean[-1]:.4f} (spiked batches left out); clipped {clipped}")
         runs[mode] = hist
     if args.adaptive_plot:
         print(save_adaptive_plot(args.adaptive_plot, runs, spikes))
@@ -241,7 +245,9 @@ def save_adaptive_plot(path, runs, spikes):
         for sp in sorted(spikes):
             ax.axvline(sp, color="gray", alpha=0.3)
         ax.set_ylabel("gradient norm")
-        ax.set_title({"fixed": "fixed global_clipnorm"}.get(mode, f"clip='{mode}' (tfclip.clipping)"))
+        ax.set_title({"fixed": "fixed global_clipnorm",
+                      "agc": "clip='agc' (tfclip.clipping; unit-wise, so no global threshold)"}.get(
+                          mode, f"clip='{mode}' (tfclip.clipping)"))
         ax.legend(fontsize="small")
     ax = axes[-1]
     for mode, hist in runs.items():
