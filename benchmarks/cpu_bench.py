@@ -18,7 +18,8 @@ TF1-only optimizers (ProximalGradientDescent, ProximalAdagrad, AdagradDA: tfclip
 against their floor and the stock tf.compat.v1.train class after tf.clip_by_global_norm, in
 tf.function; the adaptive clips (tfclip.clipping ZClip, AutoClip) with Adam against the fixed
 global clip's fused step, the floor, and the same clipping written with stock TF ops
-(tf.linalg.global_norm, the threshold, tf.clip_by_global_norm, Keras Adam); float16/bfloat16 gradients for float32 variables, per parameter,
+(tf.linalg.global_norm, the threshold, tf.clip_by_global_norm, Keras Adam), and AGC against its
+floor (36 B/param: the variable's read in the norm pass) and the unit norms in stock TF ops; float16/bfloat16 gradients for float32 variables, per parameter,
 against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
 `tf.function`. Machines are shared and noisy: compare ratios within one run.
 """
@@ -371,7 +372,8 @@ def adaptive_table(args, rng):
           "the fixed global clip's fused step, the floor, and the same clip in stock TF ops + Keras Adam "
           "(tf.function, whole calls)")
     print(f"{'clip':<10} {'ms/call':>8} {'net ms':>8} {'x floor':>8} {'x fixed':>8} {'stock ms':>9} {'x stock':>8}")
-    makers = {"zclip": lambda: clipping.ZClip(warmup_steps=3), "autoclip": lambda: clipping.AutoClip()}
+    makers = {"zclip": lambda: clipping.ZClip(warmup_steps=3), "autoclip": lambda: clipping.AutoClip(),
+              "agc": lambda: clipping.AGC(clip_factor=0.01)}
     fixed_rule = tfclip.rules.Adam(1e-9)
 
     @tf.function
@@ -388,11 +390,17 @@ def adaptive_table(args, rng):
         rule, clip, stock_clip = tfclip.rules.Adam(1e-9), make(), make()
         stock = keras.optimizers.Adam(1e-9)
         stock.build(variables)
-        stock_clip.build()
+        agc = isinstance(clip, clipping.AGC)
+        if not agc:
+            stock_clip.build()
 
         @tf.function
         def fused():
             return tfclip.fused_clip_apply(zip(grads, variables), rule, clip=clip).applied
+
+        @tf.function
+        def stock_agc():
+            stock.apply_gradients(zip(stock_clip.unfused(grads, variables), variables))
 
         @tf.function
         def stock_step():
@@ -404,14 +412,16 @@ def adaptive_table(args, rng):
             for v, x in step.updates:
                 v.assign(x)
 
-        r = interleaved_medians({"fused": fused, "fixed": fixed, "harness": harness, "stock": stock_step,
-                                 "floor": floor_copy(n)}, args.repeats)
+        r = interleaved_medians({"fused": fused, "fixed": fixed, "harness": harness,
+                                 "stock": stock_agc if agc else stock_step, "floor": floor_copy(n)}, args.repeats)
         net = r["fused"] - r["harness"]
-        print(f"{label:<10} {r['fused'] * 1e3:8.2f} {net * 1e3:8.2f} {net / r['floor']:8.2f} "
+        # AGC's floor: the 32 B/param of Adam's two passes and the variable's read in the norm pass.
+        floor = r["floor"] * (36 if agc else BYTES_PER_PARAM) / BYTES_PER_PARAM
+        print(f"{label:<10} {r['fused'] * 1e3:8.2f} {net * 1e3:8.2f} {net / floor:8.2f} "
               f"{r['fused'] / r['fixed']:8.2f} {r['stock'] * 1e3:9.2f} {r['fused'] / r['stock']:8.2f}", flush=True)
         print(f"{'  fixed':<10} {r['fixed'] * 1e3:8.2f} {(r['fixed'] - r['harness']) * 1e3:8.2f} "
               f"{(r['fixed'] - r['harness']) / r['floor']:8.2f}", flush=True)
-        del rule, clip, stock, fused, stock_step
+        del rule, clip, stock, fused, stock_step, stock_agc
 
 
 def grad_dtypes_table(args, rng):
