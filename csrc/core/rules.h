@@ -55,7 +55,7 @@ struct StepConsts {
   // added to it (eps_out; eps_in 0): one sqrt either way, and x + 0 is x, so each form keeps
   // its own rounding and the loop has no branch.
   M eps_in, eps_out;
-  bool nesterov, amsgrad, decay, sum_of_squares, centered, has_momentum;
+  bool nesterov, amsgrad, decay, sum_of_squares, centered, has_momentum, legacy_nadam;
 };
 
 template <typename M>
@@ -82,10 +82,17 @@ TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.rho = static_cast<M>(hp.rho);
   c.one_minus_rho = static_cast<M>(1.0 - hp.rho);
   // Nadam, as keras computes it in the variable's dtype: u_t = beta_1 * (1 - 0.5 * 0.96^t); the
-  // running product u_product (through step t) is carried across steps by the caller.
-  const M decay = static_cast<M>(0.96);
-  const M u_t = b1 * (M(1) - M(0.5) * std::pow(decay, t));
-  c.u_next = b1 * (M(1) - M(0.5) * std::pow(decay, static_cast<M>(hp.step + 1.0)));
+  // running product u_product (through step t) is carried across steps by the caller. With
+  // schedule_decay given (tf_keras legacy Nadam's, 0.004): 0.96^(schedule_decay * t), the
+  // product schedule_decay * t in the dtype as stock's `self._initial_decay * local_step`.
+  // legacy_nadam: stock's base tf.cast(0.96, dtype) converts the Python float to a float32
+  // tensor first (float64 variables get float32's 0.96, widened).
+  const M decay = hp.legacy_nadam ? static_cast<M>(0.96f) : static_cast<M>(0.96);
+  const bool scaled = hp.schedule_decay == hp.schedule_decay;
+  const M sd = static_cast<M>(scaled ? hp.schedule_decay : 1.0);
+  const M t_next = static_cast<M>(hp.step + 1.0);
+  const M u_t = b1 * (M(1) - M(0.5) * std::pow(decay, scaled ? sd * t : t));
+  c.u_next = b1 * (M(1) - M(0.5) * std::pow(decay, scaled ? sd * t_next : t_next));
   const M u_product = static_cast<M>(hp.u_product);
   c.one_minus_u_product_next = M(1) - u_product * c.u_next;
   c.one_minus_u_t = M(1) - u_t;
@@ -119,6 +126,7 @@ TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
   c.sum_of_squares = hp.sum_of_squares;
   c.centered = hp.centered;
   c.has_momentum = hp.has_momentum;
+  c.legacy_nadam = hp.legacy_nadam;
   c.eps_in = hp.eps_outside ? M(0) : c.epsilon;
   c.eps_out = hp.eps_outside ? c.epsilon : M(0);
   return c;
@@ -315,16 +323,28 @@ struct NadamRule : RuleBase {
   // keras Nadam: m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2) (1 - b in the dtype);
   // m_hat = u_{t+1} m / (1 - u_product_{t+1}) + (1 - u_t) g / (1 - u_product_t);
   // var -= m_hat lr / (sqrt(v / (1 - b2^t)) + eps). Slots: m, v.
+  // legacy_nadam (tf_keras legacy Nadam, OptimizerV2, in its own order): m = b1 m + (1 - b1) g;
+  // v = b2 v + (1 - b2) g^2; m_bar = (1 - u_t) (g / (1 - u_product_t)) + u_{t+1} (m / (1 -
+  // u_product_{t+1})); var -= lr m_bar / (sqrt(v / (1 - b2^t)) + eps) (its m_t, m_schedule_new,
+  // v_t_prime_denominator are u_t, u_product_t, 1 - b2^t here), with schedule_decay 0.004.
+  // Both forms in one body, as selects on the (uniform) flag: each select picks an operand, so
+  // either form costs a multiply more than the other alone, never a division (no branch in the
+  // loop, which vectorizes; see RmsPropRule).
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
-    const M m = s[0] + (g - s[0]) * c.one_minus_beta_1_m;
-    const M v = s[1] + (gsq - s[1]) * c.one_minus_beta_2_m;
+    const bool L = c.legacy_nadam;
+    // keras: s + (x - s)(1 - b); legacy: b s + (1 - b) x (a sum and a product commute exactly).
+    const M m = (L ? c.beta_1 * s[0] : s[0]) + (L ? g : g - s[0]) * c.one_minus_beta_1_m;
+    const M v = (L ? c.beta_2 * s[1] : s[1]) + (L ? gsq : gsq - s[1]) * c.one_minus_beta_2_m;
     s[0] = m;
     s[1] = v;
-    const M m_hat = (c.u_next * m) / c.one_minus_u_product_next + (c.one_minus_u_t * g) / c.one_minus_u_product;
+    // keras: (u m) / d; legacy: u (m / d).
+    const M qm = (L ? m : c.u_next * m) / c.one_minus_u_product_next;
+    const M qg = (L ? g : c.one_minus_u_t * g) / c.one_minus_u_product;
+    const M m_hat = (L ? c.u_next * qm : qm) + (L ? c.one_minus_u_t * qg : qg);
     const M v_hat = v / c.one_minus_beta_2_power;
     var = var - (m_hat * c.lr) / (std::sqrt(v_hat) + c.epsilon);
   }
