@@ -371,7 +371,8 @@ def test_mirrored_strategy_subprocess(tmp_path):
     assert int(m["replicas"]) == 2
     # tf_keras sums across replicas, then clips: stock and tfclip both move by clip(3 + 3) = 1.
     np.testing.assert_allclose(m["two_replica_clip"], [-1.0, -1.0], rtol=1e-6)
-    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy", "fit_legacyrms", "custom_legacyrms"):
+    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy", "fit_legacyrms", "custom_legacyrms",
+                   "fit_legacynadam", "custom_legacynadam"):
         keys = sorted(k for k in m.files if k.startswith(prefix + "_tfclip_"))
         assert keys
         for k in keys:
@@ -387,7 +388,8 @@ def _check(mode, out, env_extra=None):
 
 def test_multi_worker_mirrored_two_processes(tmp_path):
     """MultiWorkerMirroredStrategy, 2 worker processes on localhost (one CPU replica each):
-    model.fit and a custom loop with tfclip.tf_keras.Adam, legacy.Adam and legacy.RMSprop. After
+    model.fit and a custom loop with tfclip.tf_keras.Adam, legacy.Adam, legacy.RMSprop and
+    legacy.Nadam. After
     every step both workers hold bit-identical weights and optimizer variables, and they follow
     the one-device run of the same global batches, as stock tf_keras does."""
     ports = free_ports(2)
@@ -403,7 +405,7 @@ def test_multi_worker_mirrored_two_processes(tmp_path):
     assert int(w0["replicas"]) == 2 and int(w1["replicas"]) == 2
     assert (int(w0["task"]), int(w1["task"])) == (0, 1)
     hists = sorted(k for k in w0.files if k.startswith("hist_"))
-    assert len(hists) == 12
+    assert len(hists) == 16
     for k in hists:
         assert w0[k].shape[0] == single[k].shape[0] > 1, k
         np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)  # the copies alike, step by step

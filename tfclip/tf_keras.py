@@ -39,6 +39,7 @@ tfclip's own XLA custom calls; a build of tfclip without them warns once and run
 tf_keras step there (which also clips after the all-reduce).
 """
 import sys
+import threading
 import warnings
 
 import tensorflow as tf
@@ -755,6 +756,9 @@ class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
                  "beta": tf.identity(self._get_hyper("beta", dtype))}, {})
 
 
+_NADAM_STEPS = threading.local()  # legacy Nadam's product within a step, per thread (replica)
+
+
 class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
     """tf_keras.optimizers.legacy.Nadam as one fused op: stock's own update (tfclip's `nadam`
     rule with `legacy_nadam` and `schedule_decay`): the momentum schedule
@@ -796,10 +800,14 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
 
     def _fused_step(self, grads, tvars):
         # Stock's _prepare: the product as it was before this step, read once for every dtype.
-        self._tfclip_cache_read = tf.identity(self._m_cache)
-        self._tfclip_cache_new = None
-        applied = super()._fused_step(grads, tvars)
-        new, self._tfclip_cache_read, self._tfclip_cache_new = self._tfclip_cache_new, None, None
+        # Kept per thread, not on the optimizer: under a MirroredStrategy every replica runs this
+        # at once, each in its own thread.
+        step = _NADAM_STEPS.__dict__.setdefault("by_opt", {})
+        step[id(self)] = {"read": tf.identity(self._m_cache), "new": None}
+        try:
+            applied = super()._fused_step(grads, tvars)
+        finally:
+            new = step.pop(id(self))["new"]
         if new is None:
             return applied
         # Stored after the op ran (a step that fails writes nothing), and the step's result waits
@@ -817,9 +825,10 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
         # Stock's m_schedule_new, in the dtype and order of its _prepare_local; the rule computes
         # m_t and m_t_1 itself from the same numbers.
         m_t = beta_1 * (1.0 - 0.5 * tf.pow(tf.cast(0.96, dtype), self._initial_decay * t))
-        product = tf.cast(self._tfclip_cache_read, dtype) * m_t
+        step = _NADAM_STEPS.by_opt[id(self)]
+        product = tf.cast(step["read"], dtype) * m_t
         if dtype == self._m_cache.dtype.base_dtype:
-            self._tfclip_cache_new = product
+            step["new"] = product
         return ("nadam", [self._slot_handles("m", tvars), self._slot_handles("v", tvars)],
                 {"beta_1": beta_1, "beta_2": beta_2, "epsilon": self.epsilon, "step": tf.cast(t, tf.float64),
                  "u_product": product, "schedule_decay": self._initial_decay}, {"legacy_nadam": True})
