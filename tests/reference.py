@@ -53,7 +53,12 @@ def step(rule, var, slots, g, hp, t, gsq=None, slot_dtype=None):
         return var - slots[0] * alpha / (np.sqrt(v) + eps)
     if rule == "nadam":  # u_product: the running product through step t (given)
         b1, b2, eps = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999), hp.get("epsilon", 1e-7)
-        u_t, u_next = (b1 * (1 - 0.5 * 0.96 ** k) for k in (t, t + 1))
+        # schedule_decay: 0.96^(schedule_decay * t). legacy_nadam (tf_keras legacy Nadam): its
+        # base is tf.cast(0.96, dtype), float32's 0.96 (the Python float becomes a float32
+        # tensor before the cast), and its moments are written b*m + (1-b)*g (the same math).
+        sd = hp.get("schedule_decay", 1.0)
+        base = float(np.float32(0.96)) if hp.get("legacy_nadam") else 0.96
+        u_t, u_next = (b1 * (1 - 0.5 * base ** (sd * k)) for k in (t, t + 1))
         up = hp["u_product"]
         slots[0][...] = slots[0] + (g - slots[0]) * (1 - b1)
         slots[1][...] = slots[1] + ((g * g if gsq is None else gsq) - slots[1]) * (1 - b2)

@@ -371,7 +371,8 @@ def test_mirrored_strategy_subprocess(tmp_path):
     assert int(m["replicas"]) == 2
     # tf_keras sums across replicas, then clips: stock and tfclip both move by clip(3 + 3) = 1.
     np.testing.assert_allclose(m["two_replica_clip"], [-1.0, -1.0], rtol=1e-6)
-    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy", "fit_legacyrms", "custom_legacyrms"):
+    for prefix in ("fit", "custom", "fit_legacy", "custom_legacy", "fit_legacyrms", "custom_legacyrms",
+                   "fit_legacynadam", "custom_legacynadam"):
         keys = sorted(k for k in m.files if k.startswith(prefix + "_tfclip_"))
         assert keys
         for k in keys:
@@ -387,7 +388,8 @@ def _check(mode, out, env_extra=None):
 
 def test_multi_worker_mirrored_two_processes(tmp_path):
     """MultiWorkerMirroredStrategy, 2 worker processes on localhost (one CPU replica each):
-    model.fit and a custom loop with tfclip.tf_keras.Adam, legacy.Adam and legacy.RMSprop. After
+    model.fit and a custom loop with tfclip.tf_keras.Adam, legacy.Adam, legacy.RMSprop and
+    legacy.Nadam. After
     every step both workers hold bit-identical weights and optimizer variables, and they follow
     the one-device run of the same global batches, as stock tf_keras does."""
     ports = free_ports(2)
@@ -403,7 +405,7 @@ def test_multi_worker_mirrored_two_processes(tmp_path):
     assert int(w0["replicas"]) == 2 and int(w1["replicas"]) == 2
     assert (int(w0["task"]), int(w1["task"])) == (0, 1)
     hists = sorted(k for k in w0.files if k.startswith("hist_"))
-    assert len(hists) == 12
+    assert len(hists) == 16
     for k in hists:
         assert w0[k].shape[0] == single[k].shape[0] > 1, k
         np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)  # the copies alike, step by step
@@ -424,7 +426,8 @@ LEGACY_CASES = [("SGD", {}), ("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.
                 ("Adamax", {}), ("Adamax", {"learning_rate": 0.1, "decay": 0.1}),
                 ("Ftrl", {}), ("Ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
                                         "l2_shrinkage_regularization_strength": 0.1, "beta": 0.1}),
-                ("Ftrl", {"learning_rate_power": -0.7, "initial_accumulator_value": 0.5})]
+                ("Ftrl", {"learning_rate_power": -0.7, "initial_accumulator_value": 0.5}),
+                ("Nadam", {}), ("Nadam", {"learning_rate": 0.05, "beta_1": 0.8, "schedule_decay": 0.01})]
 
 
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "-".join(c) or "noclip")
@@ -433,13 +436,15 @@ def test_legacy_trajectory_matches_stock(case, clip):
     """IndexedSlices included: legacy SGD with momentum, RMSprop with momentum, Adagrad, Adadelta,
     Adamax and Ftrl update only the touched rows (TF's ResourceSparseApply* ops; Adamax's own
     scatter), legacy Adam every row, RMSprop without momentum every row's slots; duplicates summed
-    first."""
+    first. (Nadam's IndexedSlices steps run the stock ops: test_legacy_nadam_indexed_slices.)"""
     name, kw = case
     kw = {**kw, **clip}
     for sparse in (False, True):
         for function in (False, True):
             _, want = _train(getattr(stock.legacy, name), kw, sparse=sparse, function=function)
-            opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse, function=function)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore" if name == "Nadam" and sparse else "error")
+                opt, got = _train(getattr(tk.legacy, name), kw, sparse=sparse, function=function)
             _assert_same(got, want)
             assert isinstance(opt, getattr(stock.legacy, name))
 
@@ -528,9 +533,176 @@ def test_legacy_rmsprop_and_adagrad_put_epsilon_outside_the_sqrt():
         np.testing.assert_allclose(got, [1e-4 / (1e-4 + 1e-3)] * 2, rtol=1e-5)  # not 1e-4/sqrt(1e-8+1e-3)
 
 
-def test_legacy_nadam_has_no_drop_in():
-    """Stock legacy Nadam (momentum schedule 0.96^(0.004 t)) computes what no tfclip rule does."""
-    assert not hasattr(tk.legacy, "Nadam")
+def _nadam_steps(cls, kw, dtypes=("float32", "float32"), steps=5, function=False, nan_step=None):
+    """Dense steps on two variables (of `dtypes`); the variables and the optimizer's variables
+    (iterations, momentum_cache, the m and v slots) after them."""
+    v1 = tf.Variable((np.arange(20).reshape(5, 4) / 10 - 1).astype(dtypes[0]))
+    v2 = tf.Variable(np.linspace(-1, 1, 6).astype(dtypes[1]))
+    opt = cls(**kw)
+
+    def apply(gs):
+        opt.apply_gradients(zip(gs, [v1, v2]))
+
+    if function:
+        apply = tf.function(apply)
+    for s in range(steps):
+        g1 = (np.sin(np.arange(20) * 1.3 + s) * 3).reshape(5, 4)
+        g2 = np.cos(np.arange(6) + 2 * s) * (s + 1)
+        if s == nan_step:
+            g2[1] = np.nan
+        apply([tf.constant(g1.astype(dtypes[0])), tf.constant(g2.astype(dtypes[1]))])
+    return opt, [v1.numpy(), v2.numpy()] + [x.numpy() for x in opt.variables()]
+
+
+@pytest.mark.parametrize("function", [False, True], ids=["eager", "tf_function"])
+@pytest.mark.parametrize("kw", [{}, {"clipvalue": 0.4}, {"learning_rate": 0.1, "beta_1": 0.8, "beta_2": 0.9,
+                                                         "epsilon": 1e-4, "schedule_decay": 0.01}])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_legacy_nadam_same_bits_as_stock(kw, dtype, function):
+    """tf_keras legacy Nadam (0.96^(schedule_decay * t), its product in `momentum_cache`, m and v
+    written beta*m + (1-beta)*g, the learning rate not decayed by `decay`): the variables, the
+    slots and the product bit for bit (the clip modes that scale by a norm: test_legacy_trajectory
+    _matches_stock, within an ulp or two of the clipped gradient)."""
+    _, want = _nadam_steps(stock.legacy.Nadam, kw, (dtype, dtype), function=function)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fused: no stock fallback
+        opt, got = _nadam_steps(tk.legacy.Nadam, kw, (dtype, dtype), function=function)
+    assert len(got) == len(want) == 2 + 2 + 4
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"entry {i}")
+    assert float(got[3]) != 1.0  # the momentum cache moved
+    assert int(opt.iterations.numpy()) == 5 and int(opt.skipped_steps.numpy()) == 0
+
+
+def test_legacy_nadam_schedule_decay_and_undecayed_learning_rate():
+    """The two things the Keras 3 Nadam rule would get wrong, shown to matter: the schedule's
+    0.004 scale (Keras 3's 0.96^t differs) and stock's learning rate, which `decay` (holding
+    schedule_decay) does not decay."""
+    _, want = _nadam_steps(stock.legacy.Nadam, {"learning_rate": 0.1}, steps=3)
+    _, got = _nadam_steps(tk.legacy.Nadam, {"learning_rate": 0.1}, steps=3)
+    _, k3 = _nadam_steps(tk.Nadam, {"learning_rate": 0.1}, steps=3)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert np.max(np.abs(k3[0] - want[0])) > 1e-3
+    # m_cache after 3 steps: the product of beta_1 (1 - 0.5 0.96^(0.004 t)), in float32
+    m = [np.float32(0.9) * (np.float32(1) - np.float32(0.5) * np.float32(0.96) ** (np.float32(0.004) * t))
+         for t in (1, 2, 3)]
+    np.testing.assert_allclose(got[3], m[0] * m[1] * m[2], rtol=1e-6)
+
+
+def test_legacy_nadam_mixed_dtypes_as_stock():
+    """A float64 and a float32 variable in one step: stock computes the constants per dtype (and
+    stores the product from the momentum_cache's dtype, the first variable's): one op per dtype on
+    one norm pass."""
+    for dtypes in (("float32", "float64"), ("float64", "float32")):
+        # (stock's global_clipnorm cannot stack a float32 and a float64 norm)
+        for kw in ({}, {"clipvalue": 0.4}, {"clipnorm": 0.5}):
+            _, want = _nadam_steps(stock.legacy.Nadam, kw, dtypes)
+            _, got = _nadam_steps(tk.legacy.Nadam, kw, dtypes)
+            if "clipnorm" in kw:
+                _assert_same(got, want)
+            else:
+                for i, (a, b) in enumerate(zip(got, want)):
+                    np.testing.assert_array_equal(a, b, err_msg=f"{dtypes} entry {i}")
+
+
+def test_legacy_nadam_indexed_slices():
+    """Stock's IndexedSlices step decays every row's m and v and moves only the touched rows:
+    neither the dense update nor the lazy one. The default runs the stock ops (a warning once);
+    lazy_sparse=True is fused and leaves the other rows and their slots alone."""
+    tk._LEGACY_WARNED.clear()
+    _, want = _train(stock.legacy.Nadam, {}, sparse=True)
+    with pytest.warns(UserWarning, match="IndexedSlices gradient: stock decays every row"):
+        opt, got = _train(tk.legacy.Nadam, {}, sparse=True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert opt.lazy_sparse is False
+    v0 = np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1
+    np.testing.assert_array_equal(want[0][[1, 3, 4]], v0[[1, 3, 4]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lazy, got_lazy = _train(tk.legacy.Nadam, {"lazy_sparse": True}, sparse=True)
+    names = [x.name for x in lazy.variables()]
+    m = got_lazy[2 + next(i for i, n in enumerate(names) if "emb" in n and "/m:" in n)]
+    np.testing.assert_array_equal(m[[1, 3, 4]], 0)  # untouched rows' slots: never written
+    np.testing.assert_array_equal(got_lazy[0][[1, 3, 4]], v0[[1, 3, 4]])
+    np.testing.assert_array_equal(got_lazy[1], want[1])  # the dense bias: stock's bits
+    # the touched rows: the dense update with the duplicates summed (a stock dense step)
+    _, dense = _train(stock.legacy.Nadam, {}, grads_fn=lambda s, sp: [
+        tf.convert_to_tensor(tf.math.unsorted_segment_sum(*_sparse_parts(s), 5)), _grads(s, False)[1]])
+    np.testing.assert_array_equal(got_lazy[0][[0, 2]], dense[0][[0, 2]])
+
+
+def _sparse_parts(step):
+    g = _grads(step, True)[0]
+    return g.values, g.indices
+
+
+def test_legacy_nadam_nonfinite_skip():
+    """A skipped step (non-finite norm) writes no variable or slot; `iterations` and the
+    momentum_cache advance, as tfclip.tf_keras.Nadam's product does (the schedule follows
+    `iterations`). Reference: stock with that step's product advanced by hand."""
+    opt, got = _nadam_steps(tk.legacy.Nadam, {"global_clipnorm": 1.0}, steps=4, nan_step=2)
+    assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 4
+    ref = stock.legacy.Nadam(global_clipnorm=1.0)
+    v1 = tf.Variable((np.arange(20).reshape(5, 4) / 10 - 1).astype("float32"))
+    v2 = tf.Variable(np.linspace(-1, 1, 6).astype("float32"))
+    for s in range(4):
+        if s == 2:
+            ref._create_all_weights([v1, v2])
+            t = tf.cast(ref.iterations + 1, tf.float32)
+            ref._m_cache.assign(ref._m_cache * (0.9 * (1.0 - 0.5 * tf.pow(tf.cast(0.96, tf.float32), 0.004 * t))))
+            ref.iterations.assign_add(1)
+            continue
+        g1 = (np.sin(np.arange(20) * 1.3 + s) * 3).reshape(5, 4).astype("float32")
+        g2 = (np.cos(np.arange(6) + 2 * s) * (s + 1)).astype("float32")
+        ref.apply_gradients([(tf.constant(g1), v1), (tf.constant(g2), v2)])
+    _assert_same(got, [v1.numpy(), v2.numpy()] + [x.numpy() for x in ref.variables()])
+    v = tf.Variable([1.0, 2.0])
+    opt = tk.legacy.Nadam(nonfinite="raise")
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        opt.apply_gradients([(tf.constant([np.inf, 0.0]), v)])
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    assert float(opt._m_cache.numpy()) == 1.0  # a failed step writes nothing, the product neither
+
+
+def test_legacy_nadam_bad_arguments():
+    with pytest.raises(ValueError, match="schedule_decay"):
+        tk.legacy.Nadam(schedule_decay=float("nan"))
+    with pytest.raises(ValueError, match="beta_2"):
+        tk.legacy.Nadam(beta_2=float("inf"))
+    with pytest.raises(ValueError, match="LearningRateSchedule"):  # stock's own refusal
+        tk.legacy.Nadam(tf_keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "jit_compile"])
+@pytest.mark.parametrize("kw", [{}, {"global_clipnorm": 0.5}, {"clipnorm": 0.2}])
+def test_legacy_nadam_model_fit(jit, kw):
+    """model.fit on a dense model (fused, also under XLA), and on an Embedding model (its
+    IndexedSlices gradient: the stock step), against stock."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 5)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def fit(opt):
+        tf_keras.utils.set_random_seed(1)
+        m = tf_keras.Sequential([tf_keras.Input((5,)), tf_keras.layers.Dense(4, activation="tanh"),
+                                 tf_keras.layers.Dense(1)])
+        m.compile(optimizer=opt, loss="mse", jit_compile=jit)
+        m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        return m, [w.numpy() for w in m.weights] + [v.numpy() for v in _opt_vars(m.optimizer)]
+
+    _, want = fit(stock.legacy.Nadam(0.05, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m, got = fit(tk.legacy.Nadam(0.05, **kw))
+    _assert_same(got, want, rtol=1e-5, atol=1e-6)
+    assert int(m.optimizer.iterations.numpy()) == 8 and float(m.optimizer.global_norm.numpy()) > 0
+    xi = rng.integers(0, 20, (32, 5)).astype("int32")
+    _, want = _fit(stock.legacy.Nadam(0.05, **kw), False, xi, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, got = _fit(tk.legacy.Nadam(0.05, **kw), jit, xi, y)
+    _assert_same(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_legacy_nonfinite_skip_for_every_class():
@@ -556,7 +728,8 @@ def test_legacy_loss_scale_optimizer_mixed_precision():
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
     y = x.sum(1, keepdims=True)
     for name, kw in (("RMSprop", {"momentum": 0.9}), ("Adamax", {}), ("Ftrl", {"global_clipnorm": 1.0}),
-                     ("RMSprop", {"clipnorm": 1.0}), ("Adagrad", {"global_clipnorm": 1.0})):
+                     ("RMSprop", {"clipnorm": 1.0}), ("Adagrad", {"global_clipnorm": 1.0}), ("Nadam", {}),
+                     ("Nadam", {"global_clipnorm": 1.0})):
         res = []
         for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):
             tf_keras.mixed_precision.set_global_policy("mixed_float16")
@@ -636,7 +809,7 @@ def test_model_save_and_load_keep_the_class(tmp_path, fmt):
 #    as our own cases against the stock classes ------------------------------------------------
 LEGACY_NEW = [("RMSprop", {"momentum": 0.9}), ("Adadelta", {"learning_rate": 1.0}), ("Adamax", {}),
               ("Ftrl", {"l2_shrinkage_regularization_strength": 0.1}), ("RMSprop", {"centered": True}),
-              ("Adagrad", {})]
+              ("Adagrad", {}), ("Nadam", {})]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float64"])
@@ -679,7 +852,7 @@ def test_legacy_callable_hyperparameters(name, kw):
         callables.update(rho=lambda: 0.8, momentum=lambda: 0.5)
     if name == "Adadelta":
         callables.update(rho=lambda: 0.9)
-    if name == "Adamax":
+    if name in ("Adamax", "Nadam"):
         callables.update(beta_1=lambda: 0.8)
     res = []
     for cls in (getattr(stock.legacy, name), getattr(tk.legacy, name)):

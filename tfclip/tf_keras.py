@@ -28,17 +28,18 @@ own variables, outside `optimizer.variables` and checkpoints.
 `Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
 stock advances its momentum-cache product once per variable there).
 
-`tfclip.tf_keras.legacy.SGD`, `Adam`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax` and `Ftrl`
-subclass the `tf_keras.optimizers.legacy` (OptimizerV2) classes, on the core rules that compute
-TF's training ops and stock's own update (see `legacy`). Complex variables,
-`gradient_transformers` and more than one clip argument run the stock step (a warning once);
-legacy Nadam computes what no tfclip rule does and has no drop-in.
+`tfclip.tf_keras.legacy.SGD`, `Adam`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Ftrl` and
+`Nadam` subclass the `tf_keras.optimizers.legacy` (OptimizerV2) classes, on the core rules that
+compute TF's training ops and stock's own update (see `legacy`). Complex variables,
+`gradient_transformers`, more than one clip argument and legacy Nadam's IndexedSlices gradients
+(stock's update there is neither the dense nor the lazy one) run the stock step (a warning once).
 
 Inside an XLA-compiled function (`model.compile(..., jit_compile=True)`) the fused op compiles to
 tfclip's own XLA custom calls; a build of tfclip without them warns once and runs the stock
 tf_keras step there (which also clips after the all-reduce).
 """
 import sys
+import threading
 import warnings
 
 import tensorflow as tf
@@ -297,9 +298,9 @@ class _FusedMixin(_optstate.NormState):
         decay = self._tfclip_decay()
         groups = {}
         for i, v in enumerate(tvars):
-            groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
+            groups.setdefault((bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)), []).append(i)
         if len(groups) > 1 or (self.clip is not None and not agc):
-            # Both groups' ops take the norms of one norm pass; so does an adaptive clip, whose
+            # Every group's op takes the norms of one norm pass; so does an adaptive clip, whose
             # threshold comes from it (scalar ops on the device).
             values, _ = _opcall.op_grads(grads)
             use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
@@ -307,11 +308,11 @@ class _FusedMixin(_optstate.NormState):
             if self.clip is not None and not agc:
                 adaptive = self.clip.step(use_norm)
                 mode, clip = "global_norm", adaptive.clip
-        lr = _opcall.scalar(self._tfclip_lr(tvars), "learning_rate")
         norm = applied = None
-        for with_decay, idx in sorted(groups.items()):
+        for (with_decay, _), idx in sorted(groups.items()):
             values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
             group = [tvars[i] for i in idx]
+            lr = _opcall.scalar(self._tfclip_lr(group), "learning_rate")
             kind, slots, hparams, flags = self._op_inputs(group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
             n, a, tn = _opcall.apply(
@@ -327,6 +328,11 @@ class _FusedMixin(_optstate.NormState):
             tensor_norms = tn if tensor_norms is None else tensor_norms
         self._record_norms(norm, applied, tensor_norms, tvars, mode, clip, adaptive)
         return applied
+
+    def _tfclip_group(self, v):
+        """What else, beside the weight decay, splits a step into several ops sharing one norm
+        pass ("": nothing; legacy Nadam: the dtype, whose constants stock computes per dtype)."""
+        return ""
 
     def _norm_positions(self, tvars):
         idx = [self._index(v) for v in tvars]
@@ -800,19 +806,94 @@ class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
                  "beta": tf.identity(self._get_hyper("beta", dtype))}, {})
 
 
+_NADAM_STEPS = threading.local()  # legacy Nadam's product within a step, per thread (replica)
+
+
+class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
+    """tf_keras.optimizers.legacy.Nadam as one fused op: stock's own update (tfclip's `nadam`
+    rule with `legacy_nadam` and `schedule_decay`): the momentum schedule
+    `m_t = beta_1 * (1 - 0.5 * 0.96^(schedule_decay * t))`, its running product kept in stock's
+    `momentum_cache` weight (`_m_cache`, advanced once per step, also by a skipped one, as
+    `iterations`), `m = beta_1*m + (1-beta_1)*g`, `v = beta_2*v + (1-beta_2)*g^2`, epsilon
+    added to sqrt(v / (1 - beta_2^t)); the learning rate not decayed (stock passes
+    `schedule_decay` as OptimizerV2's `decay` but does not use it on the learning rate). The
+    constants in each variable's dtype, as stock (a step over several dtypes is one op per dtype
+    on one norm pass; the product is stored from the `momentum_cache`'s dtype, as stock).
+
+    IndexedSlices: stock decays every row's `m` and `v` but moves only the touched rows of the
+    variable, which is neither the dense update (it moves every row) nor the lazy one (it leaves
+    the other rows' slots alone): such a step runs the stock ops, with a warning once, unless
+    `lazy_sparse=True` (then only the touched rows and their slots, not stock)."""
+
+    _checked = ("beta_1", "beta_2", "epsilon")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self._initial_decay, (int, float)) and not isinstance(self._initial_decay, bool):
+            _check_number("schedule_decay", float(self._initial_decay))
+
+    def _stock_reason(self, grads_and_vars):
+        reason = super()._stock_reason(grads_and_vars)
+        if reason is None and not self.lazy_sparse and any(isinstance(g, tf.IndexedSlices) for g, _ in grads_and_vars):
+            return ("an IndexedSlices gradient: stock decays every row's m and v but moves only the touched "
+                    "rows of the variable, which no fused update does (lazy_sparse=True: only the touched "
+                    "rows and their slots)")
+        return reason
+
+    def _tfclip_group(self, v):
+        return v.dtype.base_dtype.name
+
+    def _tfclip_lr(self, tvars):
+        # Stock's _prepare_local: the learning rate as set, in the variables' dtype (not
+        # _decayed_lr: `decay` holds the schedule_decay).
+        return tf.identity(self._get_hyper("learning_rate", tvars[0].dtype.base_dtype))
+
+    def _fused_step(self, grads, tvars):
+        # Stock's _prepare: the product as it was before this step, read once for every dtype.
+        # Kept per thread, not on the optimizer: under a MirroredStrategy every replica runs this
+        # at once, each in its own thread.
+        step = _NADAM_STEPS.__dict__.setdefault("by_opt", {})
+        step[id(self)] = {"read": tf.identity(self._m_cache), "new": None}
+        try:
+            applied = super()._fused_step(grads, tvars)
+        finally:
+            new = step.pop(id(self))["new"]
+        if new is None:
+            return applied
+        # Stored after the op ran (a step that fails writes nothing), and the step's result waits
+        # for it (a TF1 train op runs it).
+        with tf.control_dependencies([applied]):
+            stored = self._m_cache.assign(new)
+        with tf.control_dependencies([stored]):
+            return tf.identity(applied)
+
+    def _op_inputs(self, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        t = tf.cast(self.iterations + 1, dtype)
+        beta_1 = tf.identity(self._get_hyper("beta_1", dtype))
+        beta_2 = tf.identity(self._get_hyper("beta_2", dtype))
+        # Stock's m_schedule_new, in the dtype and order of its _prepare_local; the rule computes
+        # m_t and m_t_1 itself from the same numbers.
+        m_t = beta_1 * (1.0 - 0.5 * tf.pow(tf.cast(0.96, dtype), self._initial_decay * t))
+        step = _NADAM_STEPS.by_opt[id(self)]
+        product = tf.cast(step["read"], dtype) * m_t
+        if dtype == self._m_cache.dtype.base_dtype:
+            step["new"] = product
+        return ("nadam", [self._slot_handles("m", tvars), self._slot_handles("v", tvars)],
+                {"beta_1": beta_1, "beta_2": beta_2, "epsilon": self.epsilon, "step": tf.cast(t, tf.float64),
+                 "u_product": product, "schedule_decay": self._initial_decay}, {"legacy_nadam": True})
+
+
 for _cls, _name in ((_LegacySGD, "SGD"), (_LegacyAdam, "Adam"), (_LegacyRMSprop, "RMSprop"),
                     (_LegacyAdagrad, "Adagrad"), (_LegacyAdadelta, "Adadelta"), (_LegacyAdamax, "Adamax"),
-                    (_LegacyFtrl, "Ftrl")):
+                    (_LegacyFtrl, "Ftrl"), (_LegacyNadam, "Nadam")):
     # (qualname: reprs say tfclip.tf_keras.legacy.Adam, not tfclip.tf_keras.Adam)
     _cls.__name__, _cls.__qualname__ = _name, "legacy." + _name
 
 
 class legacy:  # noqa: N801 (a namespace, as tf_keras.optimizers.legacy)
-    """Drop-ins for tf_keras.optimizers.legacy.SGD, Adam, RMSprop, Adagrad, Adadelta, Adamax and
-    Ftrl.
-
-    legacy Nadam (its momentum schedule 0.96^(0.004 t)) computes an update no tfclip rule
-    computes: it has no drop-in here."""
+    """Drop-ins for tf_keras.optimizers.legacy.SGD, Adam, RMSprop, Adagrad, Adadelta, Adamax, Ftrl
+    and Nadam."""
 
     SGD = _LegacySGD
     Adam = _LegacyAdam
@@ -821,10 +902,11 @@ class legacy:  # noqa: N801 (a namespace, as tf_keras.optimizers.legacy)
     Adadelta = _LegacyAdadelta
     Adamax = _LegacyAdamax
     Ftrl = _LegacyFtrl
+    Nadam = _LegacyNadam
 
 
 _LEGACY_CLASSES = (legacy.SGD, legacy.Adam, legacy.RMSprop, legacy.Adagrad, legacy.Adadelta, legacy.Adamax,
-                   legacy.Ftrl)
+                   legacy.Ftrl, legacy.Nadam)
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 

@@ -7,8 +7,8 @@ process (strategies configure devices at start-up, so the tests run this as a su
 
 Each mode trains the same small tf_keras model on the same global batches with
 `tfclip.tf_keras.Adam(..., global_clipnorm=...)` and with the stock `tf_keras.optimizers.Adam`,
-(and with `tfclip.tf_keras.legacy.Adam` / `tf_keras.optimizers.legacy.Adam`, and legacy RMSprop
-with momentum), by `model.fit` and by a custom loop (`strategy.run` + `apply_gradients`), and saves
+(and with `tfclip.tf_keras.legacy.Adam` / `tf_keras.optimizers.legacy.Adam`, legacy RMSprop
+with momentum, and legacy Nadam: its momentum_cache product too), by `model.fit` and by a custom loop (`strategy.run` + `apply_gradients`), and saves
 the weights. Every replica's copies (of the weights and of the optimizer's variables) must be
 identical after training; `worker` (MultiWorkerMirroredStrategy, one CPU per worker, each worker a
 process given its TF_CONFIG) saves its own copies, which the test compares across workers.
@@ -44,11 +44,14 @@ def _optimizer(kind):
                "legacy_tfclip": (tfclip.tf_keras.legacy.Adam, {}),
                "legacy_stock": (tf_keras.optimizers.legacy.Adam, {}),
                "legacyrms_tfclip": (tfclip.tf_keras.legacy.RMSprop, {"momentum": 0.9}),
-               "legacyrms_stock": (tf_keras.optimizers.legacy.RMSprop, {"momentum": 0.9})}[kind]
+               "legacyrms_stock": (tf_keras.optimizers.legacy.RMSprop, {"momentum": 0.9}),
+               "legacynadam_tfclip": (tfclip.tf_keras.legacy.Nadam, {}),
+               "legacynadam_stock": (tf_keras.optimizers.legacy.Nadam, {})}[kind]
     return cls(0.05, global_clipnorm=0.5, **kw)
 
 
-KINDS = ("tfclip", "stock", "legacy_tfclip", "legacy_stock", "legacyrms_tfclip", "legacyrms_stock")
+KINDS = ("tfclip", "stock", "legacy_tfclip", "legacy_stock", "legacyrms_tfclip", "legacyrms_stock",
+         "legacynadam_tfclip", "legacynadam_stock")
 
 
 def _check_replicas_identical(strategy, variables):

@@ -21,7 +21,10 @@ namespace tfclip {
 // refusals: a non-finite value (stock would write NaN or inf into every variable), `step`
 // (tfclip's own t) below 1, and a negative l1/l2 for TF1's ProximalGradientDescent and AdagradDA,
 // whose documentation requires >= 0 and whose kernels do not check. `global_step` is the step
-// TF1's AdagradDA feeds its op (the stock class gives its global_step + 1).
+// TF1's AdagradDA feeds its op (the stock class gives its global_step + 1). `schedule_decay`
+// (optional) scales the exponent of Nadam's momentum schedule, u_t = beta_1 * (1 - 0.5 *
+// 0.96^(schedule_decay * t)): not given, 0.96^t (Keras 3's and tf_keras's Nadam); tf_keras's
+// legacy Nadam gives its `schedule_decay` (0.004 by default), whose range stock does not check.
 #define TFCLIP_FOR_EACH_HPARAM(X)                                      \
   X(lr, "learning_rate", 0.0, -INFINITY, false, INFINITY, false)      \
   X(momentum, "momentum", 0.0, -INFINITY, false, INFINITY, false)      \
@@ -40,17 +43,20 @@ namespace tfclip {
   X(l2_shrinkage, "l2_shrinkage_regularization_strength", 0.0, 0.0, false, INFINITY, false) \
   X(beta, "beta", 0.0, -INFINITY, false, INFINITY, false)               \
   X(warmup_steps, "warmup_steps", 0.0, -INFINITY, false, INFINITY, false) \
-  X(global_step, "global_step", 1.0, -INFINITY, false, INFINITY, false)
+  X(global_step, "global_step", 1.0, -INFINITY, false, INFINITY, false) \
+  X(schedule_decay, "schedule_decay", NAN, -INFINITY, false, INFINITY, false)
 
 // X(field, op attr name): the rules' boolean options. eps_outside (Adagrad, RMSprop): epsilon
 // added to the square root, lr*g / (sqrt(x) + eps), as TF's ResourceApplyAdagradV2 and
 // tf_keras's legacy RMSprop without momentum, instead of Keras 3's lr*g / sqrt(x + eps).
+// legacy_nadam (Nadam): tf_keras legacy Nadam's arithmetic (rules.h, NadamRule).
 #define TFCLIP_FOR_EACH_FLAG(X) \
   X(nesterov, "use_nesterov")   \
   X(amsgrad, "amsgrad")         \
   X(centered, "centered")       \
   X(has_momentum, "has_momentum") \
-  X(eps_outside, "epsilon_outside_sqrt")
+  X(eps_outside, "epsilon_outside_sqrt") \
+  X(legacy_nadam, "legacy_nadam")
 
 // HP::lr, ... : an hyper-parameter's index; HPBit(HP::lr) its bit in a rule's mask.
 enum class HP : int {

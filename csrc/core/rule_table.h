@@ -44,8 +44,8 @@ namespace tfclip {
     0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(weight_decay), 0u)               \
   X(kNadam, NadamRule, "Nadam", "nadam", "m,v",                                                \
     0u TFCLIP_H(lr) TFCLIP_H(beta_1) TFCLIP_H(beta_2) TFCLIP_H(epsilon) TFCLIP_H(weight_decay) \
-        TFCLIP_H(step) TFCLIP_H(u_product),                                                    \
-    0u)                                                                                        \
+        TFCLIP_H(step) TFCLIP_H(u_product) TFCLIP_H(schedule_decay),                           \
+    0u TFCLIP_F(legacy_nadam))                                                                 \
   X(kFtrl, FtrlPowRule, "Ftrl", "ftrl", "accumulator,linear",                                  \
     0u TFCLIP_H(lr) TFCLIP_H(lr_power) TFCLIP_H(l1) TFCLIP_H(l2) TFCLIP_H(l2_shrinkage)        \
         TFCLIP_H(beta) TFCLIP_H(weight_decay),                                                 \

@@ -202,6 +202,9 @@ RULES = {
     "adamax": (["m", "u"], {"learning_rate": 0.02, "beta_1": 0.8, "weight_decay": 0.004}),
     "lion": (["m"], {"learning_rate": 0.003, "beta_1": 0.9, "beta_2": 0.99}),
     "nadam": (["m", "v"], {"learning_rate": 0.01, "u_product": 0.3, "weight_decay": 0.004}),
+    # tf_keras legacy Nadam: 0.96^(0.004 t), its own order of the same math
+    "nadam_legacy": (["m", "v"], {"learning_rate": 0.01, "u_product": 0.3, "schedule_decay": 0.004,
+                                  "legacy_nadam": True}),
     "ftrl": (["accumulator", "linear"], {"learning_rate": 0.05, "lr_power": -0.5, "l1": 0.001,
                                          "l2": 0.01, "l2_shrinkage": 0.01, "beta": 0.1}),
     "ftrl_sqrt": (["accumulator", "linear"], {"learning_rate": 0.05, "l1": 0.001, "l2": 0.01,
@@ -226,7 +229,8 @@ PAIRS = [("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32"
 
 
 def core_rule(rule):
-    return {"amsgrad": "adam", "adagrad_eps_outside": "adagrad", "rmsprop_eps_outside": "rmsprop"}.get(rule, rule)
+    return {"amsgrad": "adam", "adagrad_eps_outside": "adagrad", "rmsprop_eps_outside": "rmsprop",
+            "nadam_legacy": "nadam"}.get(rule, rule)
 
 
 def run_both(rng, rule, var_dtype, grad_dtype, mode, shapes, steps=2, nonfinite="skip", poison=None):
@@ -517,7 +521,8 @@ def test_tensor_over_2_pow_31_elements():
 
 
 # ---------------------------------------------------------------- IndexedSlices (sparse kernel)
-SPARSE_RULES = ["sgd", "keras_momentum", "momentum", "adam", "amsgrad", "lamb", "schedule_free_adamw"]
+SPARSE_RULES = ["sgd", "keras_momentum", "momentum", "adam", "amsgrad", "lamb", "schedule_free_adamw",
+                "nadam_legacy"]
 
 
 def test_adam_with_given_beta_powers_matches_cpu(rng):

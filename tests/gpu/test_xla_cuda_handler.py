@@ -17,7 +17,7 @@ FFI = {np.dtype(np.bool_): 1, np.dtype(np.int64): 5, np.dtype(np.float16): 10,
        np.dtype(np.float32): 11, np.dtype(np.float64): 12, BF16: 16}
 MODES = {"none": 0, "global_norm": 1, "norm": 2, "value": 3}
 POLICIES = {"skip": 0, "propagate": 1, "raise": 2}
-OVERRIDES = {"learning_rate": 0.01, "step": 1.0, "u_product": 0.7, "weight_decay": 0.01,
+OVERRIDES = {"learning_rate": 0.01, "step": 1.0, "u_product": 0.7, "schedule_decay": 0.004, "weight_decay": 0.01,
              "l1_regularization_strength": 0.01}
 
 
