@@ -50,7 +50,7 @@ ZCLIP_CASES = [
 
 
 @pytest.mark.parametrize("case", ZCLIP_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("graph", [False, True, "jit_compile"], ids=["eager", "tf.function", "jit_compile"])
 def test_zclip_follows_the_float64_reference_step_by_step(case, graph):
     steps = 60
     grad_steps = _grads(steps, SHAPES)
@@ -64,7 +64,7 @@ def test_zclip_follows_the_float64_reference_step_by_step(case, graph):
     def step(gs):
         return tfclip.fused_clip_apply(zip(gs, variables), rule, clip=clip)
 
-    step_fn = tf.function(step) if graph else step
+    step_fn = tf.function(step, jit_compile=graph == "jit_compile") if graph else step
     for t, gs in enumerate(grad_steps):
         result = step_fn([tf.constant(g) for g in gs])
         target, mu, s2 = ref[t]
@@ -517,7 +517,7 @@ def _agc_grads(steps, seed):
     return _grads(steps, AGC_SHAPES, seed=seed, spikes=(7,))
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("graph", [False, True, "jit_compile"], ids=["eager", "tf.function", "jit_compile"])
 @pytest.mark.parametrize("clip", ["agc", clipping.AGC(clip_factor=0.05)], ids=["named", "object"])
 def test_agc_through_fused_clip_apply_follows_the_paper(graph, clip):
     grad_steps = _agc_grads(10, seed=12)
@@ -530,7 +530,7 @@ def test_agc_through_fused_clip_apply_follows_the_paper(graph, clip):
         return tfclip.fused_clip_apply(zip(gs, variables), rule, clip=clip)
 
     if graph:
-        step = tf.function(step)
+        step = tf.function(step, jit_compile=graph == "jit_compile")
     for gs in grad_steps:
         r = step([tf.constant(g) for g in gs])
         assert bool(r.applied)
