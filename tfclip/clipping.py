@@ -315,8 +315,8 @@ class AGC:
         return dict(clip_factor=self.clip_factor, eps=self.eps)
 
     def op_args(self):
-        """The apply op's clip arguments: clip_mode, clip (lambda) and agc_eps."""
-        return dict(clip_mode="agc", clip=self.clip_factor, agc_eps=self.eps)
+        """The apply op's clip arguments: (clip_mode, clip (lambda), the other op kwargs)."""
+        return "agc", self.clip_factor, {"agc_eps": self.eps}
 
     def __repr__(self):
         return f"AGC(clip_factor={self.clip_factor}, eps={self.eps})"

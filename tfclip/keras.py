@@ -307,8 +307,7 @@ class _FusedMixin(_optstate.NormState):
         tensor_norms = None
         adaptive, agc = None, {}
         if isinstance(self.clip, _clipping.AGC):  # unit-wise, inside the op's own passes
-            a = self.clip.op_args()
-            mode, clip, agc = a["clip_mode"], a["clip"], {"agc_eps": a["agc_eps"]}
+            mode, clip, agc = self.clip.op_args()
         clip = _opcall.scalar(clip, "clip")
         if len(groups) > 1 or (self.clip is not None and not agc):
             # Both groups' ops take the global norm (and the tensors' norms) of one pass; so does

@@ -239,9 +239,9 @@ class Rule:
             return self._apply_step(grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse,
                                     all_dense)
         if isinstance(clip, _clipping.AGC):  # unit-wise, inside the op's own two passes
-            a = clip.op_args()
-            return self._apply_step(grads, variables, a["clip_mode"], a["clip"], use_norm, nonfinite,
-                                    lazy_sparse, all_dense, agc_eps=a["agc_eps"])
+            mode, factor, extra = clip.op_args()
+            return self._apply_step(grads, variables, mode, factor, use_norm, nonfinite, lazy_sparse,
+                                    all_dense, **extra)
         # An adaptive clip (tfclip.clipping): the norm pass, the threshold from the norm and the
         # clip's state (scalar ops on the device), then the clip-and-apply pass with that norm
         # and threshold; the state advances once the step is applied (not for a non-finite norm).

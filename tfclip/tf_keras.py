@@ -291,8 +291,7 @@ class _FusedMixin(_optstate.NormState):
         mode, clip = self._clip_mode()
         agc = {}
         if isinstance(self.clip, _clipping.AGC):  # unit-wise, inside the op's own passes
-            a = self.clip.op_args()
-            mode, clip, agc = a["clip_mode"], a["clip"], {"agc_eps": a["agc_eps"]}
+            mode, clip, agc = self.clip.op_args()
         clip = _opcall.scalar(clip, "clip")
         use_norm, given, tensor_norms, adaptive = tf.constant(0.0, tf.float64), False, None, None
         decay = self._tfclip_decay()

@@ -311,8 +311,8 @@ class _Fused(tf.compat.v1.train.Optimizer):
             refs = (positions, ref_vars, [[self._slot_of(v, s, True) for v in ref_vars] for s in names])
         mode, clip, use_norm, adaptive, agc = self._clip_mode, tf.constant(self._clip, tf.float64), None, None, {}
         if isinstance(self._adaptive, _clipping.AGC):  # unit-wise, inside the op's own passes
-            a = self._adaptive.op_args()
-            mode, clip, agc = a["clip_mode"], tf.constant(a["clip"], tf.float64), {"agc_eps": a["agc_eps"]}
+            mode, factor, agc = self._adaptive.op_args()
+            clip = tf.constant(factor, tf.float64)
         elif self._adaptive is not None:  # the norm pass, the threshold, then the apply pass with both
             use_norm, tensor_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
             adaptive = self._adaptive.step(use_norm)
