@@ -324,7 +324,7 @@ class _FusedMixin(_optstate.NormState):
             group = [keras_vars[i] for i in idx]
             kind, slots, hparams, flags = self._op_inputs(group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            n, a, tn = _opcall.apply(
+            n, a, tn, _ = _opcall.apply(
                 kind, [_tf_var(v).handle for v in group], slots, values, hparams, flags,
                 clip=clip, use_norm=use_norm, iterations=[],
                 clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,

@@ -314,7 +314,7 @@ class _FusedMixin(_optstate.NormState):
             lr = _opcall.scalar(self._tfclip_lr(group), "learning_rate")
             kind, slots, hparams, flags = self._op_inputs(group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            n, a, tn = _opcall.apply(
+            n, a, tn, _ = _opcall.apply(
                 kind, [v.handle for v in group], slots, values, hparams, flags,
                 clip=clip, use_norm=use_norm, iterations=[], clip_mode=mode,
                 nonfinite=self.nonfinite, use_given_norm=given, lazy=self._tfclip_lazy(),

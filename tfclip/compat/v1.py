@@ -317,7 +317,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             use_norm, tensor_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
             adaptive = self._adaptive.step(use_norm)
             mode, clip = "global_norm", adaptive.clip
-        norm, applied, tnorms = _opcall.apply(
+        norm, applied, tnorms, _ = _opcall.apply(
             kind, [v.handle for v in var_list],
             [[self._slot_of(v, s, False).handle for v in var_list] for s in names],
             values,
