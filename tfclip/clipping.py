@@ -348,6 +348,12 @@ class AGC:
 _MODES = {c.mode: c for c in (ZClip, AutoClip, AGC)}
 
 
+def num_units(shape):
+    """AGC's unit count of a variable of `shape` (its last axis; 1 for rank <= 1)."""
+    shape = tf.TensorShape(shape)
+    return 1 if shape.rank <= 1 else int(shape[-1])
+
+
 def serialize(clip):
     """A clip object as a config dict (`get` makes it again): its mode and settings."""
     return dict(mode=clip.mode, **clip.get_config())

@@ -648,6 +648,11 @@ class GradientNormLogger(keras.callbacks.Callback):
     - `{prefix}/clip_fraction` and `{prefix}/clip_scale_mean` (with `global_clipnorm`,
       `clipnorm` or an adaptive `clip=`): the share of the steps since the last write that the clip scaled down, and
       their mean clip scale (1 for a step left alone, clip / norm for a clipped one);
+    - `{prefix}/agc_clipped_units` and `{prefix}/agc_clipped_fraction` (with
+      `clip=tfclip.clipping.AGC(...)`): how many units AGC scaled down at the last step, all
+      variables together (`optimizer.clipped_units`, counted by the fused op), and that count over
+      the variables' total number of units (a unit: one index of a variable's last axis; a
+      variable of rank <= 1 is one unit);
     - `{prefix}/skipped_steps`: steps skipped for a non-finite norm since the last write (and
       `{prefix}/skipped_steps_total`);
     - `{prefix}/{by}/<name>`: the norms of the `top_k` largest layers (`by="layer"`: the norm of
@@ -743,6 +748,11 @@ class GradientNormLogger(keras.callbacks.Callback):
                 tf.summary.scalar(f"{p}/clip_scale_mean", scale_sum / steps)
             if opt.clip is not None:  # the adaptive threshold of the last step, beside its norm
                 tf.summary.scalar(f"{p}/clip_threshold", float(opt.clip_threshold.numpy()))
+            if opt.clipped_units is not None:  # AGC: the last step's clipped units
+                total = int(opt.clipped_units.numpy().sum())
+                units = sum(_clipping.num_units(v.shape) for v in opt._trainable_variables)
+                tf.summary.scalar(f"{p}/agc_clipped_units", total)
+                tf.summary.scalar(f"{p}/agc_clipped_fraction", total / units if units else 0.0)
             if opt.tensor_norms is not None:
                 names, norms = self.group_norms(opt)
                 for name, n in list(zip(names, norms))[:self.top_k]:
