@@ -563,10 +563,18 @@ def test_agc_in_keras_adam_is_adam_on_the_unit_clipped_gradients(how, monkeypatc
 
     if how != "eager":
         step = tf.function(step, jit_compile=True)
+    from test_agc import ref_counts
+
+    assert opt.clipped_units is None  # (made by build)
     for gs in grad_steps:
         clipped = [agc_clip(g, p.numpy(), 0.02)[0] for g, p in zip(gs, plain)]
+        counts = ref_counts(gs, [p.numpy() for p in ours], 0.02)
         step([tf.constant(g) for g in gs])
         plain_opt.apply([tf.constant(c) for c in clipped], plain)
+        # Each variable's clipped units of the step (the fallback: counted in stock ops).
+        assert opt.clipped_units.dtype == "int64" and not opt.clipped_units.trainable
+        np.testing.assert_array_equal(opt.clipped_units.numpy(), counts)
+    assert sum(ref_counts(gs, init, 0.02).sum() for gs in grad_steps) > 0
     for a, b in zip(ours, plain):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)
     assert opt.get_config()["clip"] == {"mode": "agc", "clip_factor": 0.02, "eps": 1e-3}
@@ -577,17 +585,25 @@ def test_agc_in_tf_keras_and_compat_v1_follows_the_paper(front):
     grad_steps = _agc_grads(8, seed=16)
     rng = np.random.default_rng(17)
     init = [rng.normal(size=s) + 0.5 for s in AGC_SHAPES]
+    from test_agc import ref_counts
+
     want = _agc_reference(grad_steps, init, 0.03, 0.125)
+    assert sum(ref_counts(g, init, 0.03).sum() for g in grad_steps) > 0
     clip = clipping.AGC(clip_factor=0.03)
     if front == "compat.v1":
         with tf.Graph().as_default():
             ws = [tf.compat.v1.get_variable(f"w{i}", initializer=x, use_resource=True) for i, x in enumerate(init)]
             gs = [tf.compat.v1.placeholder(tf.float64, s) for s in AGC_SHAPES]
-            train = tfclip.compat.v1.GradientDescentOptimizer(0.125, clip=clip).apply_gradients(zip(gs, ws))
+            opt_v1 = tfclip.compat.v1.GradientDescentOptimizer(0.125, clip=clip)
+            train = opt_v1.apply_gradients(zip(gs, ws))
             with tf.compat.v1.Session() as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
+                sess.run(tf.compat.v1.local_variables_initializer())
                 for step in grad_steps:
+                    before = sess.run(ws)
                     sess.run(train, dict(zip(gs, step)))
+                    np.testing.assert_array_equal(sess.run(opt_v1.clipped_units()),
+                                                  ref_counts(step, before, 0.03))
                 got = sess.run(ws)
     else:
         pytest.importorskip("tf_keras", reason="tf-keras is the optional Keras 2 extra")
@@ -597,7 +613,10 @@ def test_agc_in_tf_keras_and_compat_v1_follows_the_paper(front):
         ws = [tf.Variable(x) for x in init]
         opt = cls(0.125, clip=clip)
         for step in grad_steps:
+            before = [w.numpy() for w in ws]
             opt.apply_gradients(zip([tf.constant(g) for g in step], ws))
+            assert opt.clipped_units.dtype == tf.int64 and not opt.clipped_units.trainable
+            np.testing.assert_array_equal(opt.clipped_units.numpy(), ref_counts(step, before, 0.03))
         got = [w.numpy() for w in ws]
         assert cls.from_config(opt.get_config()).clip.clip_factor == 0.03
     for a, b in zip(got, want):

@@ -342,13 +342,16 @@ def test_tf_op_matches_reference_and_core(rng, dt):
     w0 = [rng.normal(size=s).astype(vdt) for s in shapes]
     g = [mixed_grads(rng, s, gdt, w.astype(np.float64)) for s, w in zip(shapes, w0)]
     tvars = [tf.Variable(w, dtype=tvdt) for w in w0]
-    norm, applied, tnorms = raw_sgd(tvars, [tf.constant(x, dtype=tgdt) for x in g])
+    norm, applied, tnorms, cunits = raw_sgd(tvars, [tf.constant(x, dtype=tgdt) for x in g])
     assert bool(applied)
     g64 = [np.asarray(x, np.float64) for x in g]
     np.testing.assert_allclose(float(norm), np.sqrt(sum((x ** 2).sum() for x in g64)), rtol=1e-6)
     np.testing.assert_allclose(tnorms.numpy(), [np.sqrt((x ** 2).sum()) for x in g64], rtol=1e-6)
+    assert cunits.dtype == tf.int64 and cunits.shape == [len(shapes)]
+    np.testing.assert_array_equal(cunits.numpy(), [agc_scales(x, w, 0.05)[1].sum() for x, w in zip(g, w0)])
     cvars = [w.copy() for w in w0]
-    run_core(cvars, g)
+    _, _, core_clipped = run_core(cvars, g)
+    np.testing.assert_array_equal(cunits.numpy(), core_clipped)
     name = "bfloat16" if gdt is BF16 else np.dtype(vdt).name
     for tv, cv, w, gg in zip(tvars, cvars, w0, g):
         # The op and _core run the same core step: the same bits.
@@ -381,8 +384,10 @@ def test_tf_op_nonfinite_skip_and_bad_eps(rng):
     v = tf.Variable(w0)
     g = np.ones((4, 3), np.float32)
     g[1, 1] = np.inf
-    norm, applied, _ = raw_sgd([v], [tf.constant(g)], nonfinite="skip")
+    norm, applied, _, cunits = raw_sgd([v], [tf.constant(g)], nonfinite="skip")
     assert not bool(applied) and np.isinf(float(norm))
+    # Written for the skipped step too: the units it would have clipped (the inf unit among them).
+    assert cunits.numpy()[0] == agc_scales(g, w0, 0.05)[1].sum() >= 1
     np.testing.assert_array_equal(v.numpy(), w0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="agc_eps must be finite and >= 0"):
         raw_sgd([v], [tf.constant(w0)], agc_eps=-1.0)
@@ -423,13 +428,107 @@ def test_xla_same_bits_as_the_op(rng):
     ev = [tf.Variable(w) for w in w0] + [tf.Variable(sw0)]
     xv = [tf.Variable(w) for w in w0] + [tf.Variable(sw0)]
     gs = [tf.constant(x) for x in g]
-    en, ea, et = step(ev, gs)
-    xn, xa, xt = tf.function(step, jit_compile=True)(xv, gs)
+    en, ea, et, ec = step(ev, gs)
+    xn, xa, xt, xc = tf.function(step, jit_compile=True)(xv, gs)
     assert bool(ea) and bool(xa)
     np.testing.assert_array_equal(en.numpy(), xn.numpy())
     np.testing.assert_array_equal(et.numpy(), xt.numpy())
+    np.testing.assert_array_equal(ec.numpy(), xc.numpy())
+    want = [agc_scales(x, w, 0.05)[1].sum() for x, w in zip(g, w0)]
+    want.append(agc_scales(densify(sval, idx, 8), sw0, 0.05, eps)[1].sum())
+    np.testing.assert_array_equal(xc.numpy(), want)
     for a, b in zip(ev, xv):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # And the reference, for the dense ones.
     for v, w, gg in zip(xv, w0, g):
         assert_close(v.numpy(), w.astype(np.float64) - LR * agc_clip(gg, w, 0.05)[0], "float32", scale=2)
+
+
+# ------------------------------------------------------------------ the clipped_units output
+
+def ref_counts(grads, variables, clip, eps=1e-3):
+    """Each tensor's count of units with ||g_u|| > clip * max(||w_u||, eps), in float64, from the
+    definition (units: every axis but the last; the whole tensor for rank <= 1)."""
+    out = []
+    for g, w in zip(grads, variables):
+        g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g64.ndim <= 1:
+            gn, wn = np.array([np.sqrt((g64 ** 2).sum())]), np.array([np.sqrt((w64 ** 2).sum())])
+        else:
+            axes = tuple(range(g64.ndim - 1))
+            gn, wn = np.sqrt((g64 ** 2).sum(axis=axes)), np.sqrt((w64 ** 2).sum(axis=axes))
+        out.append(int((gn > clip * np.maximum(wn, eps)).sum()))
+    return np.array(out, np.int64)
+
+
+COUNT_CASES = [  # (variable dtype, gradient dtype, shape): ranks 0-4, mixed dtypes in one step
+    (tf.float32, tf.float32, ()),
+    (tf.float64, tf.float64, (29,)),
+    (tf.float32, tf.bfloat16, (11, 6)),
+    (tf.float32, tf.float32, (4, 5, 7)),
+    (tf.float64, tf.float64, (3, 3, 4, 8)),
+    (tf.float32, tf.float32, (2, 1500)),
+]
+
+
+@pytest.mark.parametrize("how", ["eager", "function", "jit"])
+def test_clipped_units_output_against_reference(rng, how):
+    """The apply op's clipped_units: each tensor's count from the float64 reference, dense and
+    IndexedSlices gradients (duplicate rows: the densified gradient's units), eagerly, in a
+    tf.function and under jit_compile=True (the XLA kernel's groups concatenated)."""
+    w0 = [rng.normal(size=s) for _, _, s in COUNT_CASES]
+    g = [mixed_grads(rng, s, np.float64, w) for (_, _, s), w in zip(COUNT_CASES, w0)]
+    idx = np.array([5, 0, 5, 2, 9], np.int64)
+    sw0 = rng.normal(size=(10, 6)).astype(np.float32)
+    sval = (rng.normal(size=(5, 6)) * [3.0, 1e-3, 3.0, 3.0, 1e-3, 1e-3]).astype(np.float32)
+    vdts = [c[0] for c in COUNT_CASES] + [tf.float32]
+    # The values as the op sees them (bfloat16 rounded), for the reference.
+    gs = [tf.cast(tf.constant(x), gd) for x, (_, gd, _) in zip(g, COUNT_CASES)]
+    wv = [tf.cast(tf.constant(w), vd) for w, (vd, _, _) in zip(w0, COUNT_CASES)]
+    tvars = [tf.Variable(w) for w in wv] + [tf.Variable(sw0)]
+
+    def step(grads):
+        return raw_sgd(tvars, grads + [tf.constant(sval)], indices=[tf.constant(idx)], sparse=[len(grads)])
+
+    fn = {"eager": step, "function": tf.function(step), "jit": tf.function(step, jit_compile=True)}[how]
+    _, applied, tnorms, cunits = fn(gs)
+    assert bool(applied) and cunits.dtype == tf.int64 and cunits.shape == [len(tvars)]
+    want = ref_counts([x.numpy() for x in gs] + [densify(sval, idx, 10)], [w.numpy() for w in wv] + [sw0], 0.05)
+    units = [1, 1] + [s[-1] for _, _, s in COUNT_CASES[2:]] + [6]
+    assert 0 < want.sum() < sum(units), "the data must have units on both sides"
+    np.testing.assert_array_equal(cunits.numpy(), want)
+    assert [v.dtype for v in tvars] == vdts
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_clipped_units_zero_in_other_modes(rng, jit):
+    """global_norm (and the other modes): every count 0, even where AGC would have clipped."""
+    w0 = [rng.normal(size=(6, 4)).astype(np.float32), rng.normal(size=(5,)).astype(np.float32)]
+    g = [mixed_grads(rng, w.shape, np.float32, w.astype(np.float64)) * 100 for w in w0]
+    tvars = [tf.Variable(w) for w in w0]
+    for mode in ("global_norm", "norm", "value", "none"):
+        def step():
+            return _ops().tfclip_clip_apply_sgd(
+                var=[v.handle for v in tvars], grad=[tf.constant(x) for x in g], lr=tf.constant(LR, F64),
+                weight_decay=tf.constant(0.0, F64), clip=tf.constant(1.0, F64),
+                use_norm=tf.constant(0.0, F64), indices=[], sparse=[], iterations=[], clip_mode=mode)
+        _, _, _, cunits = (tf.function(step, jit_compile=True) if jit else step)()
+        np.testing.assert_array_equal(cunits.numpy(), [0, 0], err_msg=mode)
+
+
+def test_fused_clip_apply_result_clipped_units(rng):
+    """fused_clip_apply(clip=AGC) gives result.clipped_units aligned with tensor_norms (a None
+    gradient's pair left out), and zeros with global_clipnorm."""
+    import tfclip
+    from tfclip import clipping
+
+    w0 = [rng.normal(size=(8, 3)), rng.normal(size=(7,)), rng.normal(size=(2, 3, 5))]
+    g = [mixed_grads(rng, w.shape, np.float64, w) for w in w0]
+    tvars = [tf.Variable(w) for w in w0] + [tf.Variable(np.ones(3))]
+    rule = tfclip.rules.SGD(learning_rate=LR)
+    res = tfclip.fused_clip_apply(list(zip([tf.constant(x) for x in g] + [None], tvars)), rule,
+                                  clip=clipping.AGC(clip_factor=0.05))
+    assert res.clipped_units.dtype == tf.int64 and res.clipped_units.shape == [3]
+    np.testing.assert_array_equal(res.clipped_units.numpy(), ref_counts(g, w0, 0.05))
+    res = tfclip.fused_clip_apply(list(zip([tf.constant(x) for x in g], tvars[:3])), rule, global_clipnorm=1.0)
+    np.testing.assert_array_equal(res.clipped_units.numpy(), [0, 0, 0])

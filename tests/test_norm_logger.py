@@ -173,3 +173,57 @@ def test_demo_without_matplotlib_says_how_to_get_the_plot(tmp_path, monkeypatch)
                                                           "tensor_norms": [np.ones(2)]}, ["a", "b"], 1.0)
     assert "matplotlib is not installed" in msg and 'pip install "tfclip[plot]"' in msg
     assert not (tmp_path / "x.png").exists()
+
+
+def test_agc_clipped_units_and_fraction_against_numpy(tmp_path):
+    """With clip=AGC the logger writes the last step's count of clipped units (all variables
+    together) and its share of the units, read back from the event file and checked against the
+    float64 reference on the step's gradients (a tape at the weights before the step)."""
+    from test_agc import ref_counts
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(BATCH * 6, 5)).astype(np.float32)
+    y = (rng.normal(size=(BATCH * 6, 1)) * 4).astype(np.float32)
+    model = _model()
+    # Weights of our own (whatever Keras's seed state): units on both sides of the bound.
+    wr = np.random.default_rng(21)
+    model.set_weights([wr.normal(size=w.shape).astype(np.float32) * 0.5 for w in model.get_weights()])
+    opt = tfclip.keras.SGD(0.1, clip=tfclip.clipping.AGC(clip_factor=0.5))
+    model.compile(optimizer=opt, loss="mse")
+    want = {}  # step -> reference counts per variable
+
+    def before(batch, logs):
+        xb, yb = x[batch * BATCH:(batch + 1) * BATCH], y[batch * BATCH:(batch + 1) * BATCH]
+        weights = [v.numpy() for v in model.trainable_variables]
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(yb, model(xb, training=True))
+        grads = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+        want[batch + 1] = ref_counts(grads, weights, 0.5)
+
+    def after(batch, logs):
+        np.testing.assert_array_equal(opt.clipped_units.numpy(), want[batch + 1])
+
+    log_dir = str(tmp_path / "agc")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.LambdaCallback(on_train_batch_begin=before, on_train_batch_end=after),
+                         tfclip.keras.GradientNormLogger(log_dir, every_n_steps=2)])
+    events, _ = read_events(log_dir)
+    units = 6 + 1 + 4 + 1 + 1 + 1  # Dense kernels: their output units; biases: one unit each
+    got = dict(events["gradients/agc_clipped_units"])
+    frac = dict(events["gradients/agc_clipped_fraction"])
+    assert sorted(got) == sorted(frac) == [2, 4, 6]
+    for step in (2, 4, 6):
+        assert float(got[step]) == want[step].sum()
+        np.testing.assert_allclose(float(frac[step]), want[step].sum() / units, rtol=1e-6)
+    assert 0 < sum(want[s].sum() for s in want) < units * len(want)
+    # Without AGC neither is written.
+    assert "gradients/agc_clipped_units" not in run_plain_events(tmp_path, x, y)
+
+
+def run_plain_events(tmp_path, x, y):
+    model = _model()
+    model.compile(optimizer=tfclip.keras.SGD(0.1, global_clipnorm=1.0), loss="mse")
+    log_dir = str(tmp_path / "plain")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[tfclip.keras.GradientNormLogger(log_dir, every_n_steps=2)])
+    return read_events(log_dir)[0]

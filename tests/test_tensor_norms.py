@@ -49,7 +49,10 @@ def test_fused_clip_apply_tensor_norms(rng, dtype, mode, graph):
         return tfclip.fused_clip_apply(pairs, rule, **clip)
 
     result = tf.function(step)() if graph else step()
-    assert isinstance(result, tfclip.ClipApplyResult) and len(result) == 3
+    assert isinstance(result, tfclip.ClipApplyResult) and len(result) == 4
+    # No AGC clip: every gradient's count of clipped units is 0 (aligned as tensor_norms).
+    assert result.clipped_units.dtype == tf.int64
+    np.testing.assert_array_equal(result.clipped_units.numpy(), np.zeros(len(SHAPES), np.int64))
     tn = result.tensor_norms.numpy()
     assert result.tensor_norms.dtype == tf.float32 and tn.shape == (len(SHAPES),)
     want = np_norms(g)
@@ -98,7 +101,7 @@ def test_result_is_one_structure_for_tf_function_and_session(rng):
     v = tf.Variable(np.zeros(3, np.float32))
     rule = tfclip.rules.SGD(0.1)
     out = tf.function(lambda: tfclip.fused_clip_apply([(tf.constant([3.0, 0.0, 4.0]), v)], rule))()
-    assert out._fields == ("global_norm", "applied", "tensor_norms")
+    assert out._fields == ("global_norm", "applied", "tensor_norms", "clipped_units")
     np.testing.assert_allclose(out.tensor_norms.numpy(), [5.0])
     with tf.Graph().as_default():
         w = tf.Variable(np.zeros(2, np.float32))
@@ -108,6 +111,7 @@ def test_result_is_one_structure_for_tf_function_and_session(rng):
             got = sess.run(step)
     assert type(got).__name__ == "ClipApplyResult"
     np.testing.assert_allclose(got.tensor_norms, [10.0])
+    np.testing.assert_array_equal(got.clipped_units, [0])
 
 
 # ---------------------------------------------------------------- fused_clip_by_global_norm

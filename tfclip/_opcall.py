@@ -22,7 +22,8 @@ from tfclip import _core, _loader
 RULES = _core.rule_table()
 HPARAMS = _core.hparam_table()
 
-ClipApplyResult = collections.namedtuple("ClipApplyResult", ["global_norm", "applied", "tensor_norms"])
+ClipApplyResult = collections.namedtuple("ClipApplyResult",
+                                         ["global_norm", "applied", "tensor_norms", "clipped_units"])
 ClipApplyResult.__doc__ = """What `fused_clip_apply` returns (a namedtuple: it can be returned from a
 `tf.function` and fetched with `Session.run` whole).
 
@@ -33,6 +34,12 @@ tensor_norms: float32 vector, each gradient's own pre-clip L2 norm (an IndexedSl
     values'), aligned with the pairs whose gradient is not None, from the same norm pass (no
     extra pass over memory; float64 sums in a fixed order). Given also for a skipped step, to
     tell which tensor was not finite. NaN when `use_norm` replaced the norm pass.
+clipped_units: int64 vector aligned with `tensor_norms`: with `clip=tfclip.clipping.AGC(...)`
+    (clip_mode 'agc'), each gradient's count of units the clip scaled down (units: the
+    variable's last axis, the whole tensor for rank <= 1; a unit counts when
+    `||G_u|| > clip_factor * max(||W_u||, eps)`, and every unit of a non-finite gradient), counted
+    by the op from its own unit norms (on a GPU, on the device). 0 for every gradient in the
+    other clip modes. Given also for a skipped step (the units the step would have clipped).
 """
 
 _STATE_LOCKS = weakref.WeakKeyDictionary()

@@ -37,6 +37,14 @@ class NormState:
         return self._tensor_norms
 
     @property
+    def clipped_units(self):
+        """With `clip=tfclip.clipping.AGC(...)`: each trainable variable's count of units AGC
+        scaled down at the last step (an int64 variable aligned with `tensor_norm_names`, not
+        trainable, not saved; 0 for a variable that got no gradient), counted by the fused op
+        from its own unit norms. None without AGC, or until the optimizer is built."""
+        return getattr(self, "_clipped_units", None)
+
+    @property
     def clipped_steps(self):
         """How many applied steps the clip scaled down (global_clipnorm: the global norm above
         it; clipnorm: some tensor's norm above it). Not counted for clipvalue, whose firing would
@@ -61,10 +69,12 @@ class NormState:
         where that is not known (then `tensor_norms` keeps its value)."""
         raise NotImplementedError
 
-    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip, adaptive=None):
+    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip, adaptive=None,
+                      clipped_units=None):
         """The step's norms and clip counts into the optimizer's state variables: a few scalar
         ops, no pass over the gradients. `adaptive`: an adaptive clip's ClipStep, whose state
-        updates are assigned here, once the step has run."""
+        updates are assigned here, once the step has run. `clipped_units`: AGC's counts, aligned
+        with `tensor_norms` (into `clipped_units`, where the optimizer keeps it)."""
         self._global_norm.assign(tf.cast(norm, tf.float32))
         self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
         where = self._norm_positions(tvars) if self._tensor_norms is not None else None
@@ -74,6 +84,15 @@ class NormState:
             if idx != list(range(total)):  # some variable got no gradient: its norm is 0
                 tn = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], tn, [total])
             self._tensor_norms.assign(tn)
+        units = getattr(self, "_clipped_units", None)
+        if units is not None and clipped_units is not None:
+            where = self._norm_positions(tvars)
+            if where is not None:
+                idx, total = where
+                cu = tf.cast(clipped_units, tf.int64)
+                if idx != list(range(total)):
+                    cu = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], cu, [total])
+                units.assign(cu)
         if adaptive is not None:
             from tfclip import clipping
 

@@ -321,11 +321,13 @@ class AGC:
     def __repr__(self):
         return f"AGC(clip_factor={self.clip_factor}, eps={self.eps})"
 
-    def unfused(self, grads, variables):
+    def unfused(self, grads, variables, counts=False):
         """The same clip in stock TF ops (unit norms by tf.norm, several passes): for a step that
         cannot run the fused op (the Keras XLA fallback) and for the benchmark's comparison.
-        Each gradient (tensors or IndexedSlices, densified) clipped per unit, in its dtype."""
-        out = []
+        Each gradient (tensors or IndexedSlices, densified) clipped per unit, in its dtype.
+        counts=True: also each gradient's count of clipped units (an int64 vector, as the op's
+        `clipped_units`: a unit whose scale is not 1, NaN included), as `(clipped, counts)`."""
+        out, clipped = [], []
         for g, v in zip(grads, variables):
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
@@ -336,10 +338,20 @@ class AGC:
             bound = self.clip_factor * tf.maximum(wn, tf.cast(tf.constant(self.eps, tf.float32), tf.float64))
             scale = tf.where(gn > bound, bound / gn, tf.ones_like(gn))
             out.append(g * tf.cast(scale, g.dtype))
+            if counts:  # not (gn <= bound): a NaN unit counts, as the op's (its scale is NaN)
+                clipped.append(tf.reduce_sum(tf.cast(tf.logical_not(gn <= bound), tf.int64)))
+        if counts:
+            return out, (tf.stack(clipped) if clipped else tf.zeros([0], tf.int64))
         return out
 
 
 _MODES = {c.mode: c for c in (ZClip, AutoClip, AGC)}
+
+
+def num_units(shape):
+    """AGC's unit count of a variable of `shape` (its last axis; 1 for rank <= 1)."""
+    shape = tf.TensorShape(shape)
+    return 1 if shape.rank <= 1 else int(shape[-1])
 
 
 def serialize(clip):

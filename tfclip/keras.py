@@ -200,12 +200,16 @@ class _FusedMixin(_optstate.NormState):
             for attr, name, value, dtype in _optstate.STATE_VARIABLES:
                 object.__setattr__(self, attr, _state_variable(value, name, dtype))
         object.__setattr__(self, "_tensor_norms", None)  # made by build (one per variable)
+        object.__setattr__(self, "_clipped_units", None)  # made by build with an AGC clip
 
     def build(self, var_list):
         super().build(var_list)
         object.__setattr__(self, "_tensor_norms", _state_variable(
             [0.0] * len(var_list), "tensor_norms", "float32"))
         clip = self._tfclip_clip
+        if isinstance(clip, _clipping.AGC):  # AGC's clipped units, aligned with tensor_norms
+            object.__setattr__(self, "_clipped_units", _state_variable(
+                [0] * len(var_list), "clipped_units", "int64"))
         if isinstance(clip, _clipping.AdaptiveClip):
             # The adaptive clip's state: optimizer variables (checkpoints, .keras files), on the
             # variables' device, the same on every replica.
@@ -319,12 +323,13 @@ class _FusedMixin(_optstate.NormState):
                 adaptive = self.clip.step(use_norm)
                 mode, clip = "global_norm", adaptive.clip
         norm = applied = None
+        counts, order = [], []  # each group's clipped_units, and the variables they are of
         for with_decay, idx in sorted(groups.items()):
             values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
             group = [keras_vars[i] for i in idx]
             kind, slots, hparams, flags = self._op_inputs(group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            n, a, tn = _opcall.apply(
+            n, a, tn, cu = _opcall.apply(
                 kind, [_tf_var(v).handle for v in group], slots, values, hparams, flags,
                 clip=clip, use_norm=use_norm, iterations=[],
                 clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
@@ -332,7 +337,10 @@ class _FusedMixin(_optstate.NormState):
             norm = n if norm is None else norm
             applied = a if applied is None else applied
             tensor_norms = tn if tensor_norms is None else tensor_norms
-        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive)
+            counts.append(cu)
+            order += idx
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive,
+                           _in_order(counts, order))
         return applied
 
     def _hp(self, name):
@@ -359,9 +367,13 @@ class _FusedMixin(_optstate.NormState):
         base = super(_FusedMixin, self)
         adaptive = self.clip.step(norm) if isinstance(self.clip, _clipping.AdaptiveClip) else None
 
+        agc_clipped = counts = None
+        if isinstance(self.clip, _clipping.AGC):  # the counts also for a skipped step, as the op's
+            agc_clipped, counts = self.clip.unfused(grads, tvars, counts=True)
+
         def update():
-            if isinstance(self.clip, _clipping.AGC):
-                clipped = self.clip.unfused(grads, tvars)
+            if agc_clipped is not None:
+                clipped = agc_clipped
             elif adaptive is None:
                 clipped = base._clip_gradients(grads)
             else:  # TF's clip_by_global_norm scale, to the adaptive threshold when it clips
@@ -380,7 +392,7 @@ class _FusedMixin(_optstate.NormState):
             update()
             applied = tf.constant(True)
         mode, clip = self._clip_mode() if adaptive is None else ("global_norm", adaptive.clip)
-        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive)
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive, counts)
 
 
 def _scaled(g, scale):
@@ -636,6 +648,11 @@ class GradientNormLogger(keras.callbacks.Callback):
     - `{prefix}/clip_fraction` and `{prefix}/clip_scale_mean` (with `global_clipnorm`,
       `clipnorm` or an adaptive `clip=`): the share of the steps since the last write that the clip scaled down, and
       their mean clip scale (1 for a step left alone, clip / norm for a clipped one);
+    - `{prefix}/agc_clipped_units` and `{prefix}/agc_clipped_fraction` (with
+      `clip=tfclip.clipping.AGC(...)`): how many units AGC scaled down at the last step, all
+      variables together (`optimizer.clipped_units`, counted by the fused op), and that count over
+      the variables' total number of units (a unit: one index of a variable's last axis; a
+      variable of rank <= 1 is one unit);
     - `{prefix}/skipped_steps`: steps skipped for a non-finite norm since the last write (and
       `{prefix}/skipped_steps_total`);
     - `{prefix}/{by}/<name>`: the norms of the `top_k` largest layers (`by="layer"`: the norm of
@@ -731,9 +748,26 @@ class GradientNormLogger(keras.callbacks.Callback):
                 tf.summary.scalar(f"{p}/clip_scale_mean", scale_sum / steps)
             if opt.clip is not None:  # the adaptive threshold of the last step, beside its norm
                 tf.summary.scalar(f"{p}/clip_threshold", float(opt.clip_threshold.numpy()))
+            if opt.clipped_units is not None:  # AGC: the last step's clipped units
+                total = int(opt.clipped_units.numpy().sum())
+                units = sum(_clipping.num_units(v.shape) for v in opt._trainable_variables)
+                tf.summary.scalar(f"{p}/agc_clipped_units", total)
+                tf.summary.scalar(f"{p}/agc_clipped_fraction", total / units if units else 0.0)
             if opt.tensor_norms is not None:
                 names, norms = self.group_norms(opt)
                 for name, n in list(zip(names, norms))[:self.top_k]:
                     tf.summary.scalar(f"{p}/{self.by}/{name}", n)
                 if norms:
                     tf.summary.histogram(f"{p}/{self.by}_norms", norms)
+
+
+def _in_order(parts, order):
+    """The groups' per-variable vectors `parts` (of the variables `order`, group by group) in
+    the variables' order."""
+    v = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+    if order == list(range(len(order))):
+        return v
+    inverse = [0] * len(order)
+    for k, i in enumerate(order):
+        inverse[i] = k
+    return tf.gather(v, inverse)

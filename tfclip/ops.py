@@ -212,9 +212,11 @@ def fused_clip_apply(
         weight decay skips them).
 
     Returns:
-      `ClipApplyResult(global_norm, applied, tensor_norms)`: the pre-clip global norm, whether
-      the step was applied, and each gradient's own pre-clip norm (aligned with the pairs whose
-      gradient is not None; NaN with `use_norm`), all from the one norm pass. In graph mode,
+      `ClipApplyResult(global_norm, applied, tensor_norms, clipped_units)`: the pre-clip global
+      norm, whether the step was applied, each gradient's own pre-clip norm (aligned with the
+      pairs whose gradient is not None; NaN with `use_norm`), all from the one norm pass, and
+      with `clip=tfclip.clipping.AGC(...)` each gradient's count of units AGC scaled down (int64,
+      aligned as tensor_norms; 0 in the other clip modes). In graph mode,
       running any of them runs the step.
 
     ```python

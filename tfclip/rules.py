@@ -276,7 +276,7 @@ class Rule:
         given = use_norm is not None
         # (all_dense: the caller checked that every gradient is an eager tensor.)
         values, sparse_kw = (grads, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(grads)
-        norm, applied, tensor_norms = _opcall.apply(
+        norm, applied, tensor_norms, clipped_units = _opcall.apply(
             self.kind,
             var_handles,
             self._op_slots(slot_lists),
@@ -294,12 +294,13 @@ class Rule:
             **({} if agc_eps is None else {"agc_eps": agc_eps}),
         )
         if counter is not None:
-            return ClipApplyResult(norm, applied, tensor_norms)
+            return ClipApplyResult(norm, applied, tensor_norms, clipped_units)
         bump = self.iterations.assign_add(tf.cast(applied, tf.int64), read_value=False)
         if tf.executing_eagerly():
-            return ClipApplyResult(norm, applied, tensor_norms)
+            return ClipApplyResult(norm, applied, tensor_norms, clipped_units)
         with tf.control_dependencies([bump]):
-            return ClipApplyResult(tf.identity(norm), tf.identity(applied), tf.identity(tensor_norms))
+            return ClipApplyResult(tf.identity(norm), tf.identity(applied), tf.identity(tensor_norms),
+                                   tf.identity(clipped_units))
 
     def _host_counter(self):
         """The step counter's handle where the op may own the count: outside tf.distribute

@@ -158,6 +158,7 @@ class _FusedMixin(_optstate.NormState):
         for attr, name, value, dtype in _optstate.STATE_VARIABLES:
             object.__setattr__(self, attr, _state_variable(value, f"{self._tfclip_scope()}/{name}", dtype))
         object.__setattr__(self, "_tensor_norms", None)
+        object.__setattr__(self, "_clipped_units", None)  # with an AGC clip, made with tensor_norms
         object.__setattr__(self, "_tensor_norm_names", [])
         object.__setattr__(self, "_tfclip_state_graph", _outer_graph())
 
@@ -168,7 +169,13 @@ class _FusedMixin(_optstate.NormState):
             object.__setattr__(self, "_tensor_norms", _state_variable(
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
+            self._tfclip_make_clipped_units(len(var_list))
         self._tfclip_build_clip(self._tfclip_add_clip_variable)
+
+    def _tfclip_make_clipped_units(self, n):
+        if isinstance(self._tfclip_clip, _clipping.AGC):  # AGC's clipped units, as tensor_norms
+            object.__setattr__(self, "_clipped_units", _state_variable(
+                [0] * n, f"{self._tfclip_scope()}/clipped_units", tf.int64))
 
     def _tfclip_add_clip_variable(self, name, shape, dtype):
         # As add_variable, with the aggregation a mirrored copy needs to be assigned per replica.
@@ -308,13 +315,14 @@ class _FusedMixin(_optstate.NormState):
                 adaptive = self.clip.step(use_norm)
                 mode, clip = "global_norm", adaptive.clip
         norm = applied = None
+        counts, order = [], []  # each group's clipped_units, and the variables they are of
         for (with_decay, _), idx in sorted(groups.items()):
             values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
             group = [tvars[i] for i in idx]
             lr = _opcall.scalar(self._tfclip_lr(group), "learning_rate")
             kind, slots, hparams, flags = self._op_inputs(group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            n, a, tn = _opcall.apply(
+            n, a, tn, cu = _opcall.apply(
                 kind, [v.handle for v in group], slots, values, hparams, flags,
                 clip=clip, use_norm=use_norm, iterations=[], clip_mode=mode,
                 nonfinite=self.nonfinite, use_given_norm=given, lazy=self._tfclip_lazy(),
@@ -325,7 +333,10 @@ class _FusedMixin(_optstate.NormState):
             norm = n if norm is None else norm
             applied = a if applied is None else applied
             tensor_norms = tn if tensor_norms is None else tensor_norms
-        self._record_norms(norm, applied, tensor_norms, tvars, mode, clip, adaptive)
+            counts.append(cu)
+            order += idx
+        self._record_norms(norm, applied, tensor_norms, tvars, mode, clip, adaptive,
+                           _in_order(counts, order))
         return applied
 
     def _tfclip_group(self, v):
@@ -563,6 +574,7 @@ class _LegacyFusedMixin(_FusedMixin):
             object.__setattr__(self, "_tensor_norms", _state_variable(
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
+            self._tfclip_make_clipped_units(len(var_list))
             object.__setattr__(self, "_tfclip_index", {_legacy_var_key(v): i for i, v in enumerate(var_list)})
         self._tfclip_build_clip(self._tfclip_add_clip_weight)
 
@@ -982,3 +994,15 @@ def _install_mixup_errors():
 
 
 _install_mixup_errors()
+
+
+def _in_order(parts, order):
+    """The groups' per-variable vectors `parts` (of the variables `order`, group by group) in
+    the variables' order."""
+    v = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+    if order == list(range(len(order))):
+        return v
+    inverse = [0] * len(order)
+    for k, i in enumerate(order):
+        inverse[i] = k
+    return tf.gather(v, inverse)

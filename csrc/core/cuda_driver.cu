@@ -82,6 +82,7 @@ struct DevAgc {
   double* unit_w;
   double* unit_scale;
   double* vsq;  // n: an IndexedSlices gradient's values' sum of squares
+  int64_t* clipped;  // n: each tensor's count of clipped units (CudaOutputs), or null
   int64_t nunits;
   int n;
   double clip, eps;
@@ -504,9 +505,12 @@ __global__ void __launch_bounds__(kThreads) AgcTensorKernel(Table t, DevAgc a) {
   }
   for (int64_t k = 0; k < ten.num_chunks; ++k) t.partials[ten.first_chunk + k] = k == 0 ? sum : 0.0;
   const double clip = a.dev_clip != nullptr ? *a.dev_clip : a.clip;
+  int64_t k = 0;
   for (int64_t u = uo; u < uo + c; ++u) {
     a.unit_scale[u] = clip == 0.0 ? 1.0 : AgcUnitScale(clip, a.eps, a.unit_g[u], a.unit_w[u]);
+    k += a.unit_scale[u] != 1.0 ? 1 : 0;  // NaN too, as AgcScales counts
   }
+  if (a.clipped != nullptr) a.clipped[i] = k;
 }
 
 // ---------------------------------------------------------------- kernel 2: finalize
@@ -521,6 +525,7 @@ struct FinalizeArgs {
   DeviceScalars ds;     // scalars to read from device memory (apply steps)
   ClipOpScalars clip_op;  // the clip op's clip_norm / use_norm in device memory
   bool read_scalars;    // ds.any(): read them, check them, recompute the step constants
+  bool zero_clipped;    // out.clipped_units is 0s (no AGC pass counted them)
   CudaOutputs out;
 };
 
@@ -601,6 +606,9 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
     s_mode = static_cast<int>(mode);
   }
   __syncthreads();
+  if (a.zero_clipped) {
+    for (int i = threadIdx.x; i < t.n; i += kFinalizeThreads) a.out.clipped_units[i] = 0;
+  }
   void* norms_out = a.out.tensor_norms;
   if (t.factors == nullptr && norms_out == nullptr) return;
   const ClipMode mode = static_cast<ClipMode>(s_mode);
@@ -1306,6 +1314,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       dagc.clip = args.cfg.clip;
       dagc.eps = args.cfg.agc_eps;
       dagc.dev_clip = ds.clip;
+      dagc.clipped = out.clipped_units;
       for (int i = 0; i < n; ++i) {
         dts[i].unit_scale = dagc.unit_scale + agc_plan.unit_off[i];
         dts[i].units = agc_plan.unit_off[i + 1] - agc_plan.unit_off[i];
@@ -1322,6 +1331,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
     a.ds = ds;
     a.read_scalars = on_device;
     a.out = out;
+    a.zero_clipped = out.clipped_units != nullptr && !agc;
     err = NormAndFinalize(p, t, a, d, stream, agc ? &dagc : nullptr);
     if (!err.empty()) return err;
     const int nslots = NumSlots(args.rule, hp);

@@ -75,6 +75,11 @@ struct CudaOutputs {
   // non-finite policy decides.
   void* tensor_norms = nullptr;
   DType tensor_norms_dtype = DType::kFloat;
+  // An apply step's count of clipped units per tensor (n int64; StepArgs::agc_clipped): with
+  // clip_mode agc counted on the device from the units' scales (AGC's tensor kernel, one thread
+  // a tensor, in unit order), 0 in the other modes (the finalize kernel). Written with
+  // tensor_norms, whatever the non-finite policy decides.
+  int64_t* clipped_units = nullptr;
 };
 
 // The global norm of `ts` into out.norm. Two launches.

@@ -198,6 +198,18 @@ void* NormsOut(py::object o, size_t n, DType* dtype) {
   return d.ptr;
 }
 
+// An optional per-tensor count output (AGC's clipped units): a packed int64 device array of n
+// elements, or None (null).
+int64_t* ClippedOut(py::object o, size_t n) {
+  if (o.is_none()) return nullptr;
+  const DeviceOut d = ReadDeviceOut(o);
+  if (d.code != "i8" || static_cast<size_t>(d.size) != n || !d.packed) {
+    Fail("agc_clipped_out must be a contiguous int64 device array of " + std::to_string(n) +
+         " elements (one per tensor), got typestr " + d.typestr + " with " + std::to_string(d.size));
+  }
+  return static_cast<int64_t*>(d.ptr);
+}
+
 // A step's memory from the module's OwnedWorkspace (the core releases it on every path).
 class OwnedMemory : public cuda::CudaStepMemory {
  public:
@@ -344,7 +356,8 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
                            const std::string& clip_mode, py::object clip, py::object use_norm,
                            const std::string& nonfinite, py::object indices, bool lazy,
                            py::object iterations, py::object norm_out, py::object applied_out,
-                           py::object stream_o, py::object tensor_norms_out, double agc_eps) {
+                           py::object stream_o, py::object tensor_norms_out, double agc_eps,
+                           py::object agc_clipped_out) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromCuda);
   c.cfg.agc_eps = agc_eps;
@@ -370,6 +383,7 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
   o.applied = static_cast<bool*>(ScalarOut(applied_out, "applied_out", &unused, true));
   o.tensor_norms = NormsOut(tensor_norms_out, static_cast<size_t>(args.n), &o.tensor_norms_dtype);
+  o.clipped_units = ClippedOut(agc_clipped_out, static_cast<size_t>(args.n));
   const bool sync = o.norm == nullptr && o.applied == nullptr;
   if (sync) {
     o.norm = Scratch();
@@ -460,7 +474,7 @@ void DefineCuda(py::module_& m) {
         py::arg("iterations") = py::none(),
         py::arg("norm_out") = py::none(), py::arg("applied_out") = py::none(),
         py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
-        py::arg("agc_eps") = 1e-3,
+        py::arg("agc_eps") = 1e-3, py::arg("agc_clipped_out") = py::none(),
         "clip_apply on CUDA arrays. With norm_out/applied_out (device scalars) nothing waits "
         "and None is returned; else (global_norm, applied) after a wait. nonfinite='raise' "
         "always waits. bfloat16 arrays are passed as uint16 views. indices (host NumPy arrays, "
@@ -470,7 +484,9 @@ void DefineCuda(py::module_& m) {
         "without a host wait; a bad value there writes nothing (applied False), and with "
         "nonfinite='raise' is an error. tensor_norms_out: None or a float32/float64 device "
         "array of len(grads), given each gradient's pre-clip norm from the norm pass (NaN with "
-        "use_norm), also when the step is skipped.");
+        "use_norm), also when the step is skipped. agc_clipped_out: None or an int64 device array "
+        "of len(grads), given each tensor's count of units clip_mode='agc' scaled down, counted "
+        "on the device (0 in the other modes), written with tensor_norms_out.");
   m.def("cuda_allocations", &cuda::Allocations,
         "Device and pinned-host allocations _core has made so far (its workspace ring, scratch "
         "and cuda_malloc): a step of a size seen before allocates nothing.");

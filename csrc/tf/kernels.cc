@@ -439,6 +439,8 @@ class ClipApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
     Tensor* per_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({n_}), &per_out));
+    Tensor* clipped_out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({n_}), &clipped_out));
     StepResult r;
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
@@ -446,6 +448,7 @@ class ClipApplyOp : public OpKernel {
       GpuMemory mem(ctx);
       cuda::CudaOutputs o = NormOutput(norm_out, DType::kFloat, per_out);
       o.applied = reinterpret_cast<bool*>(const_cast<char*>(applied_out->tensor_data().data()));
+      o.clipped_units = clipped_out->flat<int64_t>().data();
       OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipApply(args, ds, &mem, o, gpu_stream, &r)));
       OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
 #endif
@@ -456,6 +459,7 @@ class ClipApplyOp : public OpKernel {
       tf::mutex_lock scratch_lock(scratch_mu_);
       scratch_norms_.resize(static_cast<size_t>(n_));
       args.tensor_norms = scratch_norms_.data();
+      args.agc_clipped = clipped_out->flat<int64_t>().data();
       r = ClipApplyCpu(args, &scratch_, TfExecutor(ctx));
       OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
       norm_out->scalar<float>()() = RoundNorm<float>(r.global_norm);

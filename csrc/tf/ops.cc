@@ -46,11 +46,16 @@ absl::Status ClipShapes(InferenceContext* c) {
   return NormShapes(c, "t", "norm");
 }
 
-// The apply ops: global_norm and applied scalars, tensor_norms [N].
+// The apply ops: global_norm and applied scalars, tensor_norms and clipped_units [N].
 absl::Status ApplyShapes(InferenceContext* c) {
   TF_RETURN_IF_ERROR(NormShapes(c, "grad", "global_norm"));
   std::vector<::tensorflow::shape_inference::ShapeHandle> applied{c->Scalar()};
-  return c->set_output("applied", applied);
+  TF_RETURN_IF_ERROR(c->set_output("applied", applied));
+  std::vector<::tensorflow::shape_inference::ShapeHandle> grads;
+  TF_RETURN_IF_ERROR(c->input("grad", &grads));
+  std::vector<::tensorflow::shape_inference::ShapeHandle> per{
+      c->Vector(static_cast<int64_t>(grads.size()))};
+  return c->set_output("clipped_units", per);
 }
 
 }  // namespace
@@ -93,7 +98,11 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // clip_mode 'agc': adaptive gradient clipping, unit-wise (csrc/core/agc.h): `clip` is the clip
 // factor lambda, `agc_eps` the floor of a unit's weight norm (a float attr: 1e-3 as float32);
 // units are var.shape[-1] (the whole variable for rank <= 1); global_norm and tensor_norms stay
-// the pre-clip norms.
+// the pre-clip norms. clipped_units (int64 [N], aligned with tensor_norms): each tensor's count
+// of units AGC scaled down (scale != 1: ||g_u|| > clip * max(||w_u||, agc_eps), and every unit
+// with a non-finite scale), 0 for every tensor in the other clip modes (and with clip 0).
+// Written with tensor_norms, also for a skipped step (the counts the step would have clipped:
+// a non-finite tensor's units all count); nothing is written on an error.
 // IndexedSlices gradients: `sparse` lists their positions in `grad` (ascending); for each,
 // grad holds the slices (`.values`, shape [k] + var.shape[1:]) and `indices` one int32/int64
 // vector of k rows. `lazy`: only touched rows (and their slots) update; else stock Keras
@@ -143,6 +152,7 @@ void AddApplyOp(const RuleInfo& r, bool with_refs) {
       .Output("global_norm: float")
       .Output("applied: bool")
       .Output("tensor_norms: float")
+      .Output("clipped_units: int64")
       .Attr(with_refs ? "N: int >= 0" : "N: int >= 1")
       .Attr("Niterations: int >= 0 = 0")
       .Attr(TypeAttr("Tgrad", " >= 1"))

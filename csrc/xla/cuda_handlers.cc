@@ -146,6 +146,7 @@ ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const ffi::Rema
   o.applied = static_cast<bool*>(call.applied_out);
   o.tensor_norms = call.tensor_norms_out;
   o.tensor_norms_dtype = DType::kFloat;
+  o.clipped_units = static_cast<int64_t*>(call.clipped_out);
   XlaCudaMemory mem(stream, alloc);
   StepResult r;
   TFCLIP_FFI_RETURN_IF_ERROR(CudaError(cuda::CudaClipApply(a, ds, &mem, o, stream, &r)));

@@ -21,8 +21,9 @@
 //                            sparse entry), scalars f64[h + 2] (the rule's hyper-parameters in
 //                            HP order, clip, use_norm), then iterations s64[] if has_iterations
 //                  results:  var[g], slot_0[g] .. (each aliased to its operand: in place),
-//                            applied pred[], norm f32[], tensor_norms f32[g], then the advanced
-//                            counter s64[] if has_iterations
+//                            applied pred[], norm f32[], tensor_norms f32[g], clipped_units
+//                            s64[g] (AGC's count of clipped units per variable, 0 in the other
+//                            modes), then the advanced counter s64[] if has_iterations
 //                  attrs:    rule, flags (FlagBit mask), mode, policy, has_use_norm, lazy,
 //                            sum_of_squares, nslots, has_iterations, sparse (group positions)
 #pragma once

@@ -45,7 +45,8 @@ struct Buffers {
 
 }  // namespace
 
-// attrs: rule, flags, mode, policy, has_use_norm, lazy, sum_of_squares, nslots, has_iterations.
+// attrs: rule, flags, mode, policy, has_use_norm, lazy, sum_of_squares, nslots, has_iterations,
+// agc_eps_bits (the double's bits; read only with mode agc).
 // dtypes are XLA_FFI_DataType values. Returns 0, or 1 with the handler's message in err.
 extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_test(
     void* stream, int nargs, const int32_t* arg_dtypes, void* const* arg_data, const int64_t* arg_ranks,
@@ -61,14 +62,14 @@ extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_
 
   // The attributes, as XLA decodes the backend config: sorted by name.
   static const char* kNames[] = {"rule", "flags", "mode", "policy", "has_use_norm", "lazy",
-                                 "sum_of_squares", "nslots", "has_iterations"};
+                                 "sum_of_squares", "nslots", "has_iterations", "agc_eps_bits"};
   struct Attr {
     std::string name;
     XLA_FFI_AttrType type;
     int64_t value;
   };
   std::vector<Attr> list;
-  for (int k = 0; k < 9; ++k) list.push_back({kNames[k], XLA_FFI_AttrType_SCALAR, attr_values[k]});
+  for (int k = 0; k < 10; ++k) list.push_back({kNames[k], XLA_FFI_AttrType_SCALAR, attr_values[k]});
   list.push_back({"sparse", XLA_FFI_AttrType_ARRAY, 0});
   std::sort(list.begin(), list.end(), [](const Attr& x, const Attr& y) { return x.name < y.name; });
   std::vector<XLA_FFI_ByteSpan> spans(list.size());

@@ -150,7 +150,7 @@ ffi::Error ApplyCall::Decode(const ffi::RemainingArgs& args, const ffi::Remainin
     return ffi::Error::Internal("tfclip_apply: unexpected operand count " + std::to_string(args.size()));
   }
   n = static_cast<int>((args.size() - fixed) / static_cast<size_t>(nslots + 2));
-  const size_t nrets = static_cast<size_t>((nslots + 1) * n) + 3 + (has_iterations ? 1 : 0);
+  const size_t nrets = static_cast<size_t>((nslots + 1) * n) + 4 + (has_iterations ? 1 : 0);
   if (rets.size() != nrets) {
     return ffi::Error::Internal("tfclip_apply: unexpected result count " + std::to_string(rets.size()));
   }
@@ -162,8 +162,8 @@ ffi::Error ApplyCall::Decode(const ffi::RemainingArgs& args, const ffi::Remainin
   }
   scalars = sc->untyped_data();
   const size_t r0 = static_cast<size_t>((nslots + 1) * n);
-  void** outs[] = {&applied_out, &norm_out, &tensor_norms_out, &iterations_out};
-  for (size_t k = 0; k < 3 + (has_iterations ? 1u : 0u); ++k) {
+  void** outs[] = {&applied_out, &norm_out, &tensor_norms_out, &clipped_out, &iterations_out};
+  for (size_t k = 0; k < 4 + (has_iterations ? 1u : 0u); ++k) {
     auto r = rets.get<ffi::AnyBuffer>(r0 + k);
     if (r.has_error()) return r.error();
     *outs[k] = (*r)->untyped_data();

@@ -67,6 +67,7 @@ struct ApplyCall {
   void* applied_out = nullptr;       // pred[]
   void* norm_out = nullptr;          // f32[]
   void* tensor_norms_out = nullptr;  // f32[n]
+  void* clipped_out = nullptr;       // s64[n]: AGC's clipped units per variable
   void* iterations_out = nullptr;    // s64[]
 
   ::xla::ffi::Error Decode(const ::xla::ffi::RemainingArgs& args,

@@ -183,6 +183,7 @@ ffi::Error ApplyHost(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remaini
   }
   s.norms.resize(static_cast<size_t>(call.n));
   a.tensor_norms = s.norms.data();
+  a.agc_clipped = static_cast<int64_t*>(call.clipped_out);
   const StepResult r = ClipApplyCpu(a, &s.step, PoolExecutor(&pool));
   if (!r.error.empty()) return ffi::Error::InvalidArgument(r.error);
   *static_cast<bool*>(call.applied_out) = r.applied;

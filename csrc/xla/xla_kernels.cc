@@ -323,7 +323,7 @@ class ClipApplyXla : public XlaOpKernel {
     // The groups: each a call with its variables and slots aliased to its results.
     const int lists = nslots_ + 1;
     xla::XlaOp first;
-    std::vector<xla::XlaOp> group_norms;
+    std::vector<xla::XlaOp> group_norms, group_clipped;
     for (int g0 = 0; g0 < n_; g0 += kGroupVars) {
       const int gn = std::min(kGroupVars, n_ - g0);
       std::vector<xla::XlaOp> ops;
@@ -353,7 +353,7 @@ class ClipApplyXla : public XlaOpKernel {
         // Group 0's advanced counter is the variable's new value: aliased to the counter operand
         // (in place; XLA copies the count first where later groups still read it).
         if (g0 == 0) {
-          alias.push_back({xla::ShapeIndex{static_cast<int64_t>(outs.size()) + 3},
+          alias.push_back({xla::ShapeIndex{static_cast<int64_t>(outs.size()) + 4},
                            {static_cast<int64_t>(ops.size()), xla::ShapeIndex{}}});
         }
         ops.push_back(counter);
@@ -361,6 +361,7 @@ class ClipApplyXla : public XlaOpKernel {
       outs.push_back(xla::ShapeUtil::MakeShape(xla::PRED, {}));
       outs.push_back(xla::ShapeUtil::MakeShape(xla::F32, {}));
       outs.push_back(xla::ShapeUtil::MakeShape(xla::F32, {gn}));
+      outs.push_back(xla::ShapeUtil::MakeShape(xla::S64, {gn}));  // clipped_units
       if (has_iterations_) outs.push_back(xla::ShapeUtil::MakeShape(xla::S64, {}));
       int64_t eps_bits = 0;
       std::memcpy(&eps_bits, &cfg_.agc_eps, sizeof(eps_bits));
@@ -393,15 +394,18 @@ class ClipApplyXla : public XlaOpKernel {
         ctx->SetOutput(1, xla::GetTupleElement(call, r0));
         if (has_iterations_) {
           OP_REQUIRES_OK(ctx, ctx->AssignVariable(counter_index, tf::DT_INT64,
-                                                  xla::GetTupleElement(call, r0 + 3)));
+                                                  xla::GetTupleElement(call, r0 + 4)));
         }
       }
       group_norms.push_back(xla::GetTupleElement(call, r0 + 2));
+      group_clipped.push_back(xla::GetTupleElement(call, r0 + 3));
     }
     // Each gradient's norm: the norm call's, or (use_norm given) what each group's step wrote
     // (NaN, or its own norms where clipnorm needs them).
     ctx->SetOutput(2, cfg_.has_use_norm ? xla::ConcatInDim(b, group_norms, 0)
                                         : xla::GetTupleElement(norm_call, 2));
+    // Each variable's count of AGC's clipped units, the groups' in order.
+    ctx->SetOutput(3, xla::ConcatInDim(b, group_clipped, 0));
   }
 
  private:

@@ -49,16 +49,26 @@ def test_agc_dense_parity(rng, pair, rule):
     vd, gd = pair
     slot_names, hp = RULES[rule]
     vars_c = [rng.normal(size=s).astype(vd) for s in SHAPES]
+    vars_c0 = [v.copy() for v in vars_c]
     grads = [mixed_grads(rng, s, gd, v.astype(np.float64)) for s, v in zip(SHAPES, vars_c)]
     slots_c = [[np.zeros(s, vd) for s in SHAPES] for _ in slot_names]
     vars_g = [to_dev(v) for v in vars_c]
     slots_g = [[to_dev(s) for s in sl] for sl in slots_c]
     tn_c = np.zeros(len(SHAPES))
     tn_g = full((len(SHAPES),), np.nan, np.float64)
-    nc, ac = core.clip_apply(rule, vars_c, grads, slots_c, hp, "agc", 0.05, tensor_norms_out=tn_c)
+    cu_c = np.full(len(SHAPES), -7, np.int64)
+    cu_g = full((len(SHAPES),), -7, np.int64)  # poisoned: the step must write every count
+    nc, ac = core.clip_apply(rule, vars_c, grads, slots_c, hp, "agc", 0.05, tensor_norms_out=tn_c,
+                             agc_clipped_out=cu_c)
     ng, ag = core.cuda_clip_apply(rule, vars_g, [to_dev(g) for g in grads], slots_g, hp, "agc", 0.05,
-                                  tensor_norms_out=tn_g)
+                                  tensor_norms_out=tn_g, agc_clipped_out=cu_g)
     assert ac and ag
+    # The counts of clipped units, counted on the device: the CPU's, and the paper's.
+    same_bits(to_host(cu_g, np.int64), cu_c)
+    want = [int((np.sqrt((units_of(g) ** 2).sum(0)) >
+                 0.05 * np.maximum(np.sqrt((units_of(v) ** 2).sum(0)), 1e-3)).sum())
+            for g, v in zip(grads, vars_c0)]
+    assert list(cu_c) == want and 0 < sum(want)
     np.testing.assert_allclose(ng, nc, rtol=1e-12)
     same_bits(to_host(tn_g, np.float64), tn_c)  # each tensor's sum: the CPU's order
     for got, want in zip([*vars_g, *[s for sl in slots_g for s in sl]],
@@ -89,10 +99,15 @@ def test_agc_sparse_parity(rng, rule, lazy):
     slots_c = [[np.zeros(s, np.float32) for s in shapes] for _ in slot_names]
     vars_g = [to_dev(v) for v in vars_c]
     slots_g = [[to_dev(s) for s in sl] for sl in slots_c]
-    nc, ac = core.clip_apply(rule, vars_c, grads, slots_c, hp, "agc", 0.05, indices=ind, lazy=lazy)
+    cu_c = np.full(4, -7, np.int64)
+    cu_g = full((4,), -7, np.int64)
+    nc, ac = core.clip_apply(rule, vars_c, grads, slots_c, hp, "agc", 0.05, indices=ind, lazy=lazy,
+                             agc_clipped_out=cu_c)
     ng, ag = core.cuda_clip_apply(rule, vars_g, [to_dev(g) for g in grads], slots_g, hp, "agc", 0.05,
-                                  indices=ind, lazy=lazy)
+                                  indices=ind, lazy=lazy, agc_clipped_out=cu_g)
     assert ac and ag
+    same_bits(to_host(cu_g, np.int64), cu_c)
+    assert cu_c.min() >= 0 and cu_c[1:].sum() > 0
     np.testing.assert_allclose(ng, nc, rtol=1e-12)
     for got, want in zip([*vars_g, *[s for sl in slots_g for s in sl]],
                          [*vars_c, *[s for sl in slots_c for s in sl]]):
@@ -117,8 +132,23 @@ def test_agc_device_clip_eps_and_skip(rng):
     before = [to_host(v, np.float32).tobytes() for v in vars_g]
     bad = [g.copy() for g in grads]
     bad[1][3] = np.nan
-    _, ag = core.cuda_clip_apply("sgd", vars_g, [to_dev(g) for g in bad], [], hp, "agc", 0.05)
+    cu_g = full((2,), -7, np.int64)
+    cu_c = np.full(2, -7, np.int64)
+    _, ag = core.cuda_clip_apply("sgd", vars_g, [to_dev(g) for g in bad], [], hp, "agc", 0.05,
+                                 agc_clipped_out=cu_g)
     assert not ag
     assert [to_host(v, np.float32).tobytes() for v in vars_g] == before
+    # Counted for the skipped step too (the NaN unit among them), as the CPU counts.
+    core.clip_apply("sgd", [v.copy() for v in vars_c], bad, [], hp, "agc", 0.05, agc_clipped_out=cu_c)
+    same_bits(to_host(cu_g, np.int64), cu_c)
+    assert cu_c[1] == 1
+    # Another clip mode: every count 0 (poisoned first), on the device as on the CPU.
+    cu_g = full((2,), -7, np.int64)
+    core.cuda_clip_apply("sgd", vars_g, [to_dev(g) for g in grads], [], hp, "global_norm", 0.01,
+                         agc_clipped_out=cu_g)
+    same_bits(to_host(cu_g, np.int64), np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="agc_clipped_out must be"):
+        core.cuda_clip_apply("sgd", vars_g, [to_dev(g) for g in grads], [], hp, "agc", 0.05,
+                             agc_clipped_out=full((3,), 0, np.int64))
     with pytest.raises(ValueError, match="agc_eps must be finite and >= 0"):
         core.cuda_clip_apply("sgd", vars_g, [to_dev(g) for g in grads], [], hp, "agc", 0.05, agc_eps=-1.0)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.emulation_only
 # XLA_FFI_DataType (xla/ffi/api/c_api.h).
 FFI = {np.dtype(np.bool_): 1, np.dtype(np.int64): 5, np.dtype(np.float16): 10,
        np.dtype(np.float32): 11, np.dtype(np.float64): 12, BF16: 16}
-MODES = {"none": 0, "global_norm": 1, "norm": 2, "value": 3}
+MODES = {"none": 0, "global_norm": 1, "norm": 2, "value": 3, "agc": 4}
 POLICIES = {"skip": 0, "propagate": 1, "raise": 2}
 OVERRIDES = {"learning_rate": 0.01, "step": 1.0, "u_product": 0.7, "schedule_decay": 0.004, "weight_decay": 0.01,
              "l1_regularization_strength": 0.01}
@@ -49,9 +49,9 @@ def _frame(bufs):
 
 
 def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_dt, grad_dt,
-                 mode, policy):
+                 mode, policy, agc_eps=1e-3, clipped_out=None):
     """One tfclip_apply call as XLA makes it; returns (error or None, applied, norm,
-    tensor_norms, counter after)."""
+    tensor_norms, counter after). clipped_out: a list given the clipped_units result."""
     n = len(vars_d)
     scal = to_dev(np.asarray(scalars, np.float64))
     cnt_in = to_dev(np.asarray(counter, np.int64).reshape(()))
@@ -59,17 +59,20 @@ def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_d
     norm = to_dev(np.full((), np.nan, np.float32))
     tn = to_dev(np.full((n,), np.nan, np.float32))
     cnt_out = to_dev(np.asarray(-1, np.int64).reshape(()))
+    clipped = to_dev(np.full((n,), -7, np.int64))  # poisoned: every count must be written
     state = [(d, var_dt, s) for d, s in zip(vars_d, shapes)]
     for sl in slots_d:
         state += [(d, var_dt, s) for d, s in zip(sl, shapes)]
     args = state + [(d, grad_dt, s) for d, s in zip(grads_d, shapes)] + \
         [(scal, np.float64, (len(scalars),)), (cnt_in, np.int64, ())]
     rets = state + [(applied, np.bool_, ()), (norm, np.float32, ()), (tn, np.float32, (n,)),
-                    (cnt_out, np.int64, ())]
+                    (clipped, np.int64, (n,)), (cnt_out, np.int64, ())]
     attrs = [list(core.rule_table()).index(rule), 0, MODES[mode], POLICIES[policy], 1, 0, 0,
-             len(slots_d), 1]
+             len(slots_d), 1, int(np.float64(agc_eps).view(np.int64))]
     err = ctypes.create_string_buffer(4096)
-    rc = _entry()(None, *_frame(args), *_frame(rets), (ctypes.c_int64 * 9)(*attrs), err, 4096)
+    rc = _entry()(None, *_frame(args), *_frame(rets), (ctypes.c_int64 * 10)(*attrs), err, 4096)
+    if clipped_out is not None:
+        clipped_out.append(to_host(clipped, np.int64).reshape(-1))
     if rc:
         return err.value.decode(), None, None, None, None
     one = lambda d, dt: to_host(d, dt).reshape(-1)[0].item()  # noqa: E731
@@ -119,10 +122,12 @@ def test_handler_matches_cpu_driver(rng, rule, mode):
     vars_d = [to_dev(v) for v in vars_]
     slots_d = [[to_dev(s) for s in sl] for sl in slots]
     grads_d = [to_dev(g) for g in grads]
+    clipped = []
     err, applied, norm, tn, counter = call_handler(rule, vars_d, slots_d, grads_d,
                                                    values + [clip, use_norm], 4, shapes, var_dt,
-                                                   grad_dt, mode, "skip")
+                                                   grad_dt, mode, "skip", clipped_out=clipped)
     assert err is None, err
+    _same_bits(clipped[0], np.zeros(len(shapes), np.int64))  # no AGC: every count 0
     # The CPU driver, given the same counter (t = iterations + step).
     it = np.array([4], np.int64)
     want_norm, want_applied = core.clip_apply(rule, vars_, grads, slots, hp, mode, clip,
@@ -172,3 +177,28 @@ def test_handler_nonfinite_writes_nothing(rng, policy):
         assert counter == 2  # not advanced
     for d, want in zip([*vars_d, *[s for sl in slots_d for s in sl]], [*vars_, *[s for sl in slots for s in sl]]):
         _same_bits(to_host(d, np.float32), want)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_handler_agc_clipped_units(rng, rule):
+    """clip_mode agc through the CUDA handler: the variables, slots and each tensor's count of
+    clipped units (the clipped_units result, counted on the device) are the CPU driver's."""
+    shapes = [(), (7,), (6, 5), (3, 4, 5), (2, 3, 4, 6)]
+    vars_, grads, slots, values, hp = _problem(rng, rule, shapes, np.float32, np.float32)
+    grads = [np.asarray(g * (50.0 if i % 2 == 0 else 0.001), np.float32) for i, g in enumerate(grads)]
+    vars_d = [to_dev(v) for v in vars_]
+    slots_d = [[to_dev(s) for s in sl] for sl in slots]
+    grads_d = [to_dev(g) for g in grads]
+    eps = 2.0 ** -7
+    clipped = []
+    err, applied, _, _, _ = call_handler(rule, vars_d, slots_d, grads_d,
+                                         values + [0.05, core.global_norm(grads)], 0, shapes, np.float32,
+                                         np.float32, "agc", "skip", agc_eps=eps, clipped_out=clipped)
+    assert err is None and applied, err
+    want = np.full(len(shapes), -7, np.int64)
+    core.clip_apply(rule, vars_, grads, slots, hp, "agc", 0.05, agc_eps=eps,
+                    iterations=np.zeros(1, np.int64), agc_clipped_out=want)
+    _same_bits(clipped[0], want)
+    assert 0 < want.sum() < sum(1 if len(s) <= 1 else s[-1] for s in shapes)
+    for d, w in zip([*vars_d, *[s for sl in slots_d for s in sl]], [*vars_, *[s for sl in slots for s in sl]]):
+        _same_bits(to_host(d, np.float32), w)

@@ -115,6 +115,8 @@ class _Fused(tf.compat.v1.train.Optimizer):
         self._tfclip_norms = {}  # graph (None: eager) -> its global-norm variable; not tracked
         self._tfclip_tnorms = {}  # (graph, the step's variables) -> (tensor-norms variable, names)
         self._tfclip_last_tnorms = {}  # graph -> the last step's (tensor-norms variable, names)
+        self._tfclip_cunits = {}  # AGC: as _tfclip_tnorms, the clipped-units variable
+        self._tfclip_last_cunits = {}  # graph -> the last step's clipped-units variable
 
     @staticmethod
     def _check_numbers(**named):
@@ -168,6 +170,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
             entry = self._tfclip_last_tnorms.get(self._graph_key())
         return None if entry is None else entry[0]
 
+    def clipped_units(self):
+        """With `clip=tfclip.clipping.AGC(...)`: each gradient's count of units AGC scaled down in
+        the last step built (an int64 local variable aligned with `tensor_norms()` and
+        `tensor_norm_names()`; 0 for a pair whose gradient is None), counted by the fused op.
+        None without AGC or before a step was built. Fetch it as `tensor_norms()`; a skipped
+        step writes it too."""
+        with tf.init_scope():
+            return self._tfclip_last_cunits.get(self._graph_key())
+
     def tensor_norm_names(self):
         """The variable names `tensor_norms()` is aligned with (those of the last step built)."""
         with tf.init_scope():
@@ -183,6 +194,13 @@ class _Fused(tf.compat.v1.train.Optimizer):
             var = self._local_var(all_vars, tf.zeros([len(all_vars)], tf.float32), "tensor_norms")
             self._tfclip_tnorms[key] = (var, tuple(v.name for v in all_vars))
         self._tfclip_last_tnorms[graph] = self._tfclip_tnorms[key]
+        if isinstance(self._adaptive, _clipping.AGC):
+            if key not in self._tfclip_cunits:
+                self._tfclip_cunits[key] = self._local_var(
+                    all_vars, tf.zeros([len(all_vars)], tf.int64), "clipped_units")
+            self._tfclip_last_cunits[graph] = self._tfclip_cunits[key]
+        else:
+            self._tfclip_last_cunits.pop(graph, None)
         return self._tfclip_tnorms[key][0]
 
     def _norm_var(self, var_list):
@@ -259,15 +277,19 @@ class _Fused(tf.compat.v1.train.Optimizer):
                     self._adaptive.build()
             norm_var = self._norm_var(var_list)
             tnorm_var = self._tnorm_var(all_vars)
+            cunits_var = self._tfclip_last_cunits.get(self._graph_key())
 
         def step(grads):
             self._prepare()
-            norm, applied, tnorms, adaptive = self._fused(var_list, grads)
+            norm, applied, tnorms, adaptive, cunits = self._fused(var_list, grads)
             if len(var_list) < len(all_vars):  # a 0 for each pair without a gradient
-                tnorms = tf.gather(tf.concat([tnorms, [0.0]], 0),
-                                   [len(var_list) if k is None else k for k in where])
+                spread = [len(var_list) if k is None else k for k in where]
+                tnorms = tf.gather(tf.concat([tnorms, [0.0]], 0), spread)
+                cunits = tf.gather(tf.concat([cunits, tf.zeros([1], tf.int64)], 0), spread)
             updates = [norm_var.assign(norm, read_value=False),
                        tnorm_var.assign(tnorms, read_value=False), *self._finish_step(applied)]
+            if cunits_var is not None:
+                updates.append(cunits_var.assign(cunits, read_value=False))
             if adaptive is not None:
                 updates.append(_clipping.assign_updates(adaptive, after=[applied]))
             return [u for u in updates if u is not None]
@@ -317,7 +339,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             use_norm, tensor_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
             adaptive = self._adaptive.step(use_norm)
             mode, clip = "global_norm", adaptive.clip
-        norm, applied, tnorms = _opcall.apply(
+        norm, applied, tnorms, cunits = _opcall.apply(
             kind, [v.handle for v in var_list],
             [[self._slot_of(v, s, False).handle for v in var_list] for s in names],
             values,
@@ -327,7 +349,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             use_given_norm=use_norm is not None, **agc, **sparse_kw)
         if adaptive is not None:
             tnorms = tf.cast(tensor_norms, tnorms.dtype)
-        return norm, applied, tnorms, adaptive
+        return norm, applied, tnorms, adaptive, cunits
 
     def _slot_of(self, v, name, ref):
         slot = self.get_slot(v, name)
