@@ -631,3 +631,37 @@ def test_agc_settings_are_checked_by_name():
     with pytest.raises(ValueError, match="cannot be combined with clipnorm"):
         tfclip.fused_clip_apply([(tf.constant([1.0]), tf.Variable([1.0]))], tfclip.rules.SGD(0.1), clip="agc",
                                 clipnorm=1.0)
+
+
+@pytest.mark.parametrize("front", ["keras", "tf_keras"])
+def test_agc_counts_keep_the_variables_order_across_weight_decay_groups(front):
+    """AdamW with some variables excluded from the decay runs one op per group (undecayed
+    first); optimizer.clipped_units must still follow the variables' order."""
+    from test_agc import ref_counts
+
+    grad_steps = _agc_grads(4, seed=18)
+    rng = np.random.default_rng(19)
+    init = [rng.normal(size=s) + 0.5 for s in AGC_SHAPES]
+    names = [f"w{i}" for i in range(len(init))]
+    clip = clipping.AGC(clip_factor=0.03)
+    if front == "keras":
+        if tfclip._KERAS_PROBLEM is not None:
+            pytest.skip(f"Keras 3 is not here: {tfclip._KERAS_PROBLEM}")
+        ws = [keras.Variable(x, dtype="float64", name=n) for x, n in zip(init, names)]
+        opt = tfclip.keras.AdamW(1e-2, weight_decay=0.1, clip=clip)
+    else:
+        pytest.importorskip("tf_keras", reason="tf-keras is the optional Keras 2 extra")
+        ws = [tf.Variable(x, name=n) for x, n in zip(init, names)]
+        opt = tfclip.tf_keras.AdamW(1e-2, weight_decay=0.1, clip=clip)
+    opt.exclude_from_weight_decay(var_names=["w1", "w3"])  # the groups: [w1, w3], [w0, w2, w4]
+    seen = 0
+    for step in grad_steps:
+        before = [w.numpy() for w in ws]
+        want = ref_counts(step, before, 0.03)
+        if front == "keras":
+            opt.apply([tf.constant(g) for g in step], ws)
+        else:
+            opt.apply_gradients(zip([tf.constant(g) for g in step], ws))
+        np.testing.assert_array_equal(opt.clipped_units.numpy(), want)
+        seen += int(len(set(want.tolist())) > 1)
+    assert seen > 0  # counts that differ between variables, so a misordering would show

@@ -105,3 +105,15 @@ class NormState:
         fired = tf.logical_and(tf.logical_and(applied, clip > 0), measure > clip)
         self._clipped_steps.assign_add(tf.cast(fired, tf.int64))
         self._clip_scale_sum.assign_add(tf.where(fired, clip / measure, tf.constant(1.0, tf.float64)))
+
+
+def in_order(parts, order):
+    """The groups' per-variable vectors `parts` (of the variables `order`, group by group) in
+    the variables' order: a step split into weight-decay groups gives one op output a group."""
+    v = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+    if order == list(range(len(order))):
+        return v
+    inverse = [0] * len(order)
+    for k, i in enumerate(order):
+        inverse[i] = k
+    return tf.gather(v, inverse)

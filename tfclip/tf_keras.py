@@ -336,7 +336,7 @@ class _FusedMixin(_optstate.NormState):
             counts.append(cu)
             order += idx
         self._record_norms(norm, applied, tensor_norms, tvars, mode, clip, adaptive,
-                           _in_order(counts, order))
+                           _optstate.in_order(counts, order))
         return applied
 
     def _tfclip_group(self, v):
@@ -994,15 +994,3 @@ def _install_mixup_errors():
 
 
 _install_mixup_errors()
-
-
-def _in_order(parts, order):
-    """The groups' per-variable vectors `parts` (of the variables `order`, group by group) in
-    the variables' order."""
-    v = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-    if order == list(range(len(order))):
-        return v
-    inverse = [0] * len(order)
-    for k, i in enumerate(order):
-        inverse[i] = k
-    return tf.gather(v, inverse)
