@@ -2,7 +2,9 @@
 # Builds tfclip._core with AddressSanitizer + UndefinedBehaviorSanitizer (no TensorFlow, no CUDA)
 # and runs the core's property tests (tests/test_core_properties.py: random lists, dtypes, clip
 # modes, rules and sparse updates against NumPy float64) against that build. Any ASan or UBSan
-# report aborts the run with a non-zero exit.
+# report aborts the run with a non-zero exit. The CPU passes are built once, for the baseline
+# instruction set (TFCLIP_ISA_VARIANTS=OFF): every variant is the same source, and a run executes
+# only one of them; the AVX variants' bits are checked against it in tests/test_core_parity.py.
 #   scripts/sanitize.sh                 (uses `python` on PATH: numpy, pytest, hypothesis, pybind11, cmake)
 #   PYTHON=/path/python scripts/sanitize.sh
 set -euo pipefail
@@ -10,7 +12,8 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 BUILD="${BUILD_DIR:-build-sanitize}"
 cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.executable)')" \
-  -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA=OFF -DTFCLIP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA=OFF -DTFCLIP_SANITIZE=ON -DTFCLIP_ISA_VARIANTS=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target _core
 CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
 CC_BIN="${CC:-gcc}"
