@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_bench.py [--sets bert_base,bert_large,small2000,one_tensor]
                                    [--rules adam,adamw,sgdm] [--grad-dtypes float32,bfloat16]
-                                   [--iters 50] [--profile]
+                                   [--iters 50] [--profile] [--clip global|agc]
 
 Needs PyTorch (CUDA) and a tfclip._core built with CUDA; no TensorFlow. Tensors are PyTorch
 CUDA tensors; tfclip reads them through __cuda_array_interface__ on PyTorch's current stream,
@@ -16,6 +16,11 @@ For each set it reports, in one run:
     (CUPTI) sees them on the device, with their names, for tfclip's step and PyTorch's);
   - PyTorch's clip_grad_norm_(foreach=True) + optimizer(fused=True) on the same tensors, and the
     ratio torch_time / tfclip_time (> 1: tfclip is faster).
+With --clip agc the step clips unit-wise (AGC, clip factor 0.01, eps 1e-3: clip_mode="agc"),
+whose floor adds one read of each variable (4 B/param) in the norm pass; PyTorch's side is the
+same AGC written with its stock ops (per-unit norms of grad and weight with torch.linalg.
+vector_norm, a torch.where scale, in-place multiply) before the fused optimizer: PyTorch has no
+AGC of its own.
 Times are medians of CUDA-event-timed loops of --iters steps. Compare ratios within one run.
 """
 import argparse
@@ -49,9 +54,22 @@ RULES = {
 TORCH_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def floor_bytes(nparams, nslots, grad_bytes):
-    # norm read of grad + apply read of grad + read/write var and each slot (fp32)
-    return nparams * (2 * grad_bytes + 2 * 4 * (1 + nslots))
+def floor_bytes(nparams, nslots, grad_bytes, clip="global"):
+    # norm read of grad + apply read of grad + read/write var and each slot (fp32); AGC's norm
+    # pass also reads the variable (its unit norms)
+    return nparams * (2 * grad_bytes + 2 * 4 * (1 + nslots) + (4 if clip == "agc" else 0))
+
+
+def torch_agc_(params, clip_factor=0.01, eps=1e-3):
+    """AGC in stock PyTorch ops, unfused: each unit's gradient (the norm over all axes but the
+    last; the whole tensor for rank <= 1) scaled to clip * max(||w_unit||, eps) when above it."""
+    for p in params:
+        g = p.grad
+        dims = tuple(range(p.dim() - 1)) if p.dim() > 1 else None
+        gn = torch.linalg.vector_norm(g, dim=dims, keepdim=p.dim() > 1)
+        wn = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=p.dim() > 1).clamp_min(eps)
+        bound = clip_factor * wn
+        g.mul_(torch.where(gn > bound, bound / gn.clamp_min(1e-6), torch.ones_like(gn)))
 
 
 def time_loop(fn, iters, repeats=5):
@@ -103,7 +121,7 @@ def as_cai(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False):
+def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False, clip="global"):
     shapes = SETS[name]()
     core_rule, nslots, hp = RULES[rule_name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -123,7 +141,8 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
         h["step"] = 1.0  # t = iterations + 1
 
     def tfclip_step():
-        _core.cuda_clip_apply(core_rule, params, g_cai, slots, h, "global_norm", 1.0,
+        _core.cuda_clip_apply(core_rule, params, g_cai, slots, h,
+                              "agc" if clip == "agc" else "global_norm", 0.01 if clip == "agc" else 1.0,
                               iterations=counter, norm_out=norm_out, applied_out=applied_out,
                               stream=stream)
 
@@ -142,7 +161,10 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
         opt = torch.optim.SGD(tparams, lr=1e-2, momentum=0.9, fused=True)
 
     def torch_step():
-        torch.nn.utils.clip_grad_norm_(tparams, 1.0, foreach=True)
+        if clip == "agc":
+            torch_agc_(tparams)
+        else:
+            torch.nn.utils.clip_grad_norm_(tparams, 1.0, foreach=True)
         opt.step()
 
     t_torch = time_loop(torch_step, iters)
@@ -153,10 +175,10 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
             prof = f"\n    profile: tfclip {len(kt)} kernels [{short(kt)}]; torch {len(kp)} kernels [{short(kp)}]"
         except Exception as e:  # the timing above stands without it
             prof = f"\n    profile failed: {type(e).__name__}: {e}"
-    fb = floor_bytes(nparams, nslots, torch.tensor([], dtype=TORCH_DTYPE[grad_dtype]).element_size())
+    fb = floor_bytes(nparams, nslots, torch.tensor([], dtype=TORCH_DTYPE[grad_dtype]).element_size(), clip)
     bw = fb / t_tfclip
     note = "" if grad_dtype == "float32" else " (torch: grads upcast to fp32 first, not timed)"
-    return (f"{name:<11} {rule_name:<6} {grad_dtype:<8} {nparams / 1e6:8.1f}M {len(shapes):6d}  "
+    return (f"{name:<11} {rule_name + ('+agc' if clip == 'agc' else ''):<10} {grad_dtype:<8} {nparams / 1e6:8.1f}M {len(shapes):6d}  "
             f"{t_tfclip * 1e3:8.3f} ms  {bw / 1e9:7.0f} GB/s  {100 * bw / copy_bw:5.1f}% of copy  "
             f"{launches} launches  torch {t_torch * 1e3:8.3f} ms  torch/tfclip {t_torch / t_tfclip:5.2f}x{note}{prof}")
 
@@ -167,6 +189,8 @@ def main(argv=None):
     ap.add_argument("--rules", default="adam")
     ap.add_argument("--grad-dtypes", default="float32")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--clip", choices=["global", "agc"], default="global",
+                    help="global: clip by the global norm 1.0; agc: unit-wise AGC (factor 0.01)")
     ap.add_argument("--profile", action="store_true",
                     help="also count each step's kernels with PyTorch's profiler (CUPTI)")
     args = ap.parse_args(argv)
@@ -176,11 +200,11 @@ def main(argv=None):
     copy_bw = copy_bandwidth()
     print(f"# {dev['name']} (sm_{dev['compute_capability'][0]}{dev['compute_capability'][1]}), "
           f"torch {torch.__version__}; device-to-device copy {copy_bw / 1e9:.0f} GB/s (read+write)")
-    print("# set        rule   grads      params tensors  tfclip step   achieved  vs copy         launches  PyTorch")
+    print("# set        rule       grads      params tensors  tfclip step   achieved  vs copy         launches  PyTorch")
     for rule in args.rules.split(","):
         for gd in args.grad_dtypes.split(","):
             for s in args.sets.split(","):
-                print(bench_set(s, rule, gd, args.iters, copy_bw, args.profile), flush=True)
+                print(bench_set(s, rule, gd, args.iters, copy_bw, args.profile, args.clip), flush=True)
                 torch.cuda.empty_cache()
 
 

@@ -7,6 +7,11 @@
 #   scripts/gpu_session.sh build test sanitize      # one device call (about 10 minutes)
 #   scripts/gpu_session.sh build bench               # another (the build is not kept between)
 #
+# Knobs (environment): TFCLIP_GPU_ARCH (90), TFCLIP_SAN_K (the sanitizers' -k), TFCLIP_SAN_TOOLS
+# (memcheck racecheck synccheck), TFCLIP_STEP_TIMEOUT (below), TFCLIP_BENCH_ARGS
+# (gpu_bench.py's arguments; a second bench step appends to the same log), PYTEST_ADDOPTS (e.g.
+# "-n 8" for the test step: the host has pytest-xdist).
+#
 # Steps: build, test, sanitize, bench. Each prints a one-line verdict; the script's exit status
 # is the first failing step's.
 set -uo pipefail
@@ -19,6 +24,11 @@ export PYTHONUNBUFFERED=1
 ARCH="${TFCLIP_GPU_ARCH:-90}"
 # The sanitizers' share of the suite: every kernel, dtype pair and path, not every parameter.
 SAN_K="${TFCLIP_SAN_K:-not 2_pow_31 and (float32 or blocks or ring or allocate or sparse_row or device_scalars or tensor_norms)}"
+# TFCLIP_STEP_TIMEOUT (seconds): each test, sanitizer and bench command is stopped after it, so a
+# lease's fixed time still brings back every step's log.
+T=()
+[ -n "${TFCLIP_STEP_TIMEOUT:-}" ] && T=(timeout -k 5 "$TFCLIP_STEP_TIMEOUT")
+SAN_TOOLS="${TFCLIP_SAN_TOOLS:-memcheck racecheck synccheck}"
 status=0
 
 step_build() {
@@ -27,13 +37,21 @@ step_build() {
   PYTHON="$PY" BUILD_DIR=build-gpu ./build_ops.sh -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="$ARCH" > "$OUT/build.log" 2>&1
   local rc=$?
-  "$PY" -c 'from tfclip import _core; print("_core cuda", _core.cuda, _core.cuda_device())' >> "$OUT/build.log" 2>&1 || rc=1
+  # A CPU call and a CUDA call first: a module that crashes on its first call (2026-11-26: a
+  # statically linked libstdc++ whose symbols bound to the process's own) fails here, not as
+  # every test's worker crashing.
+  PYTHONPATH="$PWD" "$PY" -X faulthandler -c 'import numpy as np; from tfclip import _core
+print("_core cuda", _core.cuda, _core.cuda_device(), "cpu isa", _core.cpu_isa())
+print("global_norm of [1, 1, 1]:", _core.global_norm([np.ones(3)]))' \
+    >> "$OUT/build.log" 2>&1 || rc=1
+  ldd tfclip/_core*.so >> "$OUT/build.log" 2>&1
   echo "build rc=$rc"; tail -2 "$OUT/build.log"
   return $rc
 }
 
 step_test() {
-  TFCLIP_REQUIRE_GPU=1 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu > "$OUT/pytest-gpu.log" 2>&1
+  TFCLIP_REQUIRE_GPU=1 "${T[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=15 tests/gpu \
+    > "$OUT/pytest-gpu.log" 2>&1
   local rc=$?
   echo "tests/gpu rc=$rc"; tail -3 "$OUT/pytest-gpu.log"
   return $rc
@@ -41,8 +59,8 @@ step_test() {
 
 step_sanitize() {
   local rc=0 tool r
-  for tool in memcheck racecheck synccheck; do
-    TFCLIP_REQUIRE_GPU=1 compute-sanitizer --tool "$tool" --error-exitcode 86 \
+  for tool in $SAN_TOOLS; do
+    TFCLIP_REQUIRE_GPU=1 PYTEST_ADDOPTS= "${T[@]}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
       "$PY" -m pytest -q -p no:cacheprovider tests/gpu -k "$SAN_K" > "$OUT/sanitize-$tool.log" 2>&1
     r=$?
     echo "compute-sanitizer $tool rc=$r"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize-$tool.log" | tail -2
@@ -52,8 +70,10 @@ step_sanitize() {
 }
 
 step_bench() {
-  "$PY" benchmarks/gpu_bench.py --rules adam,adamw,sgdm --grad-dtypes float32,bfloat16 --profile \
-    > "$OUT/gpu-bench.txt" 2>&1
+  # TFCLIP_BENCH_ARGS replaces the arguments (e.g. "--clip agc --sets bert_base --iters 20").
+  # shellcheck disable=SC2086
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${T[@]}" "$PY" benchmarks/gpu_bench.py ${TFCLIP_BENCH_ARGS:---rules adam,adamw,sgdm --grad-dtypes float32,bfloat16 --profile} \
+    >> "$OUT/gpu-bench.txt" 2>&1
   local rc=$?
   echo "gpu_bench rc=$rc"; cat "$OUT/gpu-bench.txt"
   return $rc
