@@ -37,6 +37,7 @@ step_build() {
   PYTHON="$PY" BUILD_DIR=build-gpu ./build_ops.sh -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="$ARCH" > "$OUT/build.log" 2>&1
   local rc=$?
+  ldd tfclip/_core*.so >> "$OUT/build.log" 2>&1
   # A CPU call and a CUDA call first: a module that crashes on its first call (2026-11-26: a
   # statically linked libstdc++ whose symbols bound to the process's own) fails here, not as
   # every test's worker crashing.
@@ -44,7 +45,6 @@ step_build() {
 print("_core cuda", _core.cuda, _core.cuda_device(), "cpu isa", _core.cpu_isa())
 print("global_norm of [1, 1, 1]:", _core.global_norm([np.ones(3)]))' \
     >> "$OUT/build.log" 2>&1 || rc=1
-  ldd tfclip/_core*.so >> "$OUT/build.log" 2>&1
   echo "build rc=$rc"; tail -2 "$OUT/build.log"
   return $rc
 }
