@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "csrc/core/hparams.h"
 #include "csrc/core/types.h"
@@ -384,6 +385,13 @@ struct FtrlRule : RuleBase {
     if constexpr (kSqrt) {
       p_new = std::sqrt(n_new);
       p_old = std::sqrt(n);
+    } else if constexpr (std::is_same_v<M, float>) {
+      // float math (float variables, the 16-bit ones too): pow in double, rounded once. CUDA's
+      // powf is off by up to 4 ulp and glibc's by under 1, so a GPU and the CPU gave other bits,
+      // which FTRL's cancellation (linear against the l1 clip) grew to ~30 ulp of the variables
+      // (an H100, 2026-11-26); in double both round to the same float but for a ~2^-28-rare tie.
+      p_new = static_cast<float>(std::pow(static_cast<double>(n_new), static_cast<double>(c.neg_lr_power)));
+      p_old = static_cast<float>(std::pow(static_cast<double>(n), static_cast<double>(c.neg_lr_power)));
     } else {
       p_new = std::pow(n_new, c.neg_lr_power);
       p_old = std::pow(n, c.neg_lr_power);

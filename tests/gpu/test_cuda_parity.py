@@ -161,7 +161,10 @@ def test_clip_in_place(rng, dtype):
 def test_every_16bit_value_converts_through_the_device_code(dtype):
     """All 2^16 bit patterns through the scale kernel's load and store: with scale 1 every
     non-NaN value comes back unchanged (NaN stays NaN), and with scale 0.7 every product
-    rounds as NumPy / ml_dtypes round float32 (to nearest even); both bit for bit as the CPU."""
+    rounds as NumPy / ml_dtypes round float32 (to nearest even); both bit for bit as the CPU,
+    NaNs aside: a NaN's sign and payload are the hardware's (an H100's multiply returns the
+    canonical NaN where x86 keeps the operand's, as TF's own GPU and CPU kernels differ), so
+    there NaN is compared as NaN."""
     dt = DTYPES[dtype]
     bits = np.arange(1 << 16, dtype=np.uint16)
     x = bits.view(dt)
@@ -171,7 +174,9 @@ def test_every_16bit_value_converts_through_the_device_code(dtype):
         core.cuda_clip_by_global_norm([to_dev(x)], [out], clip, use_norm=use_norm)
         got = to_host(out, dt)
         cpu, _ = core.clip_by_global_norm([x], clip, use_norm=use_norm)
-        same_bits(got, cpu[0] if isinstance(cpu, list) else cpu)
+        cpu = cpu[0] if isinstance(cpu, list) else cpu
+        assert np.array_equal(np.isnan(cpu.astype(np.float32)), nan)
+        same_bits(got[~nan], cpu[~nan])
         scale = np.float32(np.float32(clip).astype(dt))  # TF: cast(scale, dtype)
         with np.errstate(invalid="ignore"):
             want = (x.astype(np.float32) * scale).astype(dt)
@@ -278,10 +283,16 @@ def test_apply_parity(rng, rule, mode, var_dtype, grad_dtype):
     # Lamb's per-tensor sums run in another order on the device (as the norm's): its ratio, and
     # so its variables, agree to a few ulps; its slots (computed before the ratio) to the bit.
     exact = mode in ("none", "value") and rule != "lamb"
+    # FTRL's general power in double math: CUDA's pow (2 ulp) is not glibc's (under 1), and FTRL's
+    # cancellation (linear against the l1 clip) grows that to ~50 ulp of the variables (an H100,
+    # 2026-11-26: 1.2e-14 at most). Float math takes pow in double on both (rules.h): exact.
+    pow_fp64 = rule == "ftrl" and var_dtype == "float64" and not EMULATED
     for got, want in zip([*vars_g, *[s for sl in slots_g for s in sl]],
                          [*vars_c, *[s for sl in slots_c for s in sl]]):
         g = to_host(got, vd)
-        if exact:
+        if pow_fp64:
+            close_ulps(g, want, var_dtype, ulps=256)
+        elif exact:
             same_bits(g, want)
         elif rule == "lamb" and var_dtype == "float64":
             # fp64 sums of 10^5 squares in two orders differ by ~1e-14 relative, and so the ratio.
