@@ -88,6 +88,10 @@ SHAPES = {
     "rank4": (3, 3, 4, 8),  # HWIO: units are the 8 output channels
     "wide": (3, 3000),      # more units than a tile's columns (kAgcMaxCols)
     "tall": (70_001, 2),    # more rows than a tile: partials over several row blocks
+    # Narrow tiles of several row blocks, each summed 8 rows at a time and a remainder
+    # (AgcTileSums' kAgcRowsAtOnce loop); and one long unit, summed in kTile pieces of g and w.
+    "wide_blocks": (150, 1500),
+    "rank1_long": (5003,),
 }
 DTYPES = {
     "float32": (np.float32, np.float32),

@@ -94,7 +94,8 @@ def test_core_half_conversion_matches_numpy(rng):
 
 def test_every_cpu_variant_gives_the_same_bits():
     """The CPU passes are compiled per instruction set and picked at run time; every variant
-    this CPU runs gives the same bits for the norm, the clip and each rule's apply."""
+    this CPU runs gives the same bits for the norm, the clip, each rule's apply and AGC (so the
+    emulated CUDA suite, built with the baseline alone, checks the kernels against all of them)."""
     isas = _core.cpu_isas()
     assert isas[-1] == "baseline" and _core.cpu_isa() in isas
     rng = np.random.default_rng(3)
@@ -116,6 +117,20 @@ def test_every_cpu_variant_gives_the_same_bits():
                     sl = [[np.asarray(np.abs(r.normal(size=s)), np.float32) for s in shapes] for _ in range(slots)]
                     _core.clip_apply(rule, vs, gs, sl, hp, "global_norm", 0.5)
                     out += [a.tobytes() for a in vs + [x for s in sl for x in s]]
+            # AGC (its own norm pass over g and w, per unit; a tensor of two row blocks too), with
+            # its per-tensor norms and clipped-unit counts.
+            for rule, slots, hp in [("sgd", 0, {"lr": 0.1}), ("adam", 2, {"lr": 0.1, "step": 2})]:
+                for gdt in (np.float32, np.float16, np.float64):
+                    r = np.random.default_rng(5)
+                    agc_shapes = shapes + [(2000, 40), (40, 3000)]
+                    vs = [np.asarray(r.normal(size=s), np.float32) for s in agc_shapes]
+                    gs = [np.asarray(r.normal(size=s) * 0.1, gdt) for s in agc_shapes]
+                    sl = [[np.asarray(np.abs(r.normal(size=s)), np.float32) for s in agc_shapes]
+                          for _ in range(slots)]
+                    tn, cu = np.zeros(len(agc_shapes)), np.zeros(len(agc_shapes), np.int64)
+                    out.append(_core.clip_apply(rule, vs, gs, sl, hp, "agc", 0.05, tensor_norms_out=tn,
+                                                agc_clipped_out=cu))
+                    out += [tn.tobytes(), cu.tobytes()] + [a.tobytes() for a in vs + [x for s in sl for x in s]]
             clipped, norm = _core.clip_by_global_norm([np.asarray(r.normal(size=s), np.float64) for s in shapes], 0.3)
             out += [norm] + [c.tobytes() for c in clipped]
             results[isa] = out
