@@ -46,7 +46,7 @@ mkdir -p "$BUILD/planted"
 HDR="$BUILD/planted/tfclip_planted_fault.h"
 [ -f "$HDR" ] || echo "// no fault" > "$HDR"
 cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.executable)')" \
-  -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA_EMULATION=ON -DTFCLIP_TSAN=OFF -DCMAKE_BUILD_TYPE=PlantedFault \
+  -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA_EMULATION=ON -DTFCLIP_TSAN=OFF -DCMAKE_BUILD_TYPE=PlantedFault -DTFCLIP_ISA_VARIANTS=OFF \
   -DCMAKE_CXX_FLAGS="-O1 -DNDEBUG -DTFCLIP_PLANTED_FAULT -I$PWD/$BUILD/planted" >/dev/null
 
 # run LABEL KSUBSET ENV...: the subset under the given emulation settings; prints PASS or FAIL
