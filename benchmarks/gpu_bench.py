@@ -15,7 +15,11 @@ For each set it reports, in one run:
   - kernel launches per step (tfclip counts its own; with --profile also as PyTorch's profiler
     (CUPTI) sees them on the device, with their names, for tfclip's step and PyTorch's);
   - PyTorch's clip_grad_norm_(foreach=True) + optimizer(fused=True) on the same tensors, and the
-    ratio torch_time / tfclip_time (> 1: tfclip is faster).
+    ratio torch_time / tfclip_time (> 1: tfclip is faster);
+  - each side's host time to issue a step (no wait): near the step's time, the step is bound by
+    the host (Python, argument parsing, launches), not by the kernels; with --profile, also the
+    kernels' summed time on the device. tfclip's arrays are handed over with their
+    __cuda_array_interface__ read once (Frozen): PyTorch rebuilds that dict in Python per access.
 With --clip agc the step clips unit-wise (AGC, clip factor 0.01, eps 1e-3: clip_mode="agc"),
 whose floor adds one read of each variable (4 B/param) in the norm pass; PyTorch's side is the
 same AGC written with its stock ops (per-unit norms of grad and weight with torch.linalg.
@@ -26,6 +30,7 @@ Times are medians of CUDA-event-timed loops of --iters steps. Compare ratios wit
 import argparse
 import statistics
 import sys
+import time
 
 import torch
 
@@ -90,15 +95,18 @@ def time_loop(fn, iters, repeats=5):
 
 def profiled_kernels(fn):
     """The kernels one call of fn runs on the device, as CUPTI records them (copies and memsets
-    left out): an independent count of launches per step."""
+    left out): an independent count of launches per step, and their summed time there."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return [n for n in names if not n.lower().startswith(("memcpy", "memset"))]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset"))]
+    # Each kernel's time on the device, in microseconds (device_time; cuda_time before torch 2.4).
+    busy = sum(float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0) for e in kernels)
+    return [e.name for e in kernels], busy
 
 
 def short(names):
@@ -121,6 +129,29 @@ def as_cai(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+class Frozen:
+    """A tensor's __cuda_array_interface__, read once. PyTorch builds that dict in Python on
+    every access (microseconds each): thousands of tensors a step made the harness, not the
+    step, the time (an H100, 2026-11-26: small2000 took 47 ms a step). A TF user's step passes
+    tensors to the op directly and pays neither."""
+
+    def __init__(self, t):
+        self.__cuda_array_interface__ = as_cai(t).__cuda_array_interface__
+        self._keep = t
+
+
+def issue_time(fn, iters):
+    """Seconds the host takes to issue one step (no wait on the device): where it is near the
+    step's time, the step is host-bound."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / iters
+
+
 def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False, clip="global"):
     shapes = SETS[name]()
     core_rule, nslots, hp = RULES[rule_name]
@@ -132,22 +163,26 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
     stream = torch.cuda.current_stream()
     norm_out = torch.zeros((1,), dtype=torch.float32, device="cuda")
     applied_out = torch.zeros((1,), dtype=torch.bool, device="cuda")
-    g_cai = [as_cai(g) for g in grads]
+    g_cai = [Frozen(g) for g in grads]
+    p_cai = [Frozen(p) for p in params]
+    s_cai = [[Frozen(x) for x in sl] for sl in slots]
     # As a Keras step on a GPU has them: the learning rate and the step counter in device memory
     # (a schedule's value, `iterations`), read by the step itself; nothing waits on the host.
-    h = {k: torch.tensor([v], dtype=torch.float64, device="cuda") for k, v in hp.items()}
-    counter = torch.zeros((1,), dtype=torch.int64, device="cuda")
+    h = {k: Frozen(torch.tensor([v], dtype=torch.float64, device="cuda")) for k, v in hp.items()}
+    counter = Frozen(torch.zeros((1,), dtype=torch.int64, device="cuda"))
+    norm_out, applied_out = Frozen(norm_out), Frozen(applied_out)
     if core_rule == "adam":
         h["step"] = 1.0  # t = iterations + 1
 
     def tfclip_step():
-        _core.cuda_clip_apply(core_rule, params, g_cai, slots, h,
+        _core.cuda_clip_apply(core_rule, p_cai, g_cai, s_cai, h,
                               "agc" if clip == "agc" else "global_norm", 0.01 if clip == "agc" else 1.0,
                               iterations=counter, norm_out=norm_out, applied_out=applied_out,
                               stream=stream)
 
     t_tfclip = time_loop(tfclip_step, iters)
     launches = _core.cuda_last_launches()
+    t_issue = issue_time(tfclip_step, iters)
 
     # PyTorch on copies of the same data (its optimizer owns its own state).
     tparams = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -168,11 +203,13 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
         opt.step()
 
     t_torch = time_loop(torch_step, iters)
+    t_torch_issue = issue_time(torch_step, iters)
     prof = ""
     if profile_kernels:
         try:
-            kt, kp = profiled_kernels(tfclip_step), profiled_kernels(torch_step)
-            prof = f"\n    profile: tfclip {len(kt)} kernels [{short(kt)}]; torch {len(kp)} kernels [{short(kp)}]"
+            (kt, dt), (kp, dp) = profiled_kernels(tfclip_step), profiled_kernels(torch_step)
+            prof = (f"\n    profile: tfclip {len(kt)} kernels [{short(kt)}], {dt / 1e3:.3f} ms on the device; "
+                    f"torch {len(kp)} kernels [{short(kp)}], {dp / 1e3:.3f} ms on the device")
         except Exception as e:  # the timing above stands without it
             prof = f"\n    profile failed: {type(e).__name__}: {e}"
     fb = floor_bytes(nparams, nslots, torch.tensor([], dtype=TORCH_DTYPE[grad_dtype]).element_size(), clip)
@@ -180,7 +217,9 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
     note = "" if grad_dtype == "float32" else " (torch: grads upcast to fp32 first, not timed)"
     return (f"{name:<11} {rule_name + ('+agc' if clip == 'agc' else ''):<10} {grad_dtype:<8} {nparams / 1e6:8.1f}M {len(shapes):6d}  "
             f"{t_tfclip * 1e3:8.3f} ms  {bw / 1e9:7.0f} GB/s  {100 * bw / copy_bw:5.1f}% of copy  "
-            f"{launches} launches  torch {t_torch * 1e3:8.3f} ms  torch/tfclip {t_torch / t_tfclip:5.2f}x{note}{prof}")
+            f"{launches} launches  torch {t_torch * 1e3:8.3f} ms  torch/tfclip {t_torch / t_tfclip:5.2f}x{note}"
+            f"\n    host time to issue a step: tfclip {t_issue * 1e3:.3f} ms, torch {t_torch_issue * 1e3:.3f} ms "
+            f"(near the step's time: host-bound){prof}")
 
 
 def main(argv=None):
