@@ -147,6 +147,61 @@ def test_avx_variants_convert_float16_with_f16c(path):
         assert any("vcvtps2ph" in line for line in code), ns
 
 
+# ---------------------------------------------------------------- a statically linked libstdc++
+# A toolchain that links libstdc++ into a module (the lent H100 host's g++ 13 in /opt/gcc did)
+# must keep that copy's symbols local: exported, they bound to the libstdc++.so that numpy and
+# torch had loaded, the two copies' locale facets mixed, and every _core call crashed in an
+# ostringstream (benchmarks/NOTES.md 30). CMakeLists.txt's tfclip_local_libstdcxx passes the
+# linker option below to every module.
+_LIBSTDCXX_INTERNALS = ("std::locale::", "std::ios_base::")
+
+
+def _exported(path):
+    import shutil
+    import subprocess
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not on PATH; it lists the symbols checked here")
+    out = subprocess.run([nm, "-D", "-C", "--defined-only", str(path)], check=True,
+                         capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if any(k in line for k in _LIBSTDCXX_INTERNALS)]
+
+
+def test_the_link_option_keeps_a_static_libstdcxx_local(tmp_path):
+    """The option CMakeLists.txt gives every module, on a shared object that links libstdc++
+    statically: without it the copy's locale machinery is exported, with it none of it is."""
+    import os
+    import platform
+    import re
+    import shutil
+    import subprocess
+
+    if platform.system() != "Linux":
+        pytest.skip(f"the option is GNU ld's, used on Linux only; this is {platform.system()}")
+    cmake = open(os.path.join(os.path.dirname(__file__), "..", "CMakeLists.txt")).read()
+    opt = re.search(r'"LINKER:(--exclude-libs,[^"]+)"', cmake)
+    assert opt, "CMakeLists.txt no longer passes --exclude-libs for a static libstdc++"
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH to link the two test objects")
+    src = tmp_path / "s.cc"
+    src.write_text("#include <sstream>\n#include <string>\n"
+                   "std::string f(unsigned long i) { std::ostringstream os; os << i; return os.str(); }\n")
+    base = [cxx, "-fPIC", "-shared", "-static-libstdc++", str(src)]
+    r = subprocess.run(base + ["-o", str(tmp_path / "plain.so")], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"this toolchain cannot link libstdc++ statically (no libstdc++.a): {r.stderr[-300:]}")
+    subprocess.run(base + ["-Wl," + opt.group(1), "-o", str(tmp_path / "local.so")], check=True)
+    assert _exported(tmp_path / "plain.so"), "the check itself: a static libstdc++ exports its locale"
+    assert _exported(tmp_path / "local.so") == []
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: p.rsplit("/", 1)[-1].split(".")[0])
+def test_modules_export_no_libstdcxx_internals(path):
+    assert _exported(path) == []
+
+
 def test_cuda_driver_older_than_the_runtime_built_in_is_named_with_the_fix():
     gpus = lambda: ["GPU:0"]  # noqa: E731
     msg = _loader.cuda_driver_problem(12040, 13000, gpus)
