@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1
 # Hopper only: the lent machines are H100/H200, and one architecture compiles in about a minute.
 ARCH="${TFCLIP_GPU_ARCH:-90}"
 # The sanitizers' share of the suite: every kernel, dtype pair and path, not every parameter.
-SAN_K="${TFCLIP_SAN_K:-not 2_pow_31 and (float32 or blocks or ring or allocate or sparse_row or device_scalars or tensor_norms)}"
+SAN_K="${TFCLIP_SAN_K:-not 2_pow_31 and (float32 or blocks or ring or allocate or sparse_row or device_scalars or tensor_norms or agc)}"
 # TFCLIP_STEP_TIMEOUT (seconds): each test, sanitizer and bench command is stopped after it, so a
 # lease's fixed time still brings back every step's log.
 T=()
