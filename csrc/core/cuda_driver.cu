@@ -5,146 +5,28 @@
 //
 // Built with --fmad=false (CMakeLists.txt): nvcc would otherwise contract a*b+c into FMA where
 // the CPU build does not, and the apply pass would differ from the CPU in the last bit.
-#include "csrc/core/cuda_driver.h"
-
-#include "csrc/core/agc.h"
-#include "csrc/core/apply_elem.h"
-#include "csrc/core/sparse.h"
-#include "csrc/core/validate.h"
-
-#include <cuda_runtime.h>
-
-// Under nvcc a launch is kernel<<<...>>>; the CPU emulation (cuda/emulation/cuda_runtime.h, CI's
-// way to run these kernels) defines its own.
-#ifndef TFCLIP_LAUNCH
-#define TFCLIP_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
-#endif
-// __shared__ data: plain __shared__ declarations under nvcc; the emulation's own definitions
-// check every access for races between its threads.
-#ifndef TFCLIP_SHARED
-#define TFCLIP_SHARED(T, name) __shared__ T name
-#define TFCLIP_SHARED_ARRAY(T, name, n) __shared__ T name[n]
-#endif
-
-// Planted faults, for scripts/planted_faults.sh only: a test build of the emulation defines
-// TFCLIP_PLANTED_FAULT and puts a tfclip_planted_fault.h on the include path that defines one
-// TFCLIP_PLANT_* (each is named where it acts); the product build defines neither.
-#ifdef TFCLIP_PLANTED_FAULT
-#include "tfclip_planted_fault.h"
-#endif
-
-#include <algorithm>
-#include <cstring>
-#include <sstream>
-#include <type_traits>
+//
+// This file: the step's plan and its upload, the norm, AGC, finalize and scale kernels, and the
+// entry points of csrc/core/cuda_driver.h. The apply kernels are cuda_apply.cu and
+// cuda_sparse_apply.cu; what they share, cuda_kernels.cuh.
+#include "csrc/core/cuda_kernels.cuh"
 
 namespace tfclip {
 namespace cuda {
+
+std::string CudaError(cudaError_t e, const char* what) {
+  std::ostringstream os;
+  os << "CUDA error in " << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e)
+     << ")";
+  return os.str();
+}
+
+std::string Launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : CudaError(e, what);
+}
+
 namespace {
-
-// ---------------------------------------------------------------- the tensor table
-struct DevTensor {
-  void* var;          // apply: the variable; scale: the output
-  const void* grad;   // apply: the gradient (sparse: its slices); norm/scale: the input
-  void* slots[kMaxSlots];
-  int64_t size;       // of grad
-  int64_t first_chunk;
-  int64_t num_chunks;
-  int64_t width;      // sparse: elements per row
-  int32_t var_dtype;
-  int32_t grad_dtype;
-  int32_t sparse;     // 1: applied by the sparse kernel; its chunks are the norm's only
-  int32_t pad;
-  int64_t first_unit;  // sparse: its units of the sparse plan (consecutive)
-  int64_t num_units;
-  // AGC (csrc/core/agc.h): its units' scales in the workspace (null in the other modes), and
-  // its unit count; element i is in unit i % units.
-  const double* unit_scale;
-  int64_t units;
-};
-
-// AGC's norm pass and scales (csrc/core/agc.h): the plan's tables (uploaded with the tensor
-// table) and the device buffers, as the CPU driver's StepScratch has them.
-struct DevAgc {
-  const AgcTile* tiles;
-  int64_t ntiles;
-  const int64_t* unit_off;  // n + 1
-  const int64_t* part_off;  // n + 1
-  const int64_t* blocks;    // n
-  const SparseSpan* spans;
-  int64_t nspans;
-  const int64_t* order;     // the sparse plan's (spans index its urows and ustart)
-  const int64_t* urows;
-  const int64_t* ustart;
-  double* part_g;
-  double* part_w;
-  double* unit_g;
-  double* unit_w;
-  double* unit_scale;
-  double* vsq;  // n: an IndexedSlices gradient's values' sum of squares
-  int64_t* clipped;  // n: each tensor's count of clipped units (CudaOutputs), or null
-  int64_t nunits;
-  int n;
-  double clip, eps;
-  const double* dev_clip;  // the clip in device memory, or null
-};
-
-// The sparse apply pass's table (csrc/core/sparse.h), uploaded with the tensor table.
-struct DevSparse {
-  const SparseUnit* units;
-  const int64_t* order;
-  const int64_t* urows;
-  const int64_t* ustart;
-  int64_t nunits;
-};
-
-struct DevChunk {
-  int64_t begin;
-  int64_t end;
-  int32_t tensor;
-  int32_t pad;
-};
-
-struct DevStatus {
-  double norm;
-  double scale;  // the clip op's scale (kGlobalNorm)
-  int finite;
-  int apply;
-  int bad;           // a bad value read on the device: 1 + HP index, or -1 clip, -2 use_norm
-  double bad_value;
-};
-
-// The per-step constants the apply kernels read: from the host, or computed by the finalize
-// kernel from scalars in device memory.
-struct DevConsts {
-  StepConsts<float> f;
-  StepConsts<double> d;
-};
-
-// Device pointers into the workspace, passed to every kernel by value.
-struct Table {
-  const DevTensor* tensors;
-  const DevChunk* chunks;
-  const int64_t* block_begin;
-  double* partials;
-  // A trust-ratio rule (rules.h): the slot pass's sums of w^2 and u^2, two per chunk then two
-  // per sparse unit, and per tensor (two each); null for the other rules.
-  double* trust;
-  double* trust_sums;
-  ClipFactor* factors;
-  DevStatus* status;
-  DevConsts* consts;
-  const int32_t* many;  // the tensors of over kThreadChunks chunks (a warp sums each one's)
-  int nmany;
-  int n;
-  int64_t nchunks;
-};
-
-// The finalize kernel sums a tensor's chunk partials in one thread, in chunk order, up to this
-// many chunks; a tensor of more (an embedding of 31M elements has 954) gets a warp: lane l sums
-// chunks l, l + 32, ..., then the butterfly. Either way the order follows from the tensor's own
-// chunk count, so its norm is the same bits whatever is beside it.
-constexpr int64_t kThreadChunks = 32;
 
 // The plan of one step: chunks over the flattened list, the sparse plan (owned by the caller),
 // and where each part lives in the host table and the device workspace.
@@ -238,67 +120,6 @@ thread_local int g_last_launches = 0;
 thread_local void* g_last_stream = nullptr;
 thread_local int64_t g_last_blocks = 0;
 
-// ---------------------------------------------------------------- device helpers
-// Sum over the warp in a fixed order (butterflies): the same bits on every run, in every lane.
-__device__ __forceinline__ double WarpSum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums):
-// the same bits on every run. The result is valid in thread 0.
-template <int kBlock>
-__device__ double BlockSum(double v) {
-  static_assert(kBlock % 32 == 0 && kBlock <= 1024, "block size");
-  TFCLIP_SHARED_ARRAY(double, warp_sums, kBlock / 32);
-  v = WarpSum(v);
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#ifndef TFCLIP_PLANT_REUSE_BARRIER
-  __syncthreads();  // warp_sums may still be read from the previous call
-#endif
-  if (lane == 0) warp_sums[w] = v;
-#ifndef TFCLIP_PLANT_PUBLISH_BARRIER
-  __syncthreads();
-#endif
-  double r = 0.0;
-  if (w == 0) r = WarpSum(lane < kBlock / 32 ? warp_sums[lane] : 0.0);
-  return r;
-}
-
-// The threads that work on one chunk: the whole block for a chunk over kWarpChunkElems, one
-// warp for a smaller one (PackCudaBlocks gives such chunks a block of their own, or packs them
-// one per warp). `rank` is this thread's index among them, `size` their count.
-struct Crew {
-  int rank;
-  int size;
-  bool warp;
-  // The crew's sum of v, valid in rank 0 (every thread of a block crew must call it).
-  __device__ double Sum(double v) const { return warp ? WarpSum(v) : BlockSum<kThreads>(v); }
-};
-
-// Calls f(c, crew) for each chunk c of this block with the threads that work on it: one call
-// per warp (its own chunk), or one per chunk with the whole block.
-template <typename F>
-__device__ void ForEachChunk(const Table& t, F&& f) {
-  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
-  if (cb < ce && t.chunks[cb].end - t.chunks[cb].begin <= kWarpChunkElems) {
-    const int64_t c = cb + (threadIdx.x >> 5);
-    if (c < ce) f(c, Crew{static_cast<int>(threadIdx.x & 31), 32, true});
-    return;
-  }
-  for (int64_t c = cb; c < ce; ++c) f(c, Crew{static_cast<int>(threadIdx.x), kThreads, false});
-}
-
-template <typename T, int kN>
-struct alignas(sizeof(T) * kN) Vec {
-  T v[kN];
-};
-
-template <typename T>
-__device__ __forceinline__ double Sq(T x) {
-  const double d = static_cast<double>(Elem<T>::Load(x));
-  return d * d;
-}
 
 // This thread's share of a chunk's sum of squares. The elements are taken in groups of kV (16
 // bytes) counted from the chunk's first element: crew thread r sums groups r, r + size, ...,
@@ -642,317 +463,6 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
   }
 }
 
-// ---------------------------------------------------------------- kernel 3: apply
-// This thread's share of a trust-ratio rule's sums (w^2, u^2) over the elements it applied.
-struct TrustAcc {
-  double w = 0.0, u = 0.0;
-  template <typename M>
-  __device__ void Add(const ElemNorms<M>& e) {
-    const double w_ = static_cast<double>(e.w), u_ = static_cast<double>(e.u);
-    w += w_ * w_;
-    u += u_ * u_;
-  }
-};
-
-// A range of a dense tensor: each element's gradient clipped (GradReader) and ApplyElem, four
-// elements per thread with vector loads when every array is aligned for them. A trust-ratio
-// rule's elements go to threads the same way whether aligned or not (groups of four from b,
-// then the tail), so its sums depend on the values only, never on where a buffer starts.
-template <typename Rule, typename V, typename G, int kSlots>
-__device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
-                               const ClipFactor& f, int64_t b, int64_t e, Crew crew) {
-  using M = typename Elem<V>::Math;
-  constexpr int kV = 4;
-  TrustAcc acc;
-  V* var = static_cast<V*>(t.var);
-  V* s0 = static_cast<V*>(t.slots[0]);
-  V* s1 = static_cast<V*>(t.slots[1]);
-  V* s2 = static_cast<V*>(t.slots[2]);
-  const GradReader<V, G> grad(t.grad, static_cast<DType>(t.grad_dtype), f);
-  const int64_t nvec = (e - b) / kV;
-  int64_t i0 = b;
-  bool grouped = false;
-  if constexpr (!std::is_same<G, AnyGrad>::value) {
-    V* sp[kMaxSlots] = {s0, s1, s2};
-    const G* graw = static_cast<const G*>(t.grad);
-    bool aligned = reinterpret_cast<uintptr_t>(var + b) % (sizeof(V) * kV) == 0 &&
-                   reinterpret_cast<uintptr_t>(graw + b) % (sizeof(G) * kV) == 0;
-#pragma unroll
-    for (int k = 0; k < kSlots; ++k) {
-      aligned = aligned && reinterpret_cast<uintptr_t>(sp[k] + b) % (sizeof(V) * kV) == 0;
-    }
-    if (aligned) {
-      for (int64_t j = crew.rank; j < nvec; j += crew.size) {
-        const int64_t i = b + j * kV;
-        Vec<V, kV> vv = *reinterpret_cast<const Vec<V, kV>*>(var + i);
-        const Vec<G, kV> gv = *reinterpret_cast<const Vec<G, kV>*>(graw + i);
-        Vec<V, kV> sv[kMaxSlots];
-#pragma unroll
-        for (int k = 0; k < kSlots; ++k) sv[k] = *reinterpret_cast<const Vec<V, kV>*>(sp[k] + i);
-#pragma unroll
-        for (int q = 0; q < kV; ++q) {
-          const M g = ClipGrad<G, M>(gv.v[q], grad.scale, grad.lo, grad.hi);
-          acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, vv.v, sv[0].v, sv[1].v, sv[2].v, q));
-        }
-        if constexpr (!Rule::kTrustRatio) *reinterpret_cast<Vec<V, kV>*>(var + i) = vv;
-#pragma unroll
-        for (int k = 0; k < kSlots; ++k) *reinterpret_cast<Vec<V, kV>*>(sp[k] + i) = sv[k];
-      }
-      grouped = true;
-    }
-  }
-  if (Rule::kTrustRatio && !grouped) {  // the same groups, element by element
-    for (int64_t j = crew.rank; j < nvec; j += crew.size) {
-      for (int q = 0; q < kV; ++q) {
-        const int64_t i = b + j * kV + q;
-        acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
-      }
-    }
-    grouped = true;
-  }
-  if (grouped) i0 = b + nvec * kV;
-#ifdef TFCLIP_PLANT_TAIL_STRIDE
-  const int64_t stride = kThreads;  // the block's stride, where the crew may be a warp
-#else
-  const int64_t stride = crew.size;
-#endif
-  for (int64_t i = i0 + crew.rank; i < e; i += stride) {
-    acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
-  }
-  return acc;
-}
-
-// A range of a dense tensor under AGC: each element's gradient times its unit's scale (in the
-// gradient's dtype, cast to the variable's: CastClipGradAt, as the CPU's ApplyChunkAgc), a
-// thread per element in crew order. The unit walks with the thread: one modulo per range, then
-// a step of crew.size % units with one compare per element.
-template <typename Rule, typename V, int kSlots>
-__device__ TrustAcc ApplyRangeAgc(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
-                                  int64_t b, int64_t e, Crew crew) {
-  using M = typename Elem<V>::Math;
-  TrustAcc acc;
-  V* var = static_cast<V*>(t.var);
-  V* s0 = static_cast<V*>(t.slots[0]);
-  V* s1 = static_cast<V*>(t.slots[1]);
-  V* s2 = static_cast<V*>(t.slots[2]);
-  const int64_t units = t.units;
-  const int64_t step = crew.size % units;
-#ifdef TFCLIP_PLANT_AGC_UNIT
-  // The unit index one off: element i takes unit (i + 1) % units's scale.
-  int64_t col = (b + crew.rank + 1) % units;
-#else
-  int64_t col = (b + crew.rank) % units;
-#endif
-  const DType gt = static_cast<DType>(t.grad_dtype);
-  for (int64_t i = b + crew.rank; i < e; i += crew.size) {
-    ClipFactor f;
-    f.scale = t.unit_scale[col];
-    const M g = CastClipGradAt<V>(t.grad, gt, i, f);
-    acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, var, s0, s1, s2, i));
-    col += step;
-    if (col >= units) col -= units;
-  }
-  return acc;
-}
-
-template <typename Rule, int kSlots>
-__global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
-#ifndef TFCLIP_PLANT_SKIP_IGNORED
-  if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
-#endif
-  const DevConsts consts = *t.consts;
-  ForEachChunk(t, [&](int64_t c, Crew crew) {
-    const DevChunk ch = t.chunks[c];
-    const DevTensor& ten = t.tensors[ch.tensor];
-    if (ten.sparse) {  // the sparse kernel applies it
-      if (Rule::kTrustRatio && crew.rank == 0) t.trust[2 * c] = t.trust[2 * c + 1] = 0.0;
-      return;
-    }
-    const ClipFactor f = t.factors[ch.tensor];
-    TrustAcc acc;
-    if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
-      DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
-        using V = decltype(vtag);
-        acc = ApplyRangeAgc<Rule, V, kSlots>(ConstsFor<V>(consts.f, consts.d), ten, ch.begin,
-                                             ch.end, crew);
-      });
-    } else {
-    DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
-                 [&](auto vtag, auto gtag) {
-                   using V = decltype(vtag);
-                   acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
-                       ConstsFor<V>(consts.f, consts.d), ten, f, ch.begin, ch.end, crew);
-                 });
-    }
-    if constexpr (Rule::kTrustRatio) {
-      const double w = crew.Sum(acc.w);
-      const double u = crew.Sum(acc.u);
-      if (crew.rank == 0) {
-        t.trust[2 * c] = w;
-        t.trust[2 * c + 1] = u;
-      }
-    }
-  });
-}
-
-// ---------------------------------------------------------------- kernel 4: sparse apply
-// One block per unit of the sparse plan; a thread per (row, column) element. In an all-rows
-// unit a row finds its slices by binary search over the unit's touched rows (once per row a
-// thread visits, not per element).
-template <typename Rule, typename V, typename G, int kSlots>
-__device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
-                                  const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
-  using M = typename Elem<V>::Math;
-  TrustAcc acc;
-  V* var = static_cast<V*>(ten.var);
-  const GradReader<V, G> grad(ten.grad, static_cast<DType>(ten.grad_dtype), f);
-  V* s0 = static_cast<V*>(ten.slots[0]);
-  V* s1 = static_cast<V*>(ten.slots[1]);
-  V* s2 = static_cast<V*>(ten.slots[2]);
-  const int64_t w = ten.width;
-  const int64_t total = (u.end - u.begin) * w;
-  if (total == 0) return acc;
-  // This thread's elements e = threadIdx.x + k * kThreads, walked as (r, col) = divmod(e, w)
-  // with the divisions done once: each step moves r by kThreads / w and col by kThreads % w.
-  const int64_t dr = kThreads / w, dc = kThreads % w;
-  int64_t r = threadIdx.x / w, col = threadIdx.x % w;
-  // AGC: the column's unit (w is a multiple of the units, so it moves with col alone).
-  const int64_t units = ten.units > 0 ? ten.units : 1;
-  const int64_t du = dc % units;
-  int64_t ucol = col % units;
-  // The row's slices [jb, je), looked up when r changes. In an all-rows unit rows only grow,
-  // so each binary search over the touched rows starts where the last one ended.
-  int64_t looked_up = -1, row = 0, jb = 0, je = 0, lo = u.u_begin;
-  for (int64_t e = threadIdx.x; e < total; e += kThreads) {
-    if (r != looked_up) {
-      looked_up = r;
-      if (u.all_rows) {
-        row = u.begin + r;
-        int64_t hi = u.u_end;
-        while (lo < hi) {
-          const int64_t mid = lo + (hi - lo) / 2;
-          if (sp.urows[mid] < row) lo = mid + 1;
-          else hi = mid;
-        }
-        const bool touched = lo < u.u_end && sp.urows[lo] == row;
-        jb = touched ? sp.ustart[lo] : 0;
-        je = touched ? sp.ustart[lo + 1] : 0;
-      } else {
-        const int64_t x = u.begin + r;
-        row = sp.urows[x];
-        jb = sp.ustart[x];
-        je = sp.ustart[x + 1];
-      }
-    }
-    if (ten.unit_scale != nullptr) {
-      ClipFactor fu;
-      fu.scale = ten.unit_scale[ucol];
-      const GradReader<V, G> ugrad(ten.grad, static_cast<DType>(ten.grad_dtype), fu);
-      const RowGrads<M, GradReader<V, G>> rg{ugrad, w, col, sp.order, jb, je};
-      acc.Add(ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col));
-    } else {
-      const RowGrads<M, GradReader<V, G>> rg{grad, w, col, sp.order, jb, je};
-      acc.Add(ApplyElem<Rule, kSlots>(c, rg, var, s0, s1, s2, row * w + col));
-    }
-    r += dr;
-    col += dc;
-    ucol += du;
-    if (ucol >= units) ucol -= units;
-    if (col >= w) {
-      col -= w;
-      ++r;
-    }
-  }
-  return acc;
-}
-
-template <typename Rule, int kSlots>
-__global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse sp) {
-  if (!t.status->apply) return;
-  const DevConsts consts = *t.consts;
-  const SparseUnit u = sp.units[blockIdx.x];
-  const DevTensor& ten = t.tensors[u.tensor];
-  const ClipFactor f = t.factors[u.tensor];
-  TrustAcc acc;
-  DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
-               [&](auto vtag, auto gtag) {
-                 using V = decltype(vtag);
-                 acc = SparseUnitDev<Rule, V, decltype(gtag), kSlots>(
-                     ConstsFor<V>(consts.f, consts.d), ten, f, sp, u);
-               });
-  if constexpr (Rule::kTrustRatio) {
-    const double w = BlockSum<kThreads>(acc.w);
-    const double uu = BlockSum<kThreads>(acc.u);
-    if (threadIdx.x == 0) {
-      const int64_t x = t.nchunks + blockIdx.x;
-      t.trust[2 * x] = w;
-      t.trust[2 * x + 1] = uu;
-    }
-  }
-}
-
-// ---------------------------------------------------------------- kernels 5, 6: trust ratio
-// A trust-ratio rule's per-tensor sums: one block per tensor, over its chunks' then its sparse
-// units' sums (thread k takes entries k, k + kThreads, ...; BlockSum's fixed order).
-__global__ void __launch_bounds__(kThreads) TrustSumKernel(Table t) {
-  if (!t.status->apply) return;
-  const DevTensor& ten = t.tensors[blockIdx.x];
-  double w = 0.0, u = 0.0;
-  for (int64_t k = threadIdx.x; k < ten.num_chunks + ten.num_units; k += kThreads) {
-    const int64_t x = k < ten.num_chunks ? ten.first_chunk + k : t.nchunks + ten.first_unit + (k - ten.num_chunks);
-    w += t.trust[2 * x];
-    u += t.trust[2 * x + 1];
-  }
-  w = BlockSum<kThreads>(w);
-  u = BlockSum<kThreads>(u);
-  if (threadIdx.x == 0) {
-    t.trust_sums[2 * blockIdx.x] = w;
-    t.trust_sums[2 * blockIdx.x + 1] = u;
-  }
-}
-
-// The variables: blocks [0, nblocks) the dense chunks' blocks, then one per sparse unit.
-template <typename Rule, int kSlots>
-__global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, int64_t nblocks) {
-  if (!t.status->apply) return;
-  if constexpr (Rule::kTrustRatio) {
-    const DevConsts consts = *t.consts;
-    auto range = [&](const DevTensor& ten, int tensor, int64_t b, int64_t e, Crew crew) {
-      DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
-        using V = decltype(vtag);
-        const auto& c = ConstsFor<V>(consts.f, consts.d);
-        const auto ratio_lr = TrustRatioLr(c, t.trust_sums[2 * tensor], t.trust_sums[2 * tensor + 1]);
-        V* var = static_cast<V*>(ten.var);
-        const V* s0 = static_cast<const V*>(ten.slots[0]);
-        const V* s1 = static_cast<const V*>(ten.slots[1]);
-        const V* s2 = static_cast<const V*>(ten.slots[2]);
-        for (int64_t i = b + crew.rank; i < e; i += crew.size) {
-          TrustElem<Rule, kSlots>(c, ratio_lr, var, s0, s1, s2, i);
-        }
-      });
-    };
-    if (static_cast<int64_t>(blockIdx.x) < nblocks) {
-      ForEachChunk(t, [&](int64_t c, Crew crew) {
-        const DevChunk ch = t.chunks[c];
-        const DevTensor& ten = t.tensors[ch.tensor];
-        if (!ten.sparse) range(ten, ch.tensor, ch.begin, ch.end, crew);
-      });
-    } else {
-      const SparseUnit u = sp.units[blockIdx.x - nblocks];
-      const DevTensor& ten = t.tensors[u.tensor];
-      const int64_t w = ten.width;
-      const Crew block{static_cast<int>(threadIdx.x), kThreads, false};
-      if (u.all_rows) {
-        range(ten, u.tensor, u.begin * w, u.end * w, block);
-      } else {
-        for (int64_t x = u.begin; x < u.end; ++x) {
-          range(ten, u.tensor, sp.urows[x] * w, sp.urows[x] * w + w, block);
-        }
-      }
-    }
-  }
-}
-
 // ---------------------------------------------------------------- the clip op's scale pass
 __global__ void __launch_bounds__(kThreads) ScaleKernel(Table t) {
   const double scale = t.status->scale;
@@ -973,13 +483,6 @@ __global__ void __launch_bounds__(kThreads) ScaleKernel(Table t) {
 }
 
 // ---------------------------------------------------------------- host side
-std::string CudaError(cudaError_t e, const char* what) {
-  std::ostringstream os;
-  os << "CUDA error in " << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e)
-     << ")";
-  return os.str();
-}
-
 // Fills the host table, uploads it, and returns the device-side view of the workspace.
 std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, void* host_ws,
                    void* dev_ws, cudaStream_t stream, Table* t) {
@@ -1059,11 +562,6 @@ void ChunkRanges(const CudaPlan& p, DevTensor* ts) {
       ts[un[x].tensor].num_units++;
     }
   }
-}
-
-std::string Launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? "" : CudaError(e, what);
 }
 
 // Norm (when needed) and finalize: the first two launches of every op.
@@ -1347,39 +845,9 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       dsp.ustart = reinterpret_cast<const int64_t*>(dc + l.off_ustart);
       dsp.nunits = static_cast<int64_t>(sparse.units.size());
     }
-    DispatchRule(args.rule, [&](auto rule_tag) {
-      using Rule = decltype(rule_tag);
-      const bool ok = DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
-        constexpr int kS = decltype(slots_tag)::value;
-        if (nblocks > 0) {
-          auto* apply_kernel = &ApplyKernel<Rule, kS>;
-          TFCLIP_LAUNCH(apply_kernel, nblocks, kThreads, 0, stream)(t);
-          ++g_last_launches;
-          err = Launched("the apply kernel");
-        }
-        if (err.empty() && has_sparse) {
-          auto* sparse_apply_kernel = &SparseApplyKernel<Rule, kS>;
-          TFCLIP_LAUNCH(sparse_apply_kernel, static_cast<unsigned>(dsp.nunits), kThreads, 0,
-                        stream)(t, dsp);
-          ++g_last_launches;
-          err = Launched("the sparse apply kernel");
-        }
-        if (err.empty() && trust && n > 0) {  // per-tensor sums, then the variables
-          TFCLIP_LAUNCH(TrustSumKernel, static_cast<unsigned>(n), kThreads, 0, stream)(t);
-          ++g_last_launches;
-          err = Launched("the trust-ratio sum kernel");
-          const int64_t tblocks = static_cast<int64_t>(nblocks) + dsp.nunits;
-          if (err.empty() && tblocks > 0) {
-            auto* trust_kernel = &TrustKernel<Rule, kS>;
-            TFCLIP_LAUNCH(trust_kernel, static_cast<unsigned>(tblocks), kThreads, 0, stream)(
-                t, dsp, static_cast<int64_t>(nblocks));
-            ++g_last_launches;
-            err = Launched("the trust-ratio apply kernel");
-          }
-        }
-      });
-      if (!ok) err = "internal: no kernel for this rule's slot count";
-    });
+    if (nblocks > 0) err = LaunchDenseApply(args.rule, nslots, t, nblocks, stream, &g_last_launches);
+    if (err.empty() && has_sparse) err = LaunchSparseApply(args.rule, nslots, t, dsp, stream, &g_last_launches);
+    if (err.empty() && trust && n > 0) err = LaunchTrust(args.rule, nslots, t, dsp, nblocks, stream, &g_last_launches);
     if (!err.empty()) return err;
     if (args.cfg.policy == NonFinitePolicy::kRaise) {
       // The one host wait in tfclip: 'raise' must know before it returns.

@@ -1,0 +1,256 @@
+// tfclip core, CUDA: the dense apply kernel (each element's clipped gradient through the rule's
+// ApplyElem, csrc/core/apply_elem.h) and a trust-ratio rule's two extra kernels. Shared
+// structures and launch declarations: csrc/core/cuda_kernels.cuh.
+#include "csrc/core/cuda_kernels.cuh"
+
+namespace tfclip {
+namespace cuda {
+namespace {
+
+
+// A range of a dense tensor: each element's gradient clipped (GradReader) and ApplyElem, four
+// elements per thread with vector loads when every array is aligned for them. A trust-ratio
+// rule's elements go to threads the same way whether aligned or not (groups of four from b,
+// then the tail), so its sums depend on the values only, never on where a buffer starts.
+template <typename Rule, typename V, typename G, int kSlots>
+__device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
+                               const ClipFactor& f, int64_t b, int64_t e, Crew crew) {
+  using M = typename Elem<V>::Math;
+  constexpr int kV = 4;
+  TrustAcc acc;
+  V* var = static_cast<V*>(t.var);
+  V* s0 = static_cast<V*>(t.slots[0]);
+  V* s1 = static_cast<V*>(t.slots[1]);
+  V* s2 = static_cast<V*>(t.slots[2]);
+  const GradReader<V, G> grad(t.grad, static_cast<DType>(t.grad_dtype), f);
+  const int64_t nvec = (e - b) / kV;
+  int64_t i0 = b;
+  bool grouped = false;
+  if constexpr (!std::is_same<G, AnyGrad>::value) {
+    V* sp[kMaxSlots] = {s0, s1, s2};
+    const G* graw = static_cast<const G*>(t.grad);
+    bool aligned = reinterpret_cast<uintptr_t>(var + b) % (sizeof(V) * kV) == 0 &&
+                   reinterpret_cast<uintptr_t>(graw + b) % (sizeof(G) * kV) == 0;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      aligned = aligned && reinterpret_cast<uintptr_t>(sp[k] + b) % (sizeof(V) * kV) == 0;
+    }
+    if (aligned) {
+      for (int64_t j = crew.rank; j < nvec; j += crew.size) {
+        const int64_t i = b + j * kV;
+        Vec<V, kV> vv = *reinterpret_cast<const Vec<V, kV>*>(var + i);
+        const Vec<G, kV> gv = *reinterpret_cast<const Vec<G, kV>*>(graw + i);
+        Vec<V, kV> sv[kMaxSlots];
+#pragma unroll
+        for (int k = 0; k < kSlots; ++k) sv[k] = *reinterpret_cast<const Vec<V, kV>*>(sp[k] + i);
+#pragma unroll
+        for (int q = 0; q < kV; ++q) {
+          const M g = ClipGrad<G, M>(gv.v[q], grad.scale, grad.lo, grad.hi);
+          acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, vv.v, sv[0].v, sv[1].v, sv[2].v, q));
+        }
+        if constexpr (!Rule::kTrustRatio) *reinterpret_cast<Vec<V, kV>*>(var + i) = vv;
+#pragma unroll
+        for (int k = 0; k < kSlots; ++k) *reinterpret_cast<Vec<V, kV>*>(sp[k] + i) = sv[k];
+      }
+      grouped = true;
+    }
+  }
+  if (Rule::kTrustRatio && !grouped) {  // the same groups, element by element
+    for (int64_t j = crew.rank; j < nvec; j += crew.size) {
+      for (int q = 0; q < kV; ++q) {
+        const int64_t i = b + j * kV + q;
+        acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
+      }
+    }
+    grouped = true;
+  }
+  if (grouped) i0 = b + nvec * kV;
+#ifdef TFCLIP_PLANT_TAIL_STRIDE
+  const int64_t stride = kThreads;  // the block's stride, where the crew may be a warp
+#else
+  const int64_t stride = crew.size;
+#endif
+  for (int64_t i = i0 + crew.rank; i < e; i += stride) {
+    acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
+  }
+  return acc;
+}
+
+// A range of a dense tensor under AGC: each element's gradient times its unit's scale (in the
+// gradient's dtype, cast to the variable's: CastClipGradAt, as the CPU's ApplyChunkAgc), a
+// thread per element in crew order. The unit walks with the thread: one modulo per range, then
+// a step of crew.size % units with one compare per element.
+template <typename Rule, typename V, int kSlots>
+__device__ TrustAcc ApplyRangeAgc(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
+                                  int64_t b, int64_t e, Crew crew) {
+  using M = typename Elem<V>::Math;
+  TrustAcc acc;
+  V* var = static_cast<V*>(t.var);
+  V* s0 = static_cast<V*>(t.slots[0]);
+  V* s1 = static_cast<V*>(t.slots[1]);
+  V* s2 = static_cast<V*>(t.slots[2]);
+  const int64_t units = t.units;
+  const int64_t step = crew.size % units;
+#ifdef TFCLIP_PLANT_AGC_UNIT
+  // The unit index one off: element i takes unit (i + 1) % units's scale.
+  int64_t col = (b + crew.rank + 1) % units;
+#else
+  int64_t col = (b + crew.rank) % units;
+#endif
+  const DType gt = static_cast<DType>(t.grad_dtype);
+  for (int64_t i = b + crew.rank; i < e; i += crew.size) {
+    ClipFactor f;
+    f.scale = t.unit_scale[col];
+    const M g = CastClipGradAt<V>(t.grad, gt, i, f);
+    acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, var, s0, s1, s2, i));
+    col += step;
+    if (col >= units) col -= units;
+  }
+  return acc;
+}
+
+template <typename Rule, int kSlots>
+__global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
+#ifndef TFCLIP_PLANT_SKIP_IGNORED
+  if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
+#endif
+  const DevConsts consts = *t.consts;
+  ForEachChunk(t, [&](int64_t c, Crew crew) {
+    const DevChunk ch = t.chunks[c];
+    const DevTensor& ten = t.tensors[ch.tensor];
+    if (ten.sparse) {  // the sparse kernel applies it
+      if (Rule::kTrustRatio && crew.rank == 0) t.trust[2 * c] = t.trust[2 * c + 1] = 0.0;
+      return;
+    }
+    const ClipFactor f = t.factors[ch.tensor];
+    TrustAcc acc;
+    if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
+      DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
+        using V = decltype(vtag);
+        acc = ApplyRangeAgc<Rule, V, kSlots>(ConstsFor<V>(consts.f, consts.d), ten, ch.begin,
+                                             ch.end, crew);
+      });
+    } else {
+    DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
+                 [&](auto vtag, auto gtag) {
+                   using V = decltype(vtag);
+                   acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
+                       ConstsFor<V>(consts.f, consts.d), ten, f, ch.begin, ch.end, crew);
+                 });
+    }
+    if constexpr (Rule::kTrustRatio) {
+      const double w = crew.Sum(acc.w);
+      const double u = crew.Sum(acc.u);
+      if (crew.rank == 0) {
+        t.trust[2 * c] = w;
+        t.trust[2 * c + 1] = u;
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- kernels 5, 6: trust ratio
+// A trust-ratio rule's per-tensor sums: one block per tensor, over its chunks' then its sparse
+// units' sums (thread k takes entries k, k + kThreads, ...; BlockSum's fixed order).
+__global__ void __launch_bounds__(kThreads) TrustSumKernel(Table t) {
+  if (!t.status->apply) return;
+  const DevTensor& ten = t.tensors[blockIdx.x];
+  double w = 0.0, u = 0.0;
+  for (int64_t k = threadIdx.x; k < ten.num_chunks + ten.num_units; k += kThreads) {
+    const int64_t x = k < ten.num_chunks ? ten.first_chunk + k : t.nchunks + ten.first_unit + (k - ten.num_chunks);
+    w += t.trust[2 * x];
+    u += t.trust[2 * x + 1];
+  }
+  w = BlockSum<kThreads>(w);
+  u = BlockSum<kThreads>(u);
+  if (threadIdx.x == 0) {
+    t.trust_sums[2 * blockIdx.x] = w;
+    t.trust_sums[2 * blockIdx.x + 1] = u;
+  }
+}
+
+// The variables: blocks [0, nblocks) the dense chunks' blocks, then one per sparse unit.
+template <typename Rule, int kSlots>
+__global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, int64_t nblocks) {
+  if (!t.status->apply) return;
+  if constexpr (Rule::kTrustRatio) {
+    const DevConsts consts = *t.consts;
+    auto range = [&](const DevTensor& ten, int tensor, int64_t b, int64_t e, Crew crew) {
+      DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
+        using V = decltype(vtag);
+        const auto& c = ConstsFor<V>(consts.f, consts.d);
+        const auto ratio_lr = TrustRatioLr(c, t.trust_sums[2 * tensor], t.trust_sums[2 * tensor + 1]);
+        V* var = static_cast<V*>(ten.var);
+        const V* s0 = static_cast<const V*>(ten.slots[0]);
+        const V* s1 = static_cast<const V*>(ten.slots[1]);
+        const V* s2 = static_cast<const V*>(ten.slots[2]);
+        for (int64_t i = b + crew.rank; i < e; i += crew.size) {
+          TrustElem<Rule, kSlots>(c, ratio_lr, var, s0, s1, s2, i);
+        }
+      });
+    };
+    if (static_cast<int64_t>(blockIdx.x) < nblocks) {
+      ForEachChunk(t, [&](int64_t c, Crew crew) {
+        const DevChunk ch = t.chunks[c];
+        const DevTensor& ten = t.tensors[ch.tensor];
+        if (!ten.sparse) range(ten, ch.tensor, ch.begin, ch.end, crew);
+      });
+    } else {
+      const SparseUnit u = sp.units[blockIdx.x - nblocks];
+      const DevTensor& ten = t.tensors[u.tensor];
+      const int64_t w = ten.width;
+      const Crew block{static_cast<int>(threadIdx.x), kThreads, false};
+      if (u.all_rows) {
+        range(ten, u.tensor, u.begin * w, u.end * w, block);
+      } else {
+        for (int64_t x = u.begin; x < u.end; ++x) {
+          range(ten, u.tensor, sp.urows[x] * w, sp.urows[x] * w + w, block);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string LaunchDenseApply(RuleKind rule, int nslots, const Table& t, unsigned nblocks,
+                             cudaStream_t stream, int* launches) {
+  std::string err;
+  DispatchRule(rule, [&](auto rule_tag) {
+    using Rule = decltype(rule_tag);
+    const bool ok = DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
+      constexpr int kS = decltype(slots_tag)::value;
+      auto* apply_kernel = &ApplyKernel<Rule, kS>;
+      TFCLIP_LAUNCH(apply_kernel, nblocks, kThreads, 0, stream)(t);
+      ++*launches;
+      err = Launched("the apply kernel");
+    });
+    if (!ok) err = "internal: no apply kernel for this rule's slot count";
+  });
+  return err;
+}
+
+std::string LaunchTrust(RuleKind rule, int nslots, const Table& t, const DevSparse& sp,
+                        unsigned nblocks, cudaStream_t stream, int* launches) {
+  TFCLIP_LAUNCH(TrustSumKernel, static_cast<unsigned>(t.n), kThreads, 0, stream)(t);
+  ++*launches;
+  std::string err = Launched("the trust-ratio sum kernel");
+  const int64_t tblocks = static_cast<int64_t>(nblocks) + sp.nunits;
+  if (!err.empty() || tblocks == 0) return err;
+  DispatchRule(rule, [&](auto rule_tag) {
+    using Rule = decltype(rule_tag);
+    const bool ok = DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
+      constexpr int kS = decltype(slots_tag)::value;
+      auto* trust_kernel = &TrustKernel<Rule, kS>;
+      TFCLIP_LAUNCH(trust_kernel, static_cast<unsigned>(tblocks), kThreads, 0, stream)(
+          t, sp, static_cast<int64_t>(nblocks));
+      ++*launches;
+      err = Launched("the trust-ratio apply kernel");
+    });
+    if (!ok) err = "internal: no trust-ratio kernel for this rule's slot count";
+  });
+  return err;
+}
+
+}  // namespace cuda
+}  // namespace tfclip

@@ -1,0 +1,248 @@
+// tfclip core, CUDA: what the driver's .cu files share (and nothing outside them includes):
+// the tensor table as the kernels see it, the fixed-order warp and block sums, the chunk crews,
+// and the launchers each kernel file exports to the driver.
+//   cuda_driver.cu        the step: plan, upload, norm / AGC / finalize / scale kernels, entry points
+//   cuda_apply.cu         the dense apply kernel and the trust-ratio kernels (Lamb)
+//   cuda_sparse_apply.cu  the IndexedSlices apply kernel
+// The apply kernels are most of the device code (one instantiation per rule and slot count), so
+// they have files of their own: the build compiles them side by side.
+//
+// Built with --fmad=false (CMakeLists.txt): nvcc would otherwise contract a*b+c into FMA where
+// the CPU build does not, and the apply pass would differ from the CPU in the last bit.
+#pragma once
+
+#include "csrc/core/cuda_driver.h"
+
+#include "csrc/core/agc.h"
+#include "csrc/core/apply_elem.h"
+#include "csrc/core/sparse.h"
+#include "csrc/core/validate.h"
+
+#include <cuda_runtime.h>
+
+// Under nvcc a launch is kernel<<<...>>>; the CPU emulation (cuda/emulation/cuda_runtime.h, CI's
+// way to run these kernels) defines its own.
+#ifndef TFCLIP_LAUNCH
+#define TFCLIP_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+// __shared__ data: plain __shared__ declarations under nvcc; the emulation's own definitions
+// check every access for races between its threads.
+#ifndef TFCLIP_SHARED
+#define TFCLIP_SHARED(T, name) __shared__ T name
+#define TFCLIP_SHARED_ARRAY(T, name, n) __shared__ T name[n]
+#endif
+
+// Planted faults, for scripts/planted_faults.sh only: a test build of the emulation defines
+// TFCLIP_PLANTED_FAULT and puts a tfclip_planted_fault.h on the include path that defines one
+// TFCLIP_PLANT_* (each is named where it acts); the product build defines neither.
+#ifdef TFCLIP_PLANTED_FAULT
+#include "tfclip_planted_fault.h"
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+namespace tfclip {
+namespace cuda {
+
+// ---------------------------------------------------------------- the tensor table
+struct DevTensor {
+  void* var;          // apply: the variable; scale: the output
+  const void* grad;   // apply: the gradient (sparse: its slices); norm/scale: the input
+  void* slots[kMaxSlots];
+  int64_t size;       // of grad
+  int64_t first_chunk;
+  int64_t num_chunks;
+  int64_t width;      // sparse: elements per row
+  int32_t var_dtype;
+  int32_t grad_dtype;
+  int32_t sparse;     // 1: applied by the sparse kernel; its chunks are the norm's only
+  int32_t pad;
+  int64_t first_unit;  // sparse: its units of the sparse plan (consecutive)
+  int64_t num_units;
+  // AGC (csrc/core/agc.h): its units' scales in the workspace (null in the other modes), and
+  // its unit count; element i is in unit i % units.
+  const double* unit_scale;
+  int64_t units;
+};
+
+// AGC's norm pass and scales (csrc/core/agc.h): the plan's tables (uploaded with the tensor
+// table) and the device buffers, as the CPU driver's StepScratch has them.
+struct DevAgc {
+  const AgcTile* tiles;
+  int64_t ntiles;
+  const int64_t* unit_off;  // n + 1
+  const int64_t* part_off;  // n + 1
+  const int64_t* blocks;    // n
+  const SparseSpan* spans;
+  int64_t nspans;
+  const int64_t* order;     // the sparse plan's (spans index its urows and ustart)
+  const int64_t* urows;
+  const int64_t* ustart;
+  double* part_g;
+  double* part_w;
+  double* unit_g;
+  double* unit_w;
+  double* unit_scale;
+  double* vsq;  // n: an IndexedSlices gradient's values' sum of squares
+  int64_t* clipped;  // n: each tensor's count of clipped units (CudaOutputs), or null
+  int64_t nunits;
+  int n;
+  double clip, eps;
+  const double* dev_clip;  // the clip in device memory, or null
+};
+
+// The sparse apply pass's table (csrc/core/sparse.h), uploaded with the tensor table.
+struct DevSparse {
+  const SparseUnit* units;
+  const int64_t* order;
+  const int64_t* urows;
+  const int64_t* ustart;
+  int64_t nunits;
+};
+
+struct DevChunk {
+  int64_t begin;
+  int64_t end;
+  int32_t tensor;
+  int32_t pad;
+};
+
+struct DevStatus {
+  double norm;
+  double scale;  // the clip op's scale (kGlobalNorm)
+  int finite;
+  int apply;
+  int bad;           // a bad value read on the device: 1 + HP index, or -1 clip, -2 use_norm
+  double bad_value;
+};
+
+// The per-step constants the apply kernels read: from the host, or computed by the finalize
+// kernel from scalars in device memory.
+struct DevConsts {
+  StepConsts<float> f;
+  StepConsts<double> d;
+};
+
+// Device pointers into the workspace, passed to every kernel by value.
+struct Table {
+  const DevTensor* tensors;
+  const DevChunk* chunks;
+  const int64_t* block_begin;
+  double* partials;
+  // A trust-ratio rule (rules.h): the slot pass's sums of w^2 and u^2, two per chunk then two
+  // per sparse unit, and per tensor (two each); null for the other rules.
+  double* trust;
+  double* trust_sums;
+  ClipFactor* factors;
+  DevStatus* status;
+  DevConsts* consts;
+  const int32_t* many;  // the tensors of over kThreadChunks chunks (a warp sums each one's)
+  int nmany;
+  int n;
+  int64_t nchunks;
+};
+
+// The finalize kernel sums a tensor's chunk partials in one thread, in chunk order, up to this
+// many chunks; a tensor of more (an embedding of 31M elements has 954) gets a warp: lane l sums
+// chunks l, l + 32, ..., then the butterfly. Either way the order follows from the tensor's own
+// chunk count, so its norm is the same bits whatever is beside it.
+constexpr int64_t kThreadChunks = 32;
+
+// ---------------------------------------------------------------- device helpers
+// Sum over the warp in a fixed order (butterflies): the same bits on every run, in every lane.
+__device__ __forceinline__ double WarpSum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums):
+// the same bits on every run. The result is valid in thread 0.
+template <int kBlock>
+__device__ double BlockSum(double v) {
+  static_assert(kBlock % 32 == 0 && kBlock <= 1024, "block size");
+  TFCLIP_SHARED_ARRAY(double, warp_sums, kBlock / 32);
+  v = WarpSum(v);
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#ifndef TFCLIP_PLANT_REUSE_BARRIER
+  __syncthreads();  // warp_sums may still be read from the previous call
+#endif
+  if (lane == 0) warp_sums[w] = v;
+#ifndef TFCLIP_PLANT_PUBLISH_BARRIER
+  __syncthreads();
+#endif
+  double r = 0.0;
+  if (w == 0) r = WarpSum(lane < kBlock / 32 ? warp_sums[lane] : 0.0);
+  return r;
+}
+
+// The threads that work on one chunk: the whole block for a chunk over kWarpChunkElems, one
+// warp for a smaller one (PackCudaBlocks gives such chunks a block of their own, or packs them
+// one per warp). `rank` is this thread's index among them, `size` their count.
+struct Crew {
+  int rank;
+  int size;
+  bool warp;
+  // The crew's sum of v, valid in rank 0 (every thread of a block crew must call it).
+  __device__ double Sum(double v) const { return warp ? WarpSum(v) : BlockSum<kThreads>(v); }
+};
+
+// Calls f(c, crew) for each chunk c of this block with the threads that work on it: one call
+// per warp (its own chunk), or one per chunk with the whole block.
+template <typename F>
+__device__ void ForEachChunk(const Table& t, F&& f) {
+  const int64_t cb = t.block_begin[blockIdx.x], ce = t.block_begin[blockIdx.x + 1];
+  if (cb < ce && t.chunks[cb].end - t.chunks[cb].begin <= kWarpChunkElems) {
+    const int64_t c = cb + (threadIdx.x >> 5);
+    if (c < ce) f(c, Crew{static_cast<int>(threadIdx.x & 31), 32, true});
+    return;
+  }
+  for (int64_t c = cb; c < ce; ++c) f(c, Crew{static_cast<int>(threadIdx.x), kThreads, false});
+}
+
+template <typename T, int kN>
+struct alignas(sizeof(T) * kN) Vec {
+  T v[kN];
+};
+
+template <typename T>
+__device__ __forceinline__ double Sq(T x) {
+  const double d = static_cast<double>(Elem<T>::Load(x));
+  return d * d;
+}
+
+// ---------------------------------------------------------------- kernel 3: apply
+// This thread's share of a trust-ratio rule's sums (w^2, u^2) over the elements it applied.
+struct TrustAcc {
+  double w = 0.0, u = 0.0;
+  template <typename M>
+  __device__ void Add(const ElemNorms<M>& e) {
+    const double w_ = static_cast<double>(e.w), u_ = static_cast<double>(e.u);
+    w += w_ * w_;
+    u += u_ * u_;
+  }
+};
+
+// ---------------------------------------------------------------- shared by the .cu files
+std::string CudaError(cudaError_t e, const char* what);
+// "" or the error of the launch just queued (cudaGetLastError).
+std::string Launched(const char* what);
+
+// The apply launches of a step, each adding one to *launches per kernel queued; each returns ""
+// or an error. The rule's kernels for its slot count: "internal: ..." if none is compiled.
+// cuda_apply.cu: the dense apply kernel over the plan's nblocks blocks.
+std::string LaunchDenseApply(RuleKind rule, int nslots, const Table& t, unsigned nblocks,
+                             cudaStream_t stream, int* launches);
+// cuda_apply.cu: a trust-ratio rule's per-tensor sums, then its variables (dense blocks, then
+// one block per sparse unit).
+std::string LaunchTrust(RuleKind rule, int nslots, const Table& t, const DevSparse& sp,
+                        unsigned nblocks, cudaStream_t stream, int* launches);
+// cuda_sparse_apply.cu: one block per unit of the sparse plan.
+std::string LaunchSparseApply(RuleKind rule, int nslots, const Table& t, const DevSparse& sp,
+                              cudaStream_t stream, int* launches);
+
+}  // namespace cuda
+}  // namespace tfclip
