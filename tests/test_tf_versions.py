@@ -32,9 +32,13 @@ def _backend():
 
 @needs_source
 @pytest.mark.parametrize("found,want", [
-    (("tensorflow", "2.18.1"), "tensorflow==2.18.1"),
-    (("tensorflow", "2.15.0"), "tensorflow==2.15.0"),
-    (("tensorflow-cpu", "2.16.2"), "tensorflow-cpu==2.16.2"),
+    # A supported TF where tfclip goes: the build compiles against that one, from there
+    # (CMakeLists.txt queries the target interpreter without pip's isolation), so the isolated
+    # build environment gets no second TensorFlow. (CI's TF 2.16 step builds this way.)
+    (("tensorflow", "2.18.1"), None),
+    (("tensorflow", "2.15.0"), None),
+    (("tensorflow-cpu", "2.16.2"), None),
+    # None there: the newest supported, which pip then installs for the run time too.
     (None, "tensorflow==2.21.*"),
 ])
 def test_build_requires_the_tensorflow_already_installed(monkeypatch, found, want):
@@ -42,6 +46,33 @@ def test_build_requires_the_tensorflow_already_installed(monkeypatch, found, wan
     monkeypatch.delenv("TFCLIP_TF_VERSION", raising=False)
     monkeypatch.setattr(backend, "_installed_tensorflow", lambda: found)
     assert backend._tensorflow_requirement() == want
+    monkeypatch.setattr(backend._skbuild, "get_requires_for_build_wheel", lambda cs=None: ["cmake"])
+    assert backend.get_requires_for_build_wheel() == (["cmake"] + [want] if want else ["cmake"])
+
+
+@needs_source
+def test_the_build_finds_the_target_tensorflow_from_an_isolated_build_without_one(tmp_path):
+    """pip's isolated build environment holds no TF when the target has one (above): a configure
+    run under an isolation that hides TensorFlow (PYTHONPATH's sitecustomize blocks the import,
+    as pip's overlay lacks it) still finds this environment's TF, and says which."""
+    iso = tmp_path / "overlay"
+    iso.mkdir()
+    (iso / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+        class _NoTF:
+            def find_spec(self, name, path=None, target=None):
+                if name == "tensorflow" or name.startswith("tensorflow."):
+                    raise ModuleNotFoundError("No module named 'tensorflow' (isolated)")
+        sys.meta_path.insert(0, _NoTF())
+    """))
+    env = dict(os.environ, PYTHONPATH=str(iso), PYTHONNOUSERSITE="1")
+    probe = subprocess.run([sys.executable, "-c", "import tensorflow"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0  # the isolation really hides it
+    out = subprocess.run(["cmake", "-S", str(SRC), "-B", str(tmp_path / "build"), f"-DPython_EXECUTABLE={sys.executable}",
+                          "-DTFCLIP_CUDA=OFF", "-DTFCLIP_XLA=OFF", "-DTFCLIP_ISA_VARIANTS=OFF"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"tfclip: TensorFlow {tf.__version__} at {tf.sysconfig.get_lib()}" in out.stdout
 
 
 @needs_source
