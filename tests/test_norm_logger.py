@@ -227,3 +227,12 @@ def run_plain_events(tmp_path, x, y):
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[tfclip.keras.GradientNormLogger(log_dir, every_n_steps=2)])
     return read_events(log_dir)[0]
+
+
+def test_without_tensorboard_the_logger_says_what_to_install(monkeypatch):
+    """TensorFlow 2.21 no longer installs tensorboard, where tf.summary's scalar and histogram
+    live: the logger refuses at construction (not at the first write, mid-fit) and names the
+    package and the command."""
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
+    with pytest.raises(ImportError, match=r"needs the tensorboard package: pip install tensorboard"):
+        tfclip.keras.GradientNormLogger("unused-log-dir")

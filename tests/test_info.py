@@ -1,0 +1,56 @@
+"""python -m tfclip.info: the bug-report printout, checked against what the build and this
+process really have (tfclip/_build_info.py, TensorFlow, tfclip._core)."""
+import subprocess
+import sys
+
+import tensorflow as tf
+
+import tfclip.info
+from tfclip import _build_info, _core, _loader
+
+
+def _report():
+    out = subprocess.run([sys.executable, "-m", "tfclip.info"], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        label, _, text = line.partition("  ")
+        rows[label.strip()] = text.strip()
+    return out, rows
+
+
+def test_report_says_what_was_built_and_what_runs():
+    out, rows = _report()
+    assert "ERROR" not in out, out
+    assert rows["TensorFlow"].startswith(tf.__version__) and "MISMATCH" not in rows["TensorFlow"]
+    assert rows["built for"].startswith(f"TensorFlow {_build_info.TF_VERSION};")
+    assert rows["op library"].endswith("_tfclip_ops.so (loads)")
+    assert rows["XLA kernels"].startswith("built, registered" if _loader.xla_kernels() else "not built: ")
+    if _build_info.CUDA:
+        assert _build_info.CUDA_TARGETS and _build_info.CUDA_TARGETS in rows["CUDA kernels"]
+        driver, runtime = _core.cuda_versions()
+        assert rows["CUDA here"].startswith(f"runtime {runtime // 1000}.{runtime % 1000 // 10}")
+    else:
+        assert rows["CUDA kernels"].startswith("not built")
+    assert f"variant in use: {_core.cpu_isa()} " in rows["CPU"]
+    gpus = tf.config.list_physical_devices("GPU")
+    assert (rows["GPUs TF sees"] == "none") == (not gpus)
+    for label in ("tfclip", "Python", "Keras", "tensorboard"):
+        assert rows[label], label
+
+
+def test_a_failing_probe_is_reported_and_the_rest_goes_on(monkeypatch):
+    def broken():
+        raise RuntimeError("no driver for you")
+
+    monkeypatch.setattr(_core, "cpu_isa", broken)
+    rows = dict(tfclip.info.collect())
+    assert rows["CPU"] == "ERROR: RuntimeError: no driver for you"
+    assert rows["TensorFlow"].startswith(tf.__version__)
+
+
+def test_a_tensorflow_mismatch_is_named_with_the_rebuild_command(monkeypatch):
+    monkeypatch.setattr(_build_info, "TF_VERSION", "2.0.0")
+    rows = dict(tfclip.info.collect())
+    assert "MISMATCH: tfclip was built for 2.0.0" in rows["TensorFlow"]
+    assert "pip install --force-reinstall --no-deps ." in rows["TensorFlow"]
