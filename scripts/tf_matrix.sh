@@ -2,7 +2,7 @@
 # The TensorFlow you have: for each TF version, a fresh venv where that TF is installed first, then
 # the README's install command (`pip install ".[test]"`), which must build tfclip against it without
 # changing it; then the suite's subset that reaches every front door. Prints a Markdown table
-# (version x builds x TF unchanged x tests x XLA kernels) for the README.
+# (version x builds x TF unchanged x tests x XLA kernels) for docs/install.md.
 #   scripts/tf_matrix.sh                 (2.15 2.16 2.17 2.18 2.19 2.20 2.21; about 15 minutes each here)
 #   scripts/tf_matrix.sh 2.16 2.18       (some)
 #   SUBSET="tests/test_apply.py" scripts/tf_matrix.sh 2.16

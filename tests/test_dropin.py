@@ -253,7 +253,7 @@ def test_a_tfclip_saved_model_loads_where_tfclip_is_absent(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     # Plain load_model cannot build a class it does not have; Keras's error names its module and
-    # registered name (the README says what to do).
+    # registered name (docs/keras.md says what to do).
     assert "PLAIN-ERROR" in r.stdout and "'module': 'tfclip.keras'" in r.stdout, r.stdout
     assert "tfclip>Adam" in r.stdout, r.stdout
     # For inference: compile=False; to keep training: the stock class, with the same state.

@@ -357,11 +357,11 @@ def test_ten_thousand_steps_do_not_grow_memory():
 
 
 def test_readme_promises_name_tests_that_exist():
-    """Every test the README's "What tfclip promises" table names is a test function here."""
+    """Every test the "What tfclip promises" table (docs/guarantees.md) names is a test function here."""
     import re
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    readme = open(os.path.join(root, "docs", "guarantees.md"), encoding="utf-8").read()
     table = readme.split("## What tfclip promises", 1)[1].split("\n## ", 1)[0]
     named = 0
     for line in table.splitlines()[4:]:

@@ -6,7 +6,7 @@ both accept the value two steps are taken with each and compared. tfclip's one d
 refusal, a non-finite value (stock would write NaN or inf into every variable), must come at
 construction with an error naming the argument; so may a value stock refuses only when its step
 runs (a kernel's check, as ProximalAdagrad's lr > 0); any other disagreement is a failure. (The
-README's "Deliberate differences from stock" lists the same.)
+docs' "Deliberate differences from stock", docs/differences.md, lists the same.)
 
 Also: every mismatch between the lengths of the gradient and variable lists either matches stock
 or names both lengths."""
@@ -70,7 +70,7 @@ def _compare_steps(step_stock, step_tfclip, what, problems):
             problems.append(f"{what}: tfclip {g} vs stock {w}")
 
 
-# Differences listed in the README's "Deliberate differences from stock", skipped by name here.
+# Differences listed in docs/differences.md ("Deliberate differences from stock"), skipped by name here.
 KNOWN = {
     # TF1 FtrlOptimizer at learning_rate 0: TF's kernel leaves the variables at 0, the core
     # computes Keras's Ftrl arithmetic (l2 + beta / (2 * lr)), which gives NaN there as Keras does.

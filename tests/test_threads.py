@@ -61,7 +61,7 @@ def test_shared_rule_equals_a_serial_run_bit_for_bit(make, compiled):
     end bitwise where one thread doing all the steps ends, slots and counter included. (In a
     tf.function the op reads and advances the counter under the variables' locks; Nadam's
     momentum-cache product is read before the op, so concurrent graph steps of Nadam are not
-    serial: README, "Threads".)"""
+    serial: docs/tf1.md, "Threads".)"""
     if compiled and isinstance(make(), tfclip.rules.Nadam):
         pytest.skip("Nadam's product is read outside the op in a graph: not serial across "
                     "concurrent tf.function calls (documented)")

@@ -63,7 +63,7 @@ def cuda_driver_problem(driver, runtime, visible_gpus):
         f"and fail. Update the NVIDIA driver, or rebuild tfclip with a CUDA {major} toolkit from the "
         f"tfclip source folder: CMAKE_ARGS=\"-DCMAKE_CUDA_COMPILER=/usr/local/cuda-{major}/bin/nvcc\" "
         f"pip install --force-reinstall --no-deps . (or CMAKE_ARGS=\"-DTFCLIP_CUDA=OFF\" for CPU-only ops; "
-        f"README: CUDA toolkits and drivers)."
+        f"docs/install.md: CUDA toolkits, drivers and architectures)."
     )
 
 

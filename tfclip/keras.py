@@ -176,7 +176,7 @@ class _FusedMixin(_optstate.NormState):
             import tfclip.tf_keras  # noqa: F401
         _opcall.check_policy(nonfinite)
         # The learning rate and weight decay as numbers (a schedule or callable: per step, by
-        # the op): finite, the one refusal of tfclip's own (README: deliberate differences).
+        # the op): finite, the one refusal of tfclip's own (docs/differences.md).
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, keras.Variable) and tf.executing_eagerly():
             _check_number("learning_rate", float(lr.numpy()))
@@ -229,7 +229,7 @@ class _FusedMixin(_optstate.NormState):
     def get_config(self):
         # tfclip's own arguments only when they differ from their defaults: a default config is
         # the stock class's, so a saved model loads with the stock class where tfclip is absent
-        # (custom_objects={"tfclip>Adam": keras.optimizers.Adam}; see the README).
+        # (custom_objects={"tfclip>Adam": keras.optimizers.Adam}; see docs/keras.md).
         config = super().get_config()
         if self.nonfinite != "skip":
             config["nonfinite"] = self.nonfinite
