@@ -62,6 +62,12 @@ run() {
     printf '  %-34s PASS (%ds)\n' "$label" $((SECONDS - t0))
     return 1
   fi
+  if [ "$rc" = 5 ]; then
+    # pytest's "no tests collected": the -k subset names no test, so nothing was tried. That is
+    # a broken script, not a caught fault.
+    echo "  $label: no test matches -k '$k' (pytest exit 5): the fault was not tried" >&2
+    exit 2
+  fi
   local why
   if [ "$rc" = 124 ]; then
     why="the suite hung (stopped after ${PLANT_TIMEOUT:-300} s)"
