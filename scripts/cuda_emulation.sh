@@ -35,7 +35,7 @@ mkdir -p "$STATS"
 
 # kernel_stats REQUIRE: names the kernels the run launched (the emulation's TFCLIP_EMU_STATS files,
 # symbolized with nm) with their launches per schedule; with REQUIRE=1, fails unless every kernel
-# of csrc/core/cuda_driver.cu and every instantiation of the trust-ratio rule (Lamb: the kernels
+# of csrc/core/cuda_*.cu and every instantiation of the trust-ratio rule (Lamb: the kernels
 # with two consecutive BlockSums) was launched.
 kernel_stats() {
   "$PY" - "$CORE" "$1" "$STATS"/*.txt <<'EOF'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Proof of power of the emulated CUDA suite (issue 34): builds tfclip._core against the CUDA
-# emulation with one planted fault at a time (csrc/core/cuda_driver.cu's TFCLIP_PLANT_* blocks,
+# emulation with one planted fault at a time (the TFCLIP_PLANT_* blocks of csrc/core/cuda_*.cu and cuda_kernels.cuh,
 # compiled in only here: CMAKE_CXX_FLAGS defines TFCLIP_PLANTED_FAULT and puts this build's
 # tfclip_planted_fault.h on the include path) and runs the tests of the normal suite (tests/gpu)
 # that reach it, as CI runs them. Every planted build must FAIL; the script exits 1 if one passes
@@ -12,8 +12,9 @@
 #   scripts/planted_faults.sh --matrix [fault...]    # also each policy alone with the detector off, and
 #                                                    # the detector alone (random order): cuda/README.md's table
 #   scripts/planted_faults.sh reuse_barrier chunk_end   # only these faults
-# One build of _core (BUILD_DIR, default build-plant; -O1 without debug info: cuda_driver.cu compiles
-# in a quarter of RelWithDebInfo's time), and a recompile of cuda_driver.cu per fault.
+# One build of _core (BUILD_DIR, default build-plant; -O1 without debug info: the CUDA sources
+# compile in a quarter of RelWithDebInfo's time), and a recompile of the csrc/core/cuda_*.cu files
+# (they include the fault header through cuda_kernels.cuh) per fault.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
@@ -31,7 +32,7 @@ FAULTS=(
   "agc_unit|TFCLIP_PLANT_AGC_UNIT|test_agc_dense_parity"
   "agc_block|TFCLIP_PLANT_AGC_BLOCK|test_agc_dense_parity"
 )
-# What each fault is (cuda_driver.cu has the same words where it acts).
+# What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
 declare -A WHAT=(
   [reuse_barrier]="no __syncthreads() before the second of two consecutive block reductions (BlockSum's first barrier)"
   [publish_barrier]="no __syncthreads() between a block reduction's warp_sums writes and warp 0's reads"

@@ -1,17 +1,24 @@
 """python -m tfclip.info: the bug-report printout, checked against what the build and this
 process really have (tfclip/_build_info.py, TensorFlow, tfclip._core)."""
+import os
 import subprocess
 import sys
 
 import tensorflow as tf
 
+import tfclip
 import tfclip.info
 from tfclip import _build_info, _core, _loader
 
 
-def _report():
+def _report(cwd):
+    # The tfclip this test imported (installed, or an in-place build), from another folder: `-m`
+    # puts the working directory first on sys.path, where a source checkout's unbuilt tfclip/
+    # would shadow the installed one.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-m", "tfclip.info"], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
+                         timeout=300, check=True, cwd=cwd, env=env).stdout
     rows = {}
     for line in out.splitlines():
         label, _, text = line.partition("  ")
@@ -19,8 +26,8 @@ def _report():
     return out, rows
 
 
-def test_report_says_what_was_built_and_what_runs():
-    out, rows = _report()
+def test_report_says_what_was_built_and_what_runs(tmp_path):
+    out, rows = _report(tmp_path)
     assert "ERROR" not in out, out
     assert rows["TensorFlow"].startswith(tf.__version__) and "MISMATCH" not in rows["TensorFlow"]
     assert rows["built for"].startswith(f"TensorFlow {_build_info.TF_VERSION};")
