@@ -215,19 +215,12 @@ __global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, i
 
 std::string LaunchDenseApply(RuleKind rule, int nslots, const Table& t, unsigned nblocks,
                              cudaStream_t stream, int* launches) {
-  std::string err;
-  DispatchRule(rule, [&](auto rule_tag) {
-    using Rule = decltype(rule_tag);
-    const bool ok = DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
-      constexpr int kS = decltype(slots_tag)::value;
-      auto* apply_kernel = &ApplyKernel<Rule, kS>;
-      TFCLIP_LAUNCH(apply_kernel, nblocks, kThreads, 0, stream)(t);
-      ++*launches;
-      err = Launched("the apply kernel");
-    });
-    if (!ok) err = "internal: no apply kernel for this rule's slot count";
+  return LaunchForRule(rule, nslots, "apply kernel", [&](auto rule_tag, auto slots_tag) {
+    auto* apply_kernel = &ApplyKernel<decltype(rule_tag), decltype(slots_tag)::value>;
+    TFCLIP_LAUNCH(apply_kernel, nblocks, kThreads, 0, stream)(t);
+    ++*launches;
+    return Launched("the apply kernel");
   });
-  return err;
 }
 
 std::string LaunchTrust(RuleKind rule, int nslots, const Table& t, const DevSparse& sp,
@@ -237,19 +230,13 @@ std::string LaunchTrust(RuleKind rule, int nslots, const Table& t, const DevSpar
   std::string err = Launched("the trust-ratio sum kernel");
   const int64_t tblocks = static_cast<int64_t>(nblocks) + sp.nunits;
   if (!err.empty() || tblocks == 0) return err;
-  DispatchRule(rule, [&](auto rule_tag) {
-    using Rule = decltype(rule_tag);
-    const bool ok = DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
-      constexpr int kS = decltype(slots_tag)::value;
-      auto* trust_kernel = &TrustKernel<Rule, kS>;
-      TFCLIP_LAUNCH(trust_kernel, static_cast<unsigned>(tblocks), kThreads, 0, stream)(
-          t, sp, static_cast<int64_t>(nblocks));
-      ++*launches;
-      err = Launched("the trust-ratio apply kernel");
-    });
-    if (!ok) err = "internal: no trust-ratio kernel for this rule's slot count";
+  return LaunchForRule(rule, nslots, "trust-ratio kernel", [&](auto rule_tag, auto slots_tag) {
+    auto* trust_kernel = &TrustKernel<decltype(rule_tag), decltype(slots_tag)::value>;
+    TFCLIP_LAUNCH(trust_kernel, static_cast<unsigned>(tblocks), kThreads, 0, stream)(
+        t, sp, static_cast<int64_t>(nblocks));
+    ++*launches;
+    return Launched("the trust-ratio apply kernel");
   });
-  return err;
 }
 
 }  // namespace cuda

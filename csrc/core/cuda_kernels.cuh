@@ -231,8 +231,19 @@ std::string CudaError(cudaError_t e, const char* what);
 // "" or the error of the launch just queued (cudaGetLastError).
 std::string Launched(const char* what);
 
+// launch(Rule{}, std::integral_constant<int, kSlots>{}) for the rule's kernels at its slot count,
+// returning what launch returns ("" or an error); "internal: no <what> ..." if none is compiled.
+template <typename Launch>
+std::string LaunchForRule(RuleKind rule, int nslots, const char* what, Launch&& launch) {
+  std::string err = std::string("internal: no ") + what + " for this rule's slot count";
+  DispatchRule(rule, [&](auto rule_tag) {
+    DispatchSlots<decltype(rule_tag)>(nslots, [&](auto slots_tag) { err = launch(rule_tag, slots_tag); });
+  });
+  return err;
+}
+
 // The apply launches of a step, each adding one to *launches per kernel queued; each returns ""
-// or an error. The rule's kernels for its slot count: "internal: ..." if none is compiled.
+// or an error.
 // cuda_apply.cu: the dense apply kernel over the plan's nblocks blocks.
 std::string LaunchDenseApply(RuleKind rule, int nslots, const Table& t, unsigned nblocks,
                              cudaStream_t stream, int* launches);

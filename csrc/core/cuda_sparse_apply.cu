@@ -106,19 +106,12 @@ __global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse
 
 std::string LaunchSparseApply(RuleKind rule, int nslots, const Table& t, const DevSparse& sp,
                               cudaStream_t stream, int* launches) {
-  std::string err;
-  DispatchRule(rule, [&](auto rule_tag) {
-    using Rule = decltype(rule_tag);
-    const bool ok = DispatchSlots<Rule>(nslots, [&](auto slots_tag) {
-      constexpr int kS = decltype(slots_tag)::value;
-      auto* sparse_apply_kernel = &SparseApplyKernel<Rule, kS>;
-      TFCLIP_LAUNCH(sparse_apply_kernel, static_cast<unsigned>(sp.nunits), kThreads, 0, stream)(t, sp);
-      ++*launches;
-      err = Launched("the sparse apply kernel");
-    });
-    if (!ok) err = "internal: no sparse apply kernel for this rule's slot count";
+  return LaunchForRule(rule, nslots, "sparse apply kernel", [&](auto rule_tag, auto slots_tag) {
+    auto* sparse_apply_kernel = &SparseApplyKernel<decltype(rule_tag), decltype(slots_tag)::value>;
+    TFCLIP_LAUNCH(sparse_apply_kernel, static_cast<unsigned>(sp.nunits), kThreads, 0, stream)(t, sp);
+    ++*launches;
+    return Launched("the sparse apply kernel");
   });
-  return err;
 }
 
 }  // namespace cuda
