@@ -28,13 +28,17 @@ AGC of its own.
 Times are medians of CUDA-event-timed loops of --iters steps. Compare ratios within one run.
 """
 import argparse
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-from tfclip import _core
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from core_loader import load_core  # noqa: E402 (tfclip._core, without importing TensorFlow)
+
+_core = load_core()
 
 def bert_like(h, ff, layers, vocab=30522):
     shapes = [(vocab, h), (512, h), (2, h), (h,), (h,)]
@@ -152,7 +156,47 @@ def issue_time(fn, iters):
     return (t1 - t0) / iters
 
 
-def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False, clip="global"):
+def wall_time(step, iters, repeats=5):
+    """Seconds per step by the host's clock, as a user's loop sees it (issue and wait included):
+    the same measure for every contender, PyTorch's and JAX's alike."""
+    import jax_contenders
+
+    return jax_contenders.wall_time(step, torch.cuda.synchronize, iters, repeats)
+
+
+def bench_jax(name, rule_name, grad_dtype, iters, t_core_wall, t_torch_wall, fb, copy_bw, profile_kernels):
+    """tfclip's XLA handler and optax, each under jax.jit on the same GPU, this set."""
+    try:
+        import jax
+        import jax_contenders
+    except ImportError as e:
+        return f"\n    jax: not run ({e})"
+    c = jax_contenders.contenders(_core, SETS[name](), rule_name, grad_dtype, jax.devices("cuda")[0])
+    lines = []
+    t = {}
+    for k, (step, wait, t_compile) in c.items():
+        t[k] = jax_contenders.wall_time(step, wait, iters)
+        prof = ""
+        if profile_kernels:
+            try:
+                names, busy = profiled_kernels(lambda: (step(), wait()))
+                prof = f"; {len(names)} kernels [{short(names)}], {busy / 1e3:.3f} ms on the device"
+            except Exception as e:
+                prof = f"; profile failed: {type(e).__name__}: {e}"
+        lines.append(f"\n    jax.jit {k:<5} {t[k] * 1e3:8.3f} ms wall ({100 * fb / t[k] / copy_bw:5.1f}% of copy; "
+                     f"compile {t_compile:.1f} s){prof}")
+    if "xla" in t:
+        lines.append(f"\n    XLA handler / _core (wall) {t['xla'] / t_core_wall:5.2f}x")
+    if "optax" in t:
+        lines.append(f"; optax / tfclip _core (wall) {t['optax'] / t_core_wall:5.2f}x")
+        if "xla" in t:
+            lines.append(f"; optax / tfclip XLA handler {t['optax'] / t['xla']:5.2f}x")
+    lines.append(f"; torch / tfclip _core (wall) {t_torch_wall / t_core_wall:5.2f}x")
+    del c
+    return "".join(lines)
+
+
+def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False, clip="global", with_jax=True):
     shapes = SETS[name]()
     core_rule, nslots, hp = RULES[rule_name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -183,6 +227,7 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
     t_tfclip = time_loop(tfclip_step, iters)
     launches = _core.cuda_last_launches()
     t_issue = issue_time(tfclip_step, iters)
+    t_tfclip_wall = wall_time(tfclip_step, iters)
 
     # PyTorch on copies of the same data (its optimizer owns its own state).
     tparams = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -204,6 +249,7 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
 
     t_torch = time_loop(torch_step, iters)
     t_torch_issue = issue_time(torch_step, iters)
+    t_torch_wall = wall_time(torch_step, iters)
     prof = ""
     if profile_kernels:
         try:
@@ -215,11 +261,18 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
     fb = floor_bytes(nparams, nslots, torch.tensor([], dtype=TORCH_DTYPE[grad_dtype]).element_size(), clip)
     bw = fb / t_tfclip
     note = "" if grad_dtype == "float32" else " (torch: grads upcast to fp32 first, not timed)"
+    jax_part = ""
+    if with_jax and clip == "global":
+        del opt, tparams
+        torch.cuda.empty_cache()
+        jax_part = bench_jax(name, rule_name, grad_dtype, iters, t_tfclip_wall, t_torch_wall, fb, copy_bw,
+                             profile_kernels)
     return (f"{name:<11} {rule_name + ('+agc' if clip == 'agc' else ''):<10} {grad_dtype:<8} {nparams / 1e6:8.1f}M {len(shapes):6d}  "
             f"{t_tfclip * 1e3:8.3f} ms  {bw / 1e9:7.0f} GB/s  {100 * bw / copy_bw:5.1f}% of copy  "
             f"{launches} launches  torch {t_torch * 1e3:8.3f} ms  torch/tfclip {t_torch / t_tfclip:5.2f}x{note}"
             f"\n    host time to issue a step: tfclip {t_issue * 1e3:.3f} ms, torch {t_torch_issue * 1e3:.3f} ms "
-            f"(near the step's time: host-bound){prof}")
+            f"(near the step's time: host-bound){prof}"
+            f"\n    wall per step: tfclip _core {t_tfclip_wall * 1e3:.3f} ms, torch {t_torch_wall * 1e3:.3f} ms{jax_part}")
 
 
 def main(argv=None):
@@ -230,6 +283,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--clip", choices=["global", "agc"], default="global",
                     help="global: clip by the global norm 1.0; agc: unit-wise AGC (factor 0.01)")
+    ap.add_argument("--no-jax", action="store_true", help="leave out tfclip's XLA handler and optax under jax.jit")
     ap.add_argument("--profile", action="store_true",
                     help="also count each step's kernels with PyTorch's profiler (CUPTI)")
     args = ap.parse_args(argv)
@@ -243,7 +297,7 @@ def main(argv=None):
     for rule in args.rules.split(","):
         for gd in args.grad_dtypes.split(","):
             for s in args.sets.split(","):
-                print(bench_set(s, rule, gd, args.iters, copy_bw, args.profile, args.clip), flush=True)
+                print(bench_set(s, rule, gd, args.iters, copy_bw, args.profile, args.clip, not args.no_jax), flush=True)
                 torch.cuda.empty_cache()
 
 

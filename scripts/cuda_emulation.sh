@@ -26,7 +26,11 @@ BUILD="${BUILD_DIR:-build-emu}"
 cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.executable)')" \
   -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA_EMULATION=ON -DTFCLIP_TSAN="$TSAN" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DTFCLIP_ISA_VARIANTS=OFF >/dev/null
-cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target _core
+# With jaxlib in this Python (CI installs the `jax` extra), the XLA handlers' JAX module too, for
+# tests/xla_jax below (a second XLA runtime; two more files on this build's core).
+TARGETS=(_core)
+if [ "$TSAN" = OFF ] && "$PY" -c 'import jaxlib' 2>/dev/null; then TARGETS+=(_jax_ffi); fi
+cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target "${TARGETS[@]}"
 CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
 echo "+ emulated-CUDA _core: $CORE"
 STATS="$BUILD/emu_stats"
@@ -118,3 +122,9 @@ if [ "$TSAN" = ON ] && [ $# -eq 0 ]; then
 fi
 TFCLIP_EMU_STATS="$STATS/0.txt" "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"
 kernel_stats 0
+# The XLA handlers under JAX's CPU runtime against the TF op (tests/xla_jax; its reasons to skip
+# are failures with TFCLIP_REQUIRE_JAX=1, as CI sets).
+if [ $# -eq 0 ]; then
+  echo "+ the XLA handlers under JAX (tests/xla_jax)"
+  TFCLIP_REQUIRE_GPU= TFCLIP_JAX_FFI_MODULE="$BUILD/_jax_ffi.so" "$PY" -m pytest -q -p no:cacheprovider -rs tests/xla_jax
+fi

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Issue 18's checks on a GPU host without TensorFlow (the lent device machine: nvcc, CuPy,
-# PyTorch, compute-sanitizer, ncu): build tfclip._core with CUDA, run the CUDA suite on the GPU,
-# run it under compute-sanitizer, and the benchmark against PyTorch. Logs go to $OUT (the
-# device tool brings that folder back), or ./gpu-out.
+# Issue 42's checks on a lent GPU host without TensorFlow (nvcc, CuPy, PyTorch, JAX + optax,
+# compute-sanitizer, ncu), in one device call: build tfclip._core and the JAX module of the XLA
+# handlers (_jax_ffi) with CUDA; run the XLA handlers under JAX on the GPU (tests/xla_jax); the
+# speed table (benchmarks/gpu_bench.py: copy bandwidth, tfclip _core, tfclip's XLA handler
+# under jax.jit, PyTorch fused, optax under jax.jit); ncu's DRAM figures for tfclip's norm and
+# apply kernels; the CUDA suite on the GPU (tests/gpu); compute-sanitizer on a subset. Logs go to
+# $OUT (the device tool brings that folder back), or ./gpu-out.
 #
-#   scripts/gpu_session.sh build test sanitize      # one device call (about 10 minutes)
-#   scripts/gpu_session.sh build bench               # another (the build is not kept between)
+#   scripts/gpu_session.sh                           # every step, in the order below
+#   TFCLIP_DEADLINE=540 scripts/gpu_session.sh ...   # stop every step by then (seconds from start)
 #
 # Knobs (environment): TFCLIP_GPU_ARCH (90), TFCLIP_SAN_K (the sanitizers' -k), TFCLIP_SAN_TOOLS
-# (memcheck racecheck synccheck), TFCLIP_STEP_TIMEOUT (below), TFCLIP_BENCH_ARGS
-# (gpu_bench.py's arguments; a second bench step appends to the same log), PYTEST_ADDOPTS (e.g.
-# "-n 8" for the test step: the host has pytest-xdist).
+# (memcheck racecheck synccheck), TFCLIP_DEADLINE (below), TFCLIP_BENCH_ARGS (gpu_bench.py's
+# arguments), TFCLIP_TEST_JOBS (pytest-xdist workers for tests/gpu, default 8).
 #
-# Steps: build, test, sanitize, bench. Each prints a one-line verdict; the script's exit status
-# is the first failing step's.
+# Steps: build, jax, bench, ncu, test, sanitize. Each prints a one-line verdict; the script's exit
+# status is the first failing step's. Each step is given at most its own share of the time (the
+# numbers in run_step's calls) and never past TFCLIP_DEADLINE, so a lease's fixed time still
+# brings back every step's log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -23,21 +27,29 @@ export PYTHONUNBUFFERED=1
 # Hopper only: the lent machines are H100/H200, and one architecture compiles in about a minute.
 ARCH="${TFCLIP_GPU_ARCH:-90}"
 # The sanitizers' share of the suite: every kernel, dtype pair and path, not every parameter.
-SAN_K="${TFCLIP_SAN_K:-not 2_pow_31 and (float32 or blocks or ring or allocate or sparse_row or device_scalars or tensor_norms or agc)}"
-# TFCLIP_STEP_TIMEOUT (seconds): each test, sanitizer and bench command is stopped after it, so a
-# lease's fixed time still brings back every step's log.
+SAN_K="${TFCLIP_SAN_K:-not 2_pow_31 and ((float32-float32 and (parity or sparse)) or blocks or ring or allocate or device_scalars or tensor_norms or agc)}"
+DEADLINE="${TFCLIP_DEADLINE:-100000}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX beside PyTorch and _core on one GPU
 T=()
-[ -n "${TFCLIP_STEP_TIMEOUT:-}" ] && T=(timeout -k 5 "$TFCLIP_STEP_TIMEOUT")
+# limit SECONDS: the command prefix T that stops a step after SECONDS, or at the deadline.
+limit() {
+  local left=$((DEADLINE - SECONDS)) want="$1"
+  [ "$left" -lt "$want" ] && want="$left"
+  [ "$want" -lt 5 ] && want=5
+  T=(timeout -k 5 "$want")
+}
 SAN_TOOLS="${TFCLIP_SAN_TOOLS:-memcheck racecheck synccheck}"
 status=0
 
 step_build() {
-  { nvidia-smi; nvcc --version; "$PY" -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'; } \
+  { date -u; nvidia-smi; nvcc --version; nproc
+    "$PY" -c 'import torch, cupy, jax, optax; print("torch", torch.__version__, "cupy", cupy.__version__, "jax", jax.__version__, "optax", optax.__version__, jax.devices())'; } \
     > "$OUT/machine.txt" 2>&1
-  PYTHON="$PY" BUILD_DIR=build-gpu ./build_ops.sh -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES="$ARCH" > "$OUT/build.log" 2>&1
+  # (The CPU passes' AVX2/AVX-512 variants are left out: the GPU is what runs here.)
+  PYTHON="$PY" BUILD_DIR=build-gpu "${T[@]}" ./build_ops.sh -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DTFCLIP_ISA_VARIANTS=OFF -DTFCLIP_JAX_FFI=ON > "$OUT/build.log" 2>&1
   local rc=$?
-  ldd tfclip/_core*.so >> "$OUT/build.log" 2>&1
+  ldd tfclip/_core*.so tfclip/_jax_ffi.so >> "$OUT/build.log" 2>&1
   # A CPU call and a CUDA call first: a module that crashes on its first call (2026-11-26: a
   # statically linked libstdc++ whose symbols bound to the process's own) fails here, not as
   # every test's worker crashing.
@@ -49,17 +61,41 @@ print("global_norm of [1, 1, 1]:", _core.global_norm([np.ones(3)]))' \
   return $rc
 }
 
+step_jax() {
+  # The XLA handlers under JAX's runtime: CUDA on the GPU and Host on the CPU backend, each against
+  # the core's CPU driver bit for bit, the donated buffers reused.
+  TFCLIP_REQUIRE_GPU=1 TFCLIP_REQUIRE_JAX=1 "${T[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/xla_jax \
+    > "$OUT/pytest-jax.log" 2>&1
+  local rc=$?
+  echo "tests/xla_jax rc=$rc"; tail -3 "$OUT/pytest-jax.log"
+  return $rc
+}
+
+step_ncu() {
+  # DRAM traffic and throughput of tfclip's kernels in one BERT-base Adam step (clocks as they run).
+  "${T[@]}" ncu --clock-control none -k regex:'(Norm|Apply|Finalize)Kernel' -c 6 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+    "$PY" benchmarks/gpu_bench.py --sets bert_base --rules adam --iters 1 --no-jax > "$OUT/ncu.txt" 2>&1
+  local rc=$?
+  echo "ncu rc=$rc"; grep -E "Kernel|dram__|gpu__time" "$OUT/ncu.txt" | head -30
+  return $rc
+}
+
 step_test() {
-  TFCLIP_REQUIRE_GPU=1 "${T[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=15 tests/gpu \
-    > "$OUT/pytest-gpu.log" 2>&1
+  TFCLIP_REQUIRE_GPU=1 "${T[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=15 \
+    -n "${TFCLIP_TEST_JOBS:-8}" tests/gpu > "$OUT/pytest-gpu.log" 2>&1
   local rc=$?
   echo "tests/gpu rc=$rc"; tail -3 "$OUT/pytest-gpu.log"
   return $rc
 }
 
 step_sanitize() {
-  local rc=0 tool r
-  for tool in $SAN_TOOLS; do
+  local rc=0 tool r left
+  local -a tools=($SAN_TOOLS)
+  left=${#tools[@]}
+  for tool in "${tools[@]}"; do
+    limit $(((DEADLINE - SECONDS) / left))  # the time left, shared by the tools left
+    left=$((left - 1))
     TFCLIP_REQUIRE_GPU=1 PYTEST_ADDOPTS= "${T[@]}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
       "$PY" -m pytest -q -p no:cacheprovider tests/gpu -k "$SAN_K" > "$OUT/sanitize-$tool.log" 2>&1
     r=$?
@@ -72,18 +108,25 @@ step_sanitize() {
 step_bench() {
   # TFCLIP_BENCH_ARGS replaces the arguments (e.g. "--clip agc --sets bert_base --iters 20").
   # shellcheck disable=SC2086
-  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${T[@]}" "$PY" benchmarks/gpu_bench.py ${TFCLIP_BENCH_ARGS:---rules adam,adamw,sgdm --grad-dtypes float32,bfloat16 --profile} \
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${T[@]}" "$PY" benchmarks/gpu_bench.py ${TFCLIP_BENCH_ARGS:---sets bert_base,small2000,bert_large --rules adam,sgdm --grad-dtypes float32,bfloat16 --iters 20 --profile} \
     >> "$OUT/gpu-bench.txt" 2>&1
   local rc=$?
   echo "gpu_bench rc=$rc"; cat "$OUT/gpu-bench.txt"
   return $rc
 }
 
-[ $# -eq 0 ] && set -- build test sanitize bench
+# Each step's share of a lease, in seconds (cut at the deadline).
+declare -A SHARE=([build]=240 [jax]=90 [test]=110 [bench]=200 [ncu]=50 [sanitize]=300)
+[ $# -eq 0 ] && set -- build jax test bench ncu sanitize
 for s in "$@"; do
   case "$s" in
-    build|test|sanitize|bench) "step_$s" || { r=$?; [ $status -eq 0 ] && status=$r; [ "$s" = build ] && exit $r; } ;;
-    *) echo "unknown step: $s (build, test, sanitize, bench)"; exit 2 ;;
+    build|jax|bench|ncu|test|sanitize)
+      if [ $((DEADLINE - SECONDS)) -lt 10 ]; then echo "$s: not run (deadline)"; [ $status -eq 0 ] && status=124; continue; fi
+      limit "${SHARE[$s]}"
+      echo "== $s (at ${SECONDS} s, up to ${T[3]} s)"
+      "step_$s" || { r=$?; [ $status -eq 0 ] && status=$r; [ "$s" = build ] && exit $r; } ;;
+    *) echo "unknown step: $s (build, jax, bench, ncu, test, sanitize)"; exit 2 ;;
   esac
 done
+echo "== done at ${SECONDS} s"
 exit $status

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "csrc/core/clip.h"
 #include "csrc/core/hparams.h"
 #include "csrc/core/rule_table.h"
 
@@ -57,6 +58,28 @@ py::dict HParamTable() {
   }
   return out;
 }
+// The numbers the XLA custom calls take for the rule, its flags, the clip mode and the non-finite
+// policy (custom_calls.h's attributes), for a runtime other than TF's that calls the handlers
+// (tests/xla_jax: JAX). The names are the Python layer's; the numbers the core's enums.
+py::dict FfiCodes() {
+  py::dict rules, flags, modes, policies;
+  for (const RuleInfo& r : AllRules()) rules[r.name] = static_cast<int>(r.kind);
+  for (int k = 0; k < kNumFlags; ++k) flags[FlagAttr(static_cast<Flag>(k))] = FlagBit(static_cast<Flag>(k));
+  for (const char* name : {"none", "global_norm", "norm", "value", "agc"}) {
+    ClipMode m;
+    if (ParseClipMode(name, &m)) modes[name] = static_cast<int>(m);
+  }
+  for (const char* name : {"skip", "propagate", "raise"}) {
+    NonFinitePolicy p;
+    if (ParseNonFinitePolicy(name, &p)) policies[name] = static_cast<int>(p);
+  }
+  py::dict out;
+  out["rules"] = rules;
+  out["flags"] = flags;
+  out["modes"] = modes;
+  out["policies"] = policies;
+  return out;
+}
 }  // namespace
 }  // namespace tfclip
 
@@ -65,6 +88,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "tfclip's core on NumPy and CUDA arrays (no TensorFlow): the same kernels the TF ops call.";
   m.def("rule_table", &RuleTable, "Each rule's op, slot inputs, hyper-parameters and flags.");
   m.def("hparam_table", &HParamTable, "Each hyper-parameter's name in messages, default and range (lo, hi, open ends).");
+  m.def("ffi_codes", &FfiCodes, "The XLA custom calls' numbers for rules, flags, clip modes and non-finite policies.");
   DefineNumpy(m);
 #if TFCLIP_WITH_CUDA
   DefineCuda(m);

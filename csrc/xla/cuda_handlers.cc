@@ -173,6 +173,19 @@ TFCLIP_CUDA_HANDLER(kNormCuda, NormCuda);
 TFCLIP_CUDA_HANDLER(kClipCuda, ClipCuda);
 TFCLIP_CUDA_HANDLER(kApplyCuda, ApplyCuda);
 
+#if TFCLIP_XLA_STANDALONE
+}  // namespace xla_glue
+}  // namespace tfclip
+
+// The standalone module (_jax_ffi): exported by name, registered by its loader (platform "CUDA").
+#define TFCLIP_EXPORT_HANDLER(sym, handler)                                                  \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* sym(XLA_FFI_CallFrame* f) { \
+    return tfclip::xla_glue::handler(f);                                                     \
+  }
+TFCLIP_EXPORT_HANDLER(tfclip_norm_cuda, kNormCuda)
+TFCLIP_EXPORT_HANDLER(tfclip_clip_cuda, kClipCuda)
+TFCLIP_EXPORT_HANDLER(tfclip_apply_cuda, kApplyCuda)
+#else
 #if !TFCLIP_XLA_EMULATED_TEST
 // (The emulated-CUDA _core runs ApplyCudaStep without XLA: emulated_entry.cc.)
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kNormTarget, "CUDA", kNormCuda);
@@ -182,3 +195,4 @@ XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kApplyTarget, "CUDA", kApplyCuda);
 
 }  // namespace xla_glue
 }  // namespace tfclip
+#endif
