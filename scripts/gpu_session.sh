@@ -73,7 +73,7 @@ step_jax() {
 
 step_ncu() {
   # DRAM traffic and throughput of tfclip's kernels in one BERT-base Adam step (clocks as they run).
-  "${T[@]}" ncu --clock-control none -k regex:'(Norm|Apply|Finalize)Kernel' -c 6 \
+  PYTHONPATH="$PWD" "${T[@]}" ncu --clock-control none -k regex:'(Norm|Apply|Finalize)Kernel' -c 6 \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
     "$PY" benchmarks/gpu_bench.py --sets bert_base --rules adam --iters 1 --no-jax > "$OUT/ncu.txt" 2>&1
   local rc=$?

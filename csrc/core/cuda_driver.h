@@ -39,10 +39,11 @@ constexpr int64_t kWarpChunkElems = 2048;
 constexpr int kWarpsPerBlock = kThreads / 32;
 
 // Where a step's memory comes from: TF's allocators in the op, an OwnedWorkspace in _core.
-// Acquire gives pinned host memory (the tensor table) and device memory, both 256-byte
-// aligned, for one step on the stream. Release is called exactly once after a successful
+// Acquire gives pinned host memory (the tensor table) and device memory, both kWorkspaceAlign-
+// byte aligned, for one step on the stream. Release is called exactly once after a successful
 // Acquire, on every path, errors included, after the step's last launch: the host table must
 // stay alive until the stream has passed its upload, so Release hands it back in stream order.
+constexpr size_t kWorkspaceAlign = 256;
 class CudaStepMemory {
  public:
   virtual ~CudaStepMemory() = default;

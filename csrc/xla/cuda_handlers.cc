@@ -8,6 +8,7 @@
 // allocator (no cudaMalloc per step; freed in stream order as TF's own temporaries are), the
 // tensor table from a small ring of pinned host buffers kept across steps (OwnedWorkspace,
 // csrc/core/cuda_workspace.h: reused only once the stream has passed its upload).
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -47,13 +48,17 @@ std::string XlaCudaMemory::Acquire(size_t host_bytes, size_t device_bytes, void*
     lock_.unlock();
     return e;
   }
-  std::optional<void*> d = alloc_(device_bytes);
+  // The driver's workspace is aligned to cuda::kWorkspaceAlign; XLA grants kXlaScratchAlign.
+  constexpr size_t kAlign = cuda::kWorkspaceAlign;
+  std::optional<void*> d = alloc_(device_bytes + kAlign);
   if (!d.has_value()) {
     TableRing().Release(stream_);
     lock_.unlock();
-    return "could not allocate the step's device workspace from XLA's allocator";
+    return "could not allocate the step's device workspace (" + std::to_string(device_bytes) +
+           " bytes) from XLA's allocator";
   }
-  *device = *d;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(*d);
+  *device = reinterpret_cast<void*>((p + kAlign - 1) / kAlign * kAlign);
   return "";
 }
 
@@ -86,7 +91,7 @@ ffi::Error NormCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingA
   TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*r)->element_type(), &o.norm_dtype));
   o.tensor_norms = (*rt)->untyped_data();
   TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*rt)->element_type(), &o.tensor_norms_dtype));
-  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, 256); });
+  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); });
   return CudaError(cuda::CudaGlobalNorm(views.data(), n, &mem, o, stream));
 }
 
@@ -105,7 +110,7 @@ ffi::Error ClipCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingA
   o.tensor_norms = call.tensor_norms->untyped_data();
   TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(call.norm->element_type(), &o.norm_dtype));
   o.tensor_norms_dtype = o.norm_dtype;
-  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, 256); });
+  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); });
   return CudaError(cuda::CudaClipByGlobalNorm(call.in.data(), call.out.data(), call.n, 0.0, call.given,
                                               0.0, dev, &mem, o, stream));
 }
@@ -156,7 +161,7 @@ ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const ffi::Rema
 
 ffi::Error ApplyCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  return ApplyCudaStep(stream, [&scratch](size_t b) { return scratch.Allocate(b, 256); }, args, rets,
+  return ApplyCudaStep(stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); }, args, rets,
                        attrs);
 }
 

@@ -16,7 +16,11 @@
 namespace tfclip {
 namespace xla_glue {
 
+// Device bytes from XLA's allocator, aligned to kXlaScratchAlign (all an FFI scratch allocation
+// may ask: XLA refuses a larger alignment; found on an H200 under JAX, 2026-11-27, where asking
+// 256 failed every step). XlaCudaMemory aligns the workspace itself.
 using CudaAllocFn = std::function<std::optional<void*>(size_t)>;
+inline constexpr size_t kXlaScratchAlign = 64;
 
 class XlaCudaMemory : public cuda::CudaStepMemory {
  public:

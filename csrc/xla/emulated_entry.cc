@@ -89,12 +89,15 @@ extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_
   XLA_FFI_Attrs at{XLA_FFI_Attrs_STRUCT_SIZE, nullptr, static_cast<int64_t>(list.size()), types.data(),
                    names.data(), values.data()};
 
+  // As XLA's scratch allocator: memory aligned to kXlaScratchAlign and no more (here exactly
+  // that, off any larger boundary), so the handler's own alignment of its workspace runs.
   std::vector<void*> allocated;
   tfclip::xla_glue::CudaAllocFn alloc = [&allocated](size_t bytes) -> std::optional<void*> {
     void* p = nullptr;
-    if (!tfclip::cuda::DeviceAlloc(&p, bytes).empty()) return std::nullopt;
+    const size_t a = tfclip::xla_glue::kXlaScratchAlign;
+    if (!tfclip::cuda::DeviceAlloc(&p, bytes + a).empty()) return std::nullopt;
     allocated.push_back(p);
-    return p;
+    return static_cast<char*>(p) + a;
   };
   ffi::Error e = tfclip::xla_glue::ApplyCudaStep(stream, alloc, ffi::RemainingArgs(&a, 0),
                                                  ffi::RemainingRets(&r, 0), ffi::Dictionary(&at));
