@@ -14,7 +14,7 @@
 # (memcheck racecheck synccheck), TFCLIP_DEADLINE (below), TFCLIP_BENCH_ARGS (gpu_bench.py's
 # arguments), TFCLIP_TEST_JOBS (pytest-xdist workers for tests/gpu, default 8).
 #
-# Steps: build, jax, bench, ncu, test, sanitize. Each prints a one-line verdict; the script's exit
+# Steps: build, jax, test, bench, ncu, sanitize. Each prints a one-line verdict; the script's exit
 # status is the first failing step's. Each step is given at most its own share of the time (the
 # numbers in run_step's calls) and never past TFCLIP_DEADLINE, so a lease's fixed time still
 # brings back every step's log.

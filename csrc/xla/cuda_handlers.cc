@@ -49,6 +49,7 @@ std::string XlaCudaMemory::Acquire(size_t host_bytes, size_t device_bytes, void*
     return e;
   }
   // The driver's workspace is aligned to cuda::kWorkspaceAlign; XLA grants kXlaScratchAlign.
+  static_assert(kXlaScratchAlign <= 16, "XLA's FFI scratch allocator refuses an alignment above 16");
   constexpr size_t kAlign = cuda::kWorkspaceAlign;
   std::optional<void*> d = alloc_(device_bytes + kAlign);
   if (!d.has_value()) {
@@ -161,8 +162,8 @@ ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const ffi::Rema
 
 ffi::Error ApplyCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  return ApplyCudaStep(stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); }, args, rets,
-                       attrs);
+  return ApplyCudaStep(
+      stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); }, args, rets, attrs);
 }
 
 // Every CUDA handler binds the same: XLA's stream, its scratch allocator, operands, results, attributes.
@@ -179,19 +180,11 @@ TFCLIP_CUDA_HANDLER(kClipCuda, ClipCuda);
 TFCLIP_CUDA_HANDLER(kApplyCuda, ApplyCuda);
 
 #if TFCLIP_XLA_STANDALONE
-}  // namespace xla_glue
-}  // namespace tfclip
-
-// The standalone module (_jax_ffi): exported by name, registered by its loader (platform "CUDA").
-#define TFCLIP_EXPORT_HANDLER(sym, handler)                                                  \
-  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* sym(XLA_FFI_CallFrame* f) { \
-    return tfclip::xla_glue::handler(f);                                                     \
-  }
+// The standalone module (_jax_ffi): registered by its loader by these names (platform "CUDA").
 TFCLIP_EXPORT_HANDLER(tfclip_norm_cuda, kNormCuda)
 TFCLIP_EXPORT_HANDLER(tfclip_clip_cuda, kClipCuda)
 TFCLIP_EXPORT_HANDLER(tfclip_apply_cuda, kApplyCuda)
-#else
-#if !TFCLIP_XLA_EMULATED_TEST
+#elif !TFCLIP_XLA_EMULATED_TEST
 // (The emulated-CUDA _core runs ApplyCudaStep without XLA: emulated_entry.cc.)
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kNormTarget, "CUDA", kNormCuda);
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kClipTarget, "CUDA", kClipCuda);
@@ -200,4 +193,3 @@ XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kApplyTarget, "CUDA", kApplyCuda);
 
 }  // namespace xla_glue
 }  // namespace tfclip
-#endif

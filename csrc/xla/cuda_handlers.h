@@ -16,11 +16,13 @@
 namespace tfclip {
 namespace xla_glue {
 
-// Device bytes from XLA's allocator, aligned to kXlaScratchAlign (all an FFI scratch allocation
-// may ask: XLA refuses a larger alignment; found on an H200 under JAX, 2026-11-27, where asking
-// 256 failed every step). XlaCudaMemory aligns the workspace itself.
+// Device bytes from XLA's allocator, aligned to kXlaScratchAlign: all an FFI scratch allocation
+// may ask (XLA's XLA_FFI_DeviceMemory_Allocate refuses an alignment above 16, its kMaxAlignment,
+// xla/ffi/ffi_api.cc). Found on an H200 under JAX (2026-11-27): asking 256, then 64, failed every
+// step ("could not allocate the step's device workspace"). XlaCudaMemory aligns the workspace
+// itself.
 using CudaAllocFn = std::function<std::optional<void*>(size_t)>;
-inline constexpr size_t kXlaScratchAlign = 64;
+inline constexpr size_t kXlaScratchAlign = 16;
 
 class XlaCudaMemory : public cuda::CudaStepMemory {
  public:

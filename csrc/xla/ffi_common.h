@@ -18,6 +18,13 @@
     if (_e.failure()) return _e;          \
   } while (0)
 
+// A handler exported under a C name, for a module that joins no registry (TFCLIP_XLA_STANDALONE:
+// _jax_ffi, whose loader registers the handlers with its own runtime).
+#define TFCLIP_EXPORT_HANDLER(sym, handler)                                                    \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* sym(XLA_FFI_CallFrame* f) { \
+    return handler(f);                                                                         \
+  }
+
 namespace tfclip {
 namespace xla_glue {
 

@@ -208,16 +208,8 @@ TFCLIP_HOST_HANDLER(kClipHost, ClipHost);
 TFCLIP_HOST_HANDLER(kApplyHost, ApplyHost);
 
 #if TFCLIP_XLA_STANDALONE
-}  // namespace xla_glue
-}  // namespace tfclip
-
-// The standalone module (_jax_ffi, CMakeLists.txt): no registry to join at load; the handlers
-// are exported by name and the runtime that loads them registers them (tests/xla_jax/tfclip_jax.py:
-// jax.ffi.register_ffi_target, platform "cpu").
-#define TFCLIP_EXPORT_HANDLER(sym, handler)                                                  \
-  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* sym(XLA_FFI_CallFrame* f) { \
-    return tfclip::xla_glue::handler(f);                                                     \
-  }
+// The standalone module (_jax_ffi, CMakeLists.txt) joins no registry at load: its loader
+// registers the handlers by these names (tests/xla_jax/tfclip_jax.py, platform "cpu").
 TFCLIP_EXPORT_HANDLER(tfclip_norm_host, kNormHost)
 TFCLIP_EXPORT_HANDLER(tfclip_clip_host, kClipHost)
 TFCLIP_EXPORT_HANDLER(tfclip_apply_host, kApplyHost)
@@ -226,7 +218,7 @@ TFCLIP_EXPORT_HANDLER(tfclip_apply_host, kApplyHost)
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kNormTarget, "Host", kNormHost);
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kClipTarget, "Host", kClipHost);
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kApplyTarget, "Host", kApplyHost);
+#endif
 
 }  // namespace xla_glue
 }  // namespace tfclip
-#endif
