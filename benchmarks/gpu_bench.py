@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from core_loader import load_core  # noqa: E402 (tfclip._core, without importing TensorFlow)
+from timing import wall_time  # noqa: E402
 
 _core = load_core()
 
@@ -156,14 +157,6 @@ def issue_time(fn, iters):
     return (t1 - t0) / iters
 
 
-def wall_time(step, iters, repeats=5):
-    """Seconds per step by the host's clock, as a user's loop sees it (issue and wait included):
-    the same measure for every contender, PyTorch's and JAX's alike."""
-    import jax_contenders
-
-    return jax_contenders.wall_time(step, torch.cuda.synchronize, iters, repeats)
-
-
 def bench_jax(name, rule_name, grad_dtype, iters, t_core_wall, t_torch_wall, fb, copy_bw, profile_kernels):
     """tfclip's XLA handler and optax, each under jax.jit on the same GPU, this set."""
     try:
@@ -178,7 +171,7 @@ def bench_jax(name, rule_name, grad_dtype, iters, t_core_wall, t_torch_wall, fb,
             c = jax_contenders.contenders(_core, SETS[name](), rule_name, grad_dtype, jax.devices("cuda")[0],
                                           which=(which,))
             step, wait, t_compile = c[which]
-            t[which] = jax_contenders.wall_time(step, wait, iters)
+            t[which] = wall_time(step, wait, iters)
         except Exception as e:
             lines.append(f"\n    jax.jit {which:<5} failed: {type(e).__name__}: {str(e)[:300]}")
             continue
@@ -234,7 +227,7 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
     t_tfclip = time_loop(tfclip_step, iters)
     launches = _core.cuda_last_launches()
     t_issue = issue_time(tfclip_step, iters)
-    t_tfclip_wall = wall_time(tfclip_step, iters)
+    t_tfclip_wall = wall_time(tfclip_step, torch.cuda.synchronize, iters)
 
     # PyTorch on copies of the same data (its optimizer owns its own state).
     tparams = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -256,7 +249,7 @@ def bench_set(name, rule_name, grad_dtype, iters, copy_bw, profile_kernels=False
 
     t_torch = time_loop(torch_step, iters)
     t_torch_issue = issue_time(torch_step, iters)
-    t_torch_wall = wall_time(torch_step, iters)
+    t_torch_wall = wall_time(torch_step, torch.cuda.synchronize, iters)
     prof = ""
     if profile_kernels:
         try:

@@ -10,7 +10,6 @@ loops of `iters` steps, each loop ended by waiting for its last result.
 """
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -22,6 +21,8 @@ from tfclip_jax import TfclipJax  # noqa: E402 (turns on jax_enable_x64)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+from timing import wall_time  # noqa: E402
 
 # gpu_bench.py's rules: (tfclip rule, its hyper-parameters, slots), and optax's equivalent.
 TFCLIP_RULES = {
@@ -95,20 +96,6 @@ def contenders(core, shapes, rule, grad_dtype, device, which=("xla", "optax")):
 
         out["optax"] = (optax_step, lambda: jax.block_until_ready(ost["p"]), t_compile)
     return out
-
-
-def wall_time(step, wait, iters, repeats=5):
-    step()
-    step()
-    wait()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        wait()
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
 
 
 def main(argv=None):
