@@ -110,7 +110,7 @@ def _probes():
     def cpu():
         from tfclip import _core
 
-        built_isas = "baseline, avx2, avx512" if bi is not None and bi.ISA_VARIANTS else "baseline only"
+        built_isas = "baseline, avx2, avx512 (norm pass)" if bi is not None and bi.ISA_VARIANTS else "baseline only"
         return (f"{platform.machine()}, {os.cpu_count()} logical CPUs; variant in use: {_core.cpu_isa()} "
                 f"(this CPU runs: {', '.join(_core.cpu_isas())}; built: {built_isas}); "
                 f"{_core.num_threads()} threads")

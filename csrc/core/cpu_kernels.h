@@ -1,5 +1,6 @@
 // tfclip core, CPU: the passes that touch every element, compiled once per instruction set
-// (csrc/core/isa/*.cc: AVX-512, AVX2, baseline x86-64; baseline only elsewhere) from the one
+// (csrc/core/isa/*.cc: AVX2 and baseline x86-64, and AVX-512 for the norm and scale passes with
+// AVX2's apply passes; baseline only elsewhere) from the one
 // source csrc/core/cpu_kernels.inc, and picked at run time from what the CPU supports. Never
 // -march=native: the shipped library runs on any x86-64. Every variant is built with
 // -ffp-contract=off and runs the same operations in the same order, so all of them give the
