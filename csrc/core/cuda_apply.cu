@@ -12,10 +12,20 @@ namespace {
 // elements per thread with vector loads when every array is aligned for them. A trust-ratio
 // rule's elements go to threads the same way whether aligned or not (groups of four from b,
 // then the tail), so its sums depend on the values only, never on where a buffer starts.
+//
+// Out of line (as ApplyRangeAgc): the kernel calls one per chunk. Inlined into ApplyKernel, the
+// ten dtype pairs and AGC's four made each kernel one function too large for ptxas, which took
+// 85-90 s per SASS target for this file on the 2-core machine; out of line, about a quarter of
+// that (issue 43). The constants and the clip factor come as pointers into the workspace, read
+// once into registers here (a by-value or by-reference argument went through a 900-byte stack
+// frame in the kernel, with spills; this way the kernel keeps no frame).
 template <typename Rule, typename V, typename G, int kSlots>
-__device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
-                               const ClipFactor& f, int64_t b, int64_t e, Crew crew) {
+TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>* __restrict__ cp,
+                                           const DevTensor& t, const ClipFactor* __restrict__ fp,
+                                           int64_t b, int64_t e, Crew crew) {
   using M = typename Elem<V>::Math;
+  const StepConsts<M> c = *cp;
+  const ClipFactor f = *fp;
   constexpr int kV = 4;
   TrustAcc acc;
   V* var = static_cast<V*>(t.var);
@@ -81,9 +91,10 @@ __device__ TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>& c, cons
 // thread per element in crew order. The unit walks with the thread: one modulo per range, then
 // a step of crew.size % units with one compare per element.
 template <typename Rule, typename V, int kSlots>
-__device__ TrustAcc ApplyRangeAgc(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& t,
-                                  int64_t b, int64_t e, Crew crew) {
+TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRangeAgc(const StepConsts<typename Elem<V>::Math>* __restrict__ cp,
+                                              const DevTensor& t, int64_t b, int64_t e, Crew crew) {
   using M = typename Elem<V>::Math;
+  const StepConsts<M> c = *cp;
   TrustAcc acc;
   V* var = static_cast<V*>(t.var);
   V* s0 = static_cast<V*>(t.slots[0]);
@@ -114,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
 #ifndef TFCLIP_PLANT_SKIP_IGNORED
   if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
 #endif
-  const DevConsts consts = *t.consts;
+  const DevConsts* consts = t.consts;
   ForEachChunk(t, [&](int64_t c, Crew crew) {
     const DevChunk ch = t.chunks[c];
     const DevTensor& ten = t.tensors[ch.tensor];
@@ -122,21 +133,21 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
       if (Rule::kTrustRatio && crew.rank == 0) t.trust[2 * c] = t.trust[2 * c + 1] = 0.0;
       return;
     }
-    const ClipFactor f = t.factors[ch.tensor];
     TrustAcc acc;
     if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
       DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
         using V = decltype(vtag);
-        acc = ApplyRangeAgc<Rule, V, kSlots>(ConstsFor<V>(consts.f, consts.d), ten, ch.begin,
+        acc = ApplyRangeAgc<Rule, V, kSlots>(&ConstsFor<V>(consts->f, consts->d), ten, ch.begin,
                                              ch.end, crew);
       });
     } else {
-    DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
-                 [&](auto vtag, auto gtag) {
-                   using V = decltype(vtag);
-                   acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
-                       ConstsFor<V>(consts.f, consts.d), ten, f, ch.begin, ch.end, crew);
-                 });
+      DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
+                   [&](auto vtag, auto gtag) {
+                     using V = decltype(vtag);
+                     acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
+                         &ConstsFor<V>(consts->f, consts->d), ten, &t.factors[ch.tensor],
+                         ch.begin, ch.end, crew);
+                   });
     }
     if constexpr (Rule::kTrustRatio) {
       const double w = crew.Sum(acc.w);

@@ -42,6 +42,14 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+
+// A device function the kernels call rather than inline (cuda_apply.cu's ApplyRange: compile
+// time). The emulation's host compiler spells it as GCC does.
+#ifdef __CUDACC__
+#define TFCLIP_DEVICE_NOINLINE __device__ __noinline__
+#else
+#define TFCLIP_DEVICE_NOINLINE __device__ __attribute__((noinline))
+#endif
 #include <string>
 #include <type_traits>
 
