@@ -4,7 +4,8 @@
 # parity suite (tests/gpu) on it with TFCLIP_REQUIRE_GPU=1, so any skip is a failure (but the
 # GPU-only >2^31-element case). Every kernel meets every schedule of the emulation in one run (the
 # default TFCLIP_EMU_SCHEDULE=cycle) and the __shared__ race detector is on; at the end the script
-# lists the kernels launched and the launches per schedule.
+# lists the kernels launched and the launches per schedule. The suite is split over EMU_JOBS
+# pytest processes (default: the CPU count) run side by side.
 #   scripts/cuda_emulation.sh            (uses `python` on PATH: numpy, ml_dtypes, pytest, pybind11, cmake)
 #   scripts/cuda_emulation.sh --tsan     (under ThreadSanitizer, in CI: by default the subset below,
 #                                        which reaches every kernel, every BlockSum/WarpSum call site,
@@ -91,12 +92,19 @@ if [ "$TSAN" = ON ]; then
 fi
 TSAN_SUBSET='test_global_norm_parity or test_clip_by_global_norm_parity or test_clip_in_place or (test_apply_parity and float32-float32 and global_norm) or (test_sparse_apply_parity and float32-float32 and (adam or lamb)) or misaligned or nonfinite or stream or ring or no_wait or bad_inputs or host_memory or out_of_range or 16bit or blocks or allocate or test_agc_device_clip_eps_and_skip'
 export TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE"
-if [ "$TSAN" = ON ] && [ $# -eq 0 ]; then
-  # The subset, dealt round-robin to TSAN_JOBS pytest processes run side by side.
-  JOBS="${TSAN_JOBS:-$(nproc 2>/dev/null || echo 2)}"
-  mapfile -t IDS < <("$PY" -m pytest -q -p no:cacheprovider --collect-only tests/gpu -k "$TSAN_SUBSET" |
-                     grep '::')
-  echo "+ ThreadSanitizer: ${#IDS[@]} tests in $JOBS processes"
+if [ $# -eq 0 ]; then
+  # The suite (under TSan: the subset), dealt round-robin to JOBS pytest processes run side by
+  # side (each emulated launch runs on one thread: one process kept one of CI's two cores idle).
+  if [ "$TSAN" = ON ]; then
+    JOBS="${TSAN_JOBS:-$(nproc 2>/dev/null || echo 2)}"
+    mapfile -t IDS < <("$PY" -m pytest -q -p no:cacheprovider --collect-only tests/gpu -k "$TSAN_SUBSET" |
+                       grep '::')
+    echo "+ ThreadSanitizer: ${#IDS[@]} tests in $JOBS processes"
+  else
+    JOBS="${EMU_JOBS:-$(nproc 2>/dev/null || echo 2)}"
+    mapfile -t IDS < <("$PY" -m pytest -q -p no:cacheprovider --collect-only tests/gpu | grep '::')
+    echo "+ the emulated suite: ${#IDS[@]} tests in $JOBS processes"
+  fi
   pids=()
   for ((j = 0; j < JOBS; j++)); do
     shard=()
@@ -117,11 +125,15 @@ if [ "$TSAN" = ON ] && [ $# -eq 0 ]; then
     fi
   done
   [ "$fail" = 0 ] || exit 1
-  kernel_stats 1
-  exit 0
+  if [ "$TSAN" = ON ]; then
+    kernel_stats 1
+    exit 0
+  fi
+  kernel_stats 0
+else
+  TFCLIP_EMU_STATS="$STATS/0.txt" "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"
+  kernel_stats 0
 fi
-TFCLIP_EMU_STATS="$STATS/0.txt" "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"
-kernel_stats 0
 # The XLA handlers under JAX's CPU runtime against the TF op (tests/xla_jax; its reasons to skip
 # are failures with TFCLIP_REQUIRE_JAX=1, as CI sets).
 if [ $# -eq 0 ]; then
