@@ -1,6 +1,6 @@
 """tf.distribute: the global norm of the summed gradient, and the same weights as one device.
 
-Strategies configure devices when TF starts, so each case runs tfclip.distributed_check in a
+Strategies configure devices when TF starts, so each case runs harness/distributed_check.py in a
 fresh process: MirroredStrategy over 2 logical CPUs (model.fit and a custom loop), and
 MultiWorkerMirroredStrategy with 2 worker processes on localhost (TF_CONFIG)."""
 import json
@@ -16,13 +16,14 @@ from procs import free_ports
 
 # The subprocesses import the tfclip this test imported (installed, or the in-place checkout).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "distributed_check.py")
 
 
 def _run(mode, out, env_extra=None):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(env_extra or {})
     # cwd away from the checkout: `python -m` puts cwd first on sys.path.
-    return subprocess.Popen([sys.executable, "-m", "tfclip.distributed_check", mode, str(out)], env=env,
+    return subprocess.Popen([sys.executable, HARNESS, mode, str(out)], env=env,
                             cwd=os.path.dirname(str(out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 

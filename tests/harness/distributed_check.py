@@ -1,12 +1,13 @@
 """Distributed training with tfclip optimizers, in a fresh process (strategies configure devices
-at start-up, so the tests and the demo run this as a subprocess).
+at start-up, so tests/test_distribute.py runs this as a subprocess; a test harness, not part of
+the installed package).
 
-    python -m tfclip.distributed_check mirrored OUT.npz        # 2 logical CPUs, fit + custom loop
-    python -m tfclip.distributed_check single OUT.npz          # the same training on one device
-    python -m tfclip.distributed_check replica_apply OUT.npz   # fused_clip_apply and compat.v1
-                                                               # inside strategy.run, 2 logical CPUs
-    TF_CONFIG=... python -m tfclip.distributed_check worker OUT.npz   # one MultiWorkerMirrored worker
-                                                                      # (custom loop)
+    python tests/harness/distributed_check.py mirrored OUT.npz       # 2 logical CPUs, fit + custom loop
+    python tests/harness/distributed_check.py single OUT.npz         # the same training on one device
+    python tests/harness/distributed_check.py replica_apply OUT.npz  # fused_clip_apply and compat.v1
+                                                                     # inside strategy.run, 2 logical CPUs
+    TF_CONFIG=... python tests/harness/distributed_check.py worker OUT.npz  # one MultiWorkerMirrored
+                                                                            # worker (custom loop)
 
 Each mode trains the same small model on the same global batches with `tfclip.keras.Adam(...,
 global_clipnorm=...)` and saves the weights, so the caller can compare them with `single`.

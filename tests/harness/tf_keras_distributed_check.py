@@ -1,9 +1,11 @@
 """tf_keras (Keras 2) training with tfclip.tf_keras optimizers under tf.distribute, in a fresh
-process (strategies configure devices at start-up, so the tests run this as a subprocess).
+process (strategies configure devices at start-up, so tests/test_tf_keras.py runs this as a
+subprocess; a test harness, not part of the installed package).
 
-    python -m tfclip.tf_keras_distributed_check mirrored OUT.npz   # 2 logical CPUs
-    python -m tfclip.tf_keras_distributed_check single OUT.npz     # one device
-    TF_CONFIG=... python -m tfclip.tf_keras_distributed_check worker OUT.npz  # a MultiWorkerMirrored worker
+    python tests/harness/tf_keras_distributed_check.py mirrored OUT.npz   # 2 logical CPUs
+    python tests/harness/tf_keras_distributed_check.py single OUT.npz     # one device
+    TF_CONFIG=... python tests/harness/tf_keras_distributed_check.py worker OUT.npz  # a MultiWorkerMirrored
+                                                                                   # worker
 
 Each mode trains the same small tf_keras model on the same global batches with
 `tfclip.tf_keras.Adam(..., global_clipnorm=...)` and with the stock `tf_keras.optimizers.Adam`,
@@ -22,8 +24,9 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-# The same global batches as the Keras 3 run (tfclip/distributed_check.py).
-from tfclip.distributed_check import GLOBAL_BATCH, STEPS, _data  # noqa: E402,F401
+# The same global batches as the Keras 3 run (distributed_check.py beside this file, which a
+# script's directory on sys.path finds).
+from distributed_check import GLOBAL_BATCH, STEPS, _data  # noqa: E402,F401
 
 
 def _model():
