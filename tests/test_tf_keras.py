@@ -23,9 +23,11 @@ import tensorflow as tf  # noqa: E402
 
 import tfclip  # noqa: E402
 import tfclip.tf_keras as tk  # noqa: E402
+from tfclip import _tf_keras_legacy, _tf_keras_step  # noqa: E402  (their warned-once flags)
 from procs import free_ports  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "tf_keras_distributed_check.py")
 stock = tf_keras.optimizers
 RTOL, ATOL = 3e-6, 1e-7
 
@@ -364,7 +366,7 @@ def test_tf_use_legacy_keras_subprocess(tmp_path):
 def test_mirrored_strategy_subprocess(tmp_path):
     out = tmp_path / "m.npz"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "tfclip.tf_keras_distributed_check", "mirrored", str(out)],
+    p = subprocess.run([sys.executable, HARNESS, "mirrored", str(out)],
                        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     m = np.load(out)
@@ -381,7 +383,7 @@ def test_mirrored_strategy_subprocess(tmp_path):
 
 def _check(mode, out, env_extra=None):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
-    return subprocess.Popen([sys.executable, "-m", "tfclip.tf_keras_distributed_check", mode, str(out)],
+    return subprocess.Popen([sys.executable, HARNESS, mode, str(out)],
                             env=env, cwd=os.path.dirname(str(out)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -489,7 +491,7 @@ def test_legacy_rmsprop_without_momentum_is_fused_epsilon_outside_the_sqrt(kw):
     """Stock legacy RMSprop without momentum (the default) computes var -= lr*g / (sqrt(rms) +
     epsilon): fused now (no stock fallback, no warning), and its IndexedSlices step decays every
     row's rms as stock does (lazy_sparse defaults to False there)."""
-    tk._LEGACY_WARNED.clear()
+    _tf_keras_legacy._LEGACY_WARNED.clear()
     for sparse in (False, True):
         _, want = _train(stock.legacy.RMSprop, kw, sparse=sparse)
         with warnings.catch_warnings():
@@ -498,7 +500,7 @@ def test_legacy_rmsprop_without_momentum_is_fused_epsilon_outside_the_sqrt(kw):
         _assert_same(got, want)
         assert opt.lazy_sparse is False and int(opt.iterations.numpy()) == 4
         assert int(opt.clipped_steps.numpy()) >= (1 if set(kw) & {"clipnorm", "global_clipnorm"} else 0)
-    assert not tk._LEGACY_WARNED
+    assert not _tf_keras_legacy._LEGACY_WARNED
 
 
 @pytest.mark.parametrize("centered", [False, True])
@@ -609,7 +611,7 @@ def test_legacy_nadam_indexed_slices():
     """Stock's IndexedSlices step decays every row's m and v and moves only the touched rows:
     neither the dense update nor the lazy one. The default runs the stock ops (a warning once);
     lazy_sparse=True is fused and leaves the other rows and their slots alone."""
-    tk._LEGACY_WARNED.clear()
+    _tf_keras_legacy._LEGACY_WARNED.clear()
     _, want = _train(stock.legacy.Nadam, {}, sparse=True)
     with pytest.warns(UserWarning, match="IndexedSlices gradient: stock decays every row"):
         opt, got = _train(tk.legacy.Nadam, {}, sparse=True)
@@ -780,8 +782,8 @@ def test_legacy_nonfinite_skip_and_stock_fallback():
 def test_jit_without_xla_kernels_runs_the_stock_step(monkeypatch):
     """A build without tfclip's XLA kernels: inside jit_compile=True the stock tf_keras step runs
     (it clips after the all-reduce too), said once."""
-    monkeypatch.setattr(tk, "_XLA_KERNELS", False)
-    monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", False)
+    monkeypatch.setattr(_tf_keras_step, "_XLA_KERNELS", False)
+    monkeypatch.setattr(_tf_keras_step, "_XLA_FALLBACK_WARNED", False)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, (32, 5)).astype("int32")
     y = rng.normal(size=(32, 1)).astype("float32")
@@ -830,7 +832,7 @@ def test_legacy_other_float_dtypes(name, kw, dtype):
 
 
 def test_legacy_complex_variables_run_the_stock_step():
-    tk._LEGACY_WARNED.clear()
+    _tf_keras_legacy._LEGACY_WARNED.clear()
     res = []
     for cls in (stock.legacy.Adam, tk.legacy.Adam):
         v = tf.Variable([1 + 1j, 2 - 1j], dtype=tf.complex64)

@@ -1,0 +1,307 @@
+"""The fused step the tf_keras (Keras 2) drop-ins share: `_FusedMixin` (tfclip.tf_keras's
+optimizers) and what `_LegacyFusedMixin` (tfclip/_tf_keras_legacy.py, the OptimizerV2 ones) builds
+on: tfclip's own state variables, the stock apply_gradients with its update replaced, and one
+norm pass with one op call per group of variables. The public classes and their docs:
+tfclip/tf_keras.py."""
+import warnings
+
+import tensorflow as tf
+
+try:
+    import tf_keras as _tf_keras
+except ImportError as _e:  # pragma: no cover - the optional dependency is absent
+    raise ImportError("tfclip.tf_keras subclasses the optimizers of the tf-keras package (Keras 2), "
+                      f"which is not installed ({_e}): pip install \"tfclip[tf-keras]\" (or "
+                      "pip install tf-keras matching your TensorFlow). For Keras 3 use tfclip.keras.") from None
+
+from tensorflow.python.ops import control_flow_util
+from tf_keras.src.optimizers import utils as _optimizer_utils
+
+from tfclip import _loader, _opcall, _optstate
+from tfclip import clipping as _clipping
+from tfclip.rules import _check_number, _state_scope
+
+def _in_xla_context():
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+_XLA_KERNELS = None
+
+
+def _xla_kernels():
+    """Whether this build of tfclip has its XLA kernels (asked once of TF's kernel registry)."""
+    global _XLA_KERNELS
+    if _XLA_KERNELS is None:
+        from tensorflow.python.framework import kernels
+
+        _loader.ops()
+        found = {k.device_type for k in kernels.get_registered_kernels_for_op("TfclipGlobalNorm").kernel}
+        _XLA_KERNELS = "XLA_CPU_JIT" in found
+    return _XLA_KERNELS
+
+
+_XLA_FALLBACK_WARNED = False
+
+
+def _warn_xla_fallback():
+    global _XLA_FALLBACK_WARNED
+    if not _XLA_FALLBACK_WARNED:
+        _XLA_FALLBACK_WARNED = True
+        warnings.warn("tfclip.tf_keras: this build of tfclip has no XLA kernels, so inside "
+                      "jit_compile=True the optimizer step runs the stock tf_keras ops (which clip "
+                      "after the all-reduce too; nonfinite is not honoured there). Compile with "
+                      "jit_compile=False for tfclip's fused kernels.", stacklevel=3)
+
+
+def _state_variable(value, name, dtype):
+    """One of tfclip's own optimizer variables: not trainable, one value for all replicas."""
+    with tf.init_scope():
+        return tf.Variable(value, name=name, dtype=dtype, trainable=False,
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def _outer_graph():
+    """The graph variables made now go to (None: eager)."""
+    with tf.init_scope():
+        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def _check_numbers(opt, names):
+    for name in names:
+        v = opt._tfclip_value(name)
+        if callable(v) or isinstance(v, (tf.Tensor, tf.Variable)):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+        _check_number(name, float(v))
+
+
+class _FusedMixin(_optstate.NormState):
+    """The fused update every tf_keras drop-in shares (see the module docstring)."""
+
+    _checked = ()
+
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, **kwargs):
+        object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
+        super().__init__(*args, **kwargs)
+        lr = getattr(self, "_learning_rate", None)
+        if isinstance(lr, tf.Variable) and tf.executing_eagerly():
+            _check_number("learning_rate", float(lr.numpy()))
+        wd = self.weight_decay
+        if isinstance(wd, (int, float)) and not isinstance(wd, bool):
+            _check_number("weight_decay", float(wd))
+        _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+        self._tfclip_init(nonfinite, lazy_sparse)
+
+    @property
+    def clip(self):
+        """The adaptive clip (a tfclip.clipping object), or None."""
+        return self._tfclip_clip
+
+    def _tfclip_init(self, nonfinite, lazy_sparse):
+        _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
+                                  clipnorm=self.clipnorm, clipvalue=self.clipvalue)
+        _opcall.check_policy(nonfinite)
+        _check_numbers(self, self._checked)
+        if not isinstance(lazy_sparse, bool):
+            raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
+        self.nonfinite = nonfinite
+        self.lazy_sparse = lazy_sparse
+        self._tfclip_make_state()
+
+    def _tfclip_make_state(self):
+        # Outside the tracked attributes (object.__setattr__): not in optimizer.variables nor in
+        # checkpoints, so both stay the stock class's.
+        for attr, name, value, dtype in _optstate.STATE_VARIABLES:
+            object.__setattr__(self, attr, _state_variable(value, f"{self._tfclip_scope()}/{name}", dtype))
+        object.__setattr__(self, "_tensor_norms", None)
+        object.__setattr__(self, "_clipped_units", None)  # with an AGC clip, made with tensor_norms
+        object.__setattr__(self, "_tensor_norm_names", [])
+        object.__setattr__(self, "_tfclip_state_graph", _outer_graph())
+
+    def build(self, var_list):
+        built = getattr(self, "_built", False)
+        super().build(var_list)
+        if not built and self._tensor_norms is None:
+            object.__setattr__(self, "_tensor_norms", _state_variable(
+                [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
+            object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
+            self._tfclip_make_clipped_units(len(var_list))
+        self._tfclip_build_clip(self._tfclip_add_clip_variable)
+
+    def _tfclip_make_clipped_units(self, n):
+        if isinstance(self._tfclip_clip, _clipping.AGC):  # AGC's clipped units, as tensor_norms
+            object.__setattr__(self, "_clipped_units", _state_variable(
+                [0] * n, f"{self._tfclip_scope()}/clipped_units", tf.int64))
+
+    def _tfclip_add_clip_variable(self, name, shape, dtype):
+        # As add_variable, with the aggregation a mirrored copy needs to be assigned per replica.
+        v = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._variables.append(v)
+        return v
+
+    def _tfclip_build_clip(self, add):
+        """The adaptive clip's state (once): optimizer variables (checkpoints, optimizer.variables),
+        made in the strategy's scope, if any."""
+        clip = self._tfclip_clip
+        if not isinstance(clip, _clipping.AdaptiveClip) or clip.state is not None:
+            return
+        clip.bind(self)
+        with _state_scope():
+            clip.build(lambda name, shape, dtype: add(f"{clip.mode}_{name}", shape, dtype))
+
+    def _tfclip_value(self, name):
+        """A constructor argument, as given, for the checks."""
+        return getattr(self, name)
+
+    def _tfclip_scope(self):
+        return getattr(self, "_name", None) or self.name
+
+    # -- tfclip's own state (the properties and _record_norms: tfclip/_optstate.py) --------
+    @property
+    def tensor_norm_names(self):
+        """The variables' names, in the order of `tensor_norms`."""
+        return list(self._tensor_norm_names)
+
+    def get_config(self):
+        config = super().get_config()
+        if self.nonfinite != "skip":
+            config["nonfinite"] = self.nonfinite
+        if self.lazy_sparse:
+            config["lazy_sparse"] = True
+        if self._tfclip_clip is not None:
+            config["clip"] = _clipping.serialize(self._tfclip_clip)
+        return config
+
+    def _clip_mode(self):
+        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+
+    # -- the stock apply_gradients, its update replaced -------------------------------------
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
+        if self._mesh or self._run_with_dtensor:
+            raise NotImplementedError("tfclip.tf_keras optimizers do not run under DTensor; use the "
+                                      f"stock tf_keras.optimizers.{type(self).__name__}")
+        if _in_xla_context() and not _xla_kernels():
+            _warn_xla_fallback()
+            return super().apply_gradients(grads_and_vars, name=name,
+                                           skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            with _opcall.state_lock(self):
+                return self._tfclip_apply_gradients(grads_and_vars, name, skip_gradients_aggregation, kwargs)
+        return self._tfclip_apply_gradients(grads_and_vars, name, skip_gradients_aggregation, kwargs)
+
+    def _tfclip_apply_gradients(self, grads_and_vars, name, skip_gradients_aggregation, kwargs):
+        # tf_keras Optimizer.apply_gradients: sum across replicas (unless skipped) ...
+        experimental_aggregate_gradients = kwargs.pop("experimental_aggregate_gradients", True)
+        grads_and_vars = list(grads_and_vars)
+        if not skip_gradients_aggregation and experimental_aggregate_gradients:
+            grads_and_vars = self.aggregate_gradients(grads_and_vars)
+        # ... then _BaseOptimizer.apply_gradients, with the clip, the sparse de-duplication, the
+        # weight decay and the per-variable updates made one fused step.
+        self._compute_current_learning_rate()
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self._iterations
+        grads, trainable_variables = zip(*grads_and_vars)
+        with tf.name_scope(name or self.name or "optimizer"):
+            with tf.init_scope():
+                self.build(trainable_variables)
+            grads_and_vars = _optimizer_utils.filter_empty_gradients(grads_and_vars)
+            if not list(grads_and_vars):
+                return self._iterations
+            grads, trainable_variables = zip(*grads_and_vars)
+            applied = self._fused_step(list(grads), list(trainable_variables))
+            with tf.control_dependencies([applied]):
+                iteration = tf.__internal__.distribute.interim.maybe_merge_call(
+                    self._tfclip_finish, self._distribution_strategy, list(trainable_variables))
+            for variable in trainable_variables:
+                if variable.constraint is not None:
+                    variable.assign(variable.constraint(variable))
+            return iteration
+
+    def _tfclip_finish(self, distribution, var_list):
+        """The tail of stock `_distributed_apply_gradients_fn`: EMA, then `iterations += 1`."""
+        if self.use_ema:
+            self._update_model_variables_moving_average(var_list)
+            if self.ema_overwrite_frequency:
+                should = (self.iterations + 1) % self.ema_overwrite_frequency == 0
+                tf.cond(tf.cast(should, tf.bool),
+                        true_fn=lambda: self._overwrite_model_variables_with_average_value(var_list),
+                        false_fn=lambda: None)
+        return self.iterations.assign_add(1)
+
+    def _index(self, v):
+        return self._index_dict[self._var_key(v)]
+
+    def _tfclip_lr(self, tvars):
+        return self.learning_rate
+
+    def _tfclip_decay(self):
+        return self.weight_decay is not None and not (
+            isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0)
+
+    def _tfclip_lazy(self):
+        return self.lazy_sparse
+
+    def _slot_handles(self, slot_list, tvars):
+        return [slot_list[self._index(v)].handle for v in tvars]
+
+    def _step(self):
+        return tf.cast(self.iterations + 1, tf.float64)
+
+    def _fused_step(self, grads, tvars):
+        ops = _loader.ops()
+        mode, clip = self._clip_mode()
+        agc = {}
+        if isinstance(self.clip, _clipping.AGC):  # unit-wise, inside the op's own passes
+            mode, clip, agc = self.clip.op_args()
+        clip = _opcall.scalar(clip, "clip")
+        use_norm, given, tensor_norms, adaptive = tf.constant(0.0, tf.float64), False, None, None
+        decay = self._tfclip_decay()
+        groups = {}
+        for i, v in enumerate(tvars):
+            groups.setdefault((bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)), []).append(i)
+        if len(groups) > 1 or (self.clip is not None and not agc):
+            # Every group's op takes the norms of one norm pass; so does an adaptive clip, whose
+            # threshold comes from it (scalar ops on the device).
+            values, _ = _opcall.op_grads(grads)
+            use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
+            given = True
+            if self.clip is not None and not agc:
+                adaptive = self.clip.step(use_norm)
+                mode, clip = "global_norm", adaptive.clip
+        norm = applied = None
+        counts, order = [], []  # each group's clipped_units, and the variables they are of
+        for (with_decay, _), idx in sorted(groups.items()):
+            values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
+            group = [tvars[i] for i in idx]
+            lr = _opcall.scalar(self._tfclip_lr(group), "learning_rate")
+            kind, slots, hparams, flags = self._op_inputs(group)
+            hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
+            n, a, tn, cu = _opcall.apply(
+                kind, [v.handle for v in group], slots, values, hparams, flags,
+                clip=clip, use_norm=use_norm, iterations=[], clip_mode=mode,
+                nonfinite=self.nonfinite, use_given_norm=given, lazy=self._tfclip_lazy(),
+                # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
+                # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped
+                # slices summed, the rule fed the sum (not the sum of the slices' squares).
+                sum_of_squares=False, **agc, **sparse_kw)
+            norm = n if norm is None else norm
+            applied = a if applied is None else applied
+            tensor_norms = tn if tensor_norms is None else tensor_norms
+            counts.append(cu)
+            order += idx
+        self._record_norms(norm, applied, tensor_norms, tvars, mode, clip, adaptive,
+                           _optstate.in_order(counts, order))
+        return applied
+
+    def _tfclip_group(self, v):
+        """What else, beside the weight decay, splits a step into several ops sharing one norm
+        pass ("": nothing; legacy Nadam: the dtype, whose constants stock computes per dtype)."""
+        return ""
+
+    def _norm_positions(self, tvars):
+        idx = [self._index(v) for v in tvars]
+        return None if None in idx else (idx, int(self._tensor_norms.shape[0]))
+
