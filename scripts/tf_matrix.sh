@@ -50,7 +50,7 @@ except Exception:
       if [ "$v" = "2.15" ]; then for t in $KERAS3_ONLY; do subset="${subset//$t/}"; done; fi
       subset="${subset//tests\//tests-$v/}"
       # shellcheck disable=SC2086
-      (cd "$ROOT" && "$venv/bin/python" -m pytest -q -p no:cacheprovider $subset) >>"$log" 2>&1
+      (cd "$ROOT" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto $subset) >>"$log" 2>&1
       rc=$?
       tests="$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$log" | tail -n 1 | sed 's/ in [0-9.]*s.*//; s/=//g; s/^ *//')"
       [ $rc -eq 0 ] || status=1
