@@ -164,6 +164,19 @@ TFCLIP_HD void DispatchDType(DType t, Fn&& fn) {
   }
 }
 
+// The dtype of a storage type, from the same list: kDTypeOf<float> is DType::kFloat.
+template <typename T>
+struct DTypeOf;
+#define TFCLIP_DTYPE_OF(E, S, ...) \
+  template <>                      \
+  struct DTypeOf<S> {              \
+    static constexpr DType value = DType::E; \
+  };
+TFCLIP_FOR_EACH_TYPE(TFCLIP_DTYPE_OF)
+#undef TFCLIP_DTYPE_OF
+template <typename T>
+inline constexpr DType kDTypeOf = DTypeOf<T>::value;
+
 // Rounds a math-type value to storage precision and back: TF computes the clip scale in the
 // tensor's own dtype (`v * cast(scale, v.dtype)`), so we round the scale the same way.
 template <typename T>

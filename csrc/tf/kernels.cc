@@ -169,7 +169,7 @@ cuda::CudaOutputs NormOutput(Tensor* norm, DType dtype, Tensor* tensor_norms) {
 
 template <typename Tnorm>
 DType NormDType() {
-  return std::is_same_v<Tnorm, double> ? DType::kDouble : DType::kFloat;
+  return kDTypeOf<Tnorm>;
 }
 #endif  // TFCLIP_WITH_CUDA
 
