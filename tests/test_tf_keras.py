@@ -327,6 +327,25 @@ def test_tf_keras_optimizer_given_to_keras3_names_both():
         model.compile(optimizer=tk.Adam(), loss="mse")
 
 
+def test_a_legacy_optimizer_given_to_keras3_names_its_legacy_class_and_the_keras3_one():
+    keras = pytest.importorskip("keras")
+    if int(keras.__version__.split(".")[0]) < 3:
+        pytest.skip("Keras 3 is not installed")
+    from tfclip import _mixup
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"tfclip\.tf_keras\.legacy\.Adam is an optimizer for tf_keras.*"
+                                         r"use tfclip\.keras\.Adam with Keras 3"):
+        model.compile(optimizer=tk.legacy.Adam(), loss="mse")
+    # Installed once: a second install leaves one wrapper around the stock get.
+    from keras.src import optimizers as keras_optimizers
+
+    wrapped = keras_optimizers.get
+    _mixup.install()
+    assert keras_optimizers.get is wrapped and wrapped.__wrapped__.__module__.startswith("keras")
+    assert _mixup.refusal(keras.optimizers.Adam(), "tf_keras") is None  # stock classes pass through
+
+
 _LEGACY_SCRIPT = r"""
 import numpy as np, tensorflow as tf, tf_keras
 import tfclip.tf_keras

@@ -69,12 +69,12 @@ class NormState:
         where that is not known (then `tensor_norms` keeps its value)."""
         raise NotImplementedError
 
-    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip, adaptive=None,
+    def _record_norms(self, norm, applied, tensor_norms, tvars, mode, clip, threshold=None,
                       clipped_units=None):
         """The step's norms and clip counts into the optimizer's state variables: a few scalar
-        ops, no pass over the gradients. `adaptive`: an adaptive clip's ClipStep, whose state
-        updates are assigned here, once the step has run. `clipped_units`: AGC's counts, aligned
-        with `tensor_norms` (into `clipped_units`, where the optimizer keeps it)."""
+        ops, no pass over the gradients. `threshold`: an adaptive clip's (into `clip_threshold`).
+        `clipped_units`: AGC's counts, aligned with `tensor_norms` (into `clipped_units`, where
+        the optimizer keeps it)."""
         self._global_norm.assign(tf.cast(norm, tf.float32))
         self._skipped_steps.assign_add(1 - tf.cast(applied, tf.int64))
         where = self._norm_positions(tvars) if self._tensor_norms is not None else None
@@ -93,11 +93,8 @@ class NormState:
                 if idx != list(range(total)):
                     cu = tf.scatter_nd(tf.constant(idx, tf.int32)[:, None], cu, [total])
                 units.assign(cu)
-        if adaptive is not None:
-            from tfclip import clipping
-
-            clipping.assign_updates(adaptive, after=[applied])
-            self._clip_threshold.assign(adaptive.threshold)
+        if threshold is not None:
+            self._clip_threshold.assign(threshold)
         if mode not in ("global_norm", "norm"):
             return
         clip = tf.cast(clip, tf.float64)
@@ -106,14 +103,3 @@ class NormState:
         self._clipped_steps.assign_add(tf.cast(fired, tf.int64))
         self._clip_scale_sum.assign_add(tf.where(fired, clip / measure, tf.constant(1.0, tf.float64)))
 
-
-def in_order(parts, order):
-    """The groups' per-variable vectors `parts` (of the variables `order`, group by group) in
-    the variables' order: a step split into weight-decay groups gives one op output a group."""
-    v = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-    if order == list(range(len(order))):
-        return v
-    inverse = [0] * len(order)
-    for k, i in enumerate(order):
-        inverse[i] = k
-    return tf.gather(v, inverse)

@@ -7,9 +7,10 @@ import warnings
 
 import tensorflow as tf
 
-from tfclip import _opcall
+from tfclip import _opcall, _step
 from tfclip import clipping as _clipping
-from tfclip._tf_keras_step import (_FusedMixin, _check_number, _in_xla_context, _optimizer_utils,
+from tfclip._step import Binding
+from tfclip._tf_keras_step import (_FusedMixin, _in_xla_context, _optimizer_utils,
                                    _outer_graph, _state_variable, _tf_keras, _xla_kernels)
 
 _legacy_stock = _tf_keras.optimizers.legacy
@@ -110,8 +111,15 @@ class _LegacyFusedMixin(_FusedMixin):
     def _index(self, v):
         return getattr(self, "_tfclip_index", {}).get(_legacy_var_key(v))
 
-    def _slot_handles(self, slot_name, tvars):
+    # The binding's sources (tfclip/_step.py, Binding): a slot by its name; a hyper-parameter
+    # from `_hyper` in the variables' dtype, as stock reads it (`_get_hyper`), else the attribute.
+    def _tfclip_slot(self, slot_name, tvars):
         return [self.get_slot(v, slot_name).handle for v in tvars]
+
+    def _tfclip_hparam(self, name, tvars):
+        if name in self._hyper:
+            return tf.identity(self._get_hyper(name, tvars[0].dtype.base_dtype))
+        return getattr(self, name)
 
     def _tfclip_lr(self, tvars):
         return self._decayed_lr(tvars[0].dtype.base_dtype)
@@ -180,11 +188,48 @@ def _legacy_var_key(v):
     return optimizer_v2._var_key(v)
 
 
+# -- the drop-ins: each class's rule binding is one data row (tfclip/_step.py, Binding); the
+# stock legacy classes compute their constants in the variables' dtype, so these do too.
+def _step_in_f64(opt, tvars):
+    """iterations + 1 in the variables' dtype, as stock's local_step, given as float64."""
+    return tf.cast(tf.cast(opt.iterations + 1, tvars[0].dtype.base_dtype), tf.float64)
+
+
+def _beta_power(name):
+    """ResourceApplyAdam's beta^t, in the variables' dtype."""
+    def power(opt, tvars):
+        dtype = tvars[0].dtype.base_dtype
+        return tf.pow(opt._tfclip_hparam(name, tvars), tf.cast(opt.iterations + 1, dtype))
+    return power
+
+
+def _no_momentum(opt):
+    return not opt._momentum
+
+
+def _legacy_nadam_product(opt, tvars):
+    """Stock's m_schedule_new for this dtype: the product read before the step times
+    m_t = beta_1 * (1 - 0.5 * 0.96^(schedule_decay * t)), in the dtype and order of stock's
+    _prepare_local (the rule computes m_t and m_t_1 itself from the same numbers)."""
+    dtype = tvars[0].dtype.base_dtype
+    t = tf.cast(opt.iterations + 1, dtype)
+    m_t = opt._tfclip_hparam("beta_1", tvars) * (1.0 - 0.5 * tf.pow(tf.cast(0.96, dtype), opt._initial_decay * t))
+    step = _NADAM_STEPS.by_opt[id(opt)]
+    product = tf.cast(step["read"], dtype) * m_t
+    if dtype == opt._m_cache.dtype.base_dtype:
+        step["new"] = product
+    return product
+
+
 class _LegacySGD(_LegacyFusedMixin, _legacy_stock.SGD):
     """tf_keras.optimizers.legacy.SGD as one fused op: ResourceApplyGradientDescent, or
     ResourceApplyKerasMomentum with momentum (and for IndexedSlices, as stock's
     ResourceSparseApplyKerasMomentum, only the rows the gradient touches: `lazy_sparse` defaults
     to True there)."""
+
+    _tfclip_binding = Binding(("sgd", "keras_momentum"), pick=lambda o: "keras_momentum" if o._momentum else "sgd",
+                              slots=(("accum", "momentum", "_momentum"),), hparams=(("momentum", "momentum", "_momentum"),),
+                              flags=(("use_nesterov", "nesterov", "_momentum"),))
 
     _checked = ()
 
@@ -193,31 +238,18 @@ class _LegacySGD(_LegacyFusedMixin, _legacy_stock.SGD):
     def _tfclip_lazy(self):
         return self.lazy_sparse if self._momentum else False
 
-    def _op_inputs(self, tvars):
-        dtype = tvars[0].dtype.base_dtype
-        if not self._momentum:
-            return "sgd", [], {}, {}
-        return ("keras_momentum", [self._slot_handles("momentum", tvars)],
-                {"momentum": self._get_hyper("momentum", dtype)}, {"use_nesterov": bool(self.nesterov)})
-
 
 class _LegacyAdam(_LegacyFusedMixin, _legacy_stock.Adam):
     """tf_keras.optimizers.legacy.Adam as one fused op: ResourceApplyAdam's update (the beta
     powers in the variables' dtype, epsilon added to sqrt(v)), amsgrad too."""
 
-    _checked = ("epsilon",)
+    _tfclip_binding = Binding("adam", slots=(("m", "m"), ("v", "v"), ("vhat", "vhat", "amsgrad")),
+                              hparams=(("beta_1", "beta_1"), ("beta_2", "beta_2"), ("epsilon", "epsilon"),
+                                       ("step", _step_in_f64), ("beta_1_power", _beta_power("beta_1")),
+                                       ("beta_2_power", _beta_power("beta_2"))),
+                              flags=(("amsgrad", "amsgrad"),))
 
-    def _op_inputs(self, tvars):
-        dtype = tvars[0].dtype.base_dtype
-        step = tf.cast(self.iterations + 1, dtype)
-        beta_1 = tf.identity(self._get_hyper("beta_1", dtype))
-        beta_2 = tf.identity(self._get_hyper("beta_2", dtype))
-        slots = [self._slot_handles("m", tvars), self._slot_handles("v", tvars)]
-        if self.amsgrad:
-            slots.append(self._slot_handles("vhat", tvars))
-        return ("adam", slots, {"beta_1": beta_1, "beta_2": beta_2, "epsilon": self.epsilon,
-                                "step": tf.cast(step, tf.float64), "beta_1_power": tf.pow(beta_1, step),
-                                "beta_2_power": tf.pow(beta_2, step)}, {"amsgrad": bool(self.amsgrad)})
+    _checked = ("epsilon",)
 
 
 class _LegacyRMSprop(_LegacyFusedMixin, _legacy_stock.RMSprop):
@@ -235,28 +267,21 @@ class _LegacyRMSprop(_LegacyFusedMixin, _legacy_stock.RMSprop):
     zero gradient moves a variable by 0): `lazy_sparse` defaults to False there (True decays
     only the touched rows' slots, not stock)."""
 
+    _tfclip_binding = Binding(
+        ("rmsprop", "tf_rmsprop"), pick=lambda o: "tf_rmsprop" if o._momentum else "rmsprop",
+        slots=(("velocity", "rms", _no_momentum), ("average_gradient", "mg", lambda o: not o._momentum and o.centered),
+               ("rms", "rms", "_momentum"), ("mom", "momentum", "_momentum"),
+               ("mg", "mg", lambda o: o._momentum and o.centered)),
+        hparams=(("rho", "rho"), ("momentum", lambda o, tvars: o._tfclip_hparam("momentum", tvars) if o._momentum else 0.0),
+                 ("epsilon", "epsilon")),
+        flags=(("centered", "centered"), ("has_momentum", lambda o: False, _no_momentum),
+               ("epsilon_outside_sqrt", lambda o: True, _no_momentum)))
+
     _checked = ("rho", "momentum", "epsilon")
 
     @property
     def _lazy_default(self):
         return bool(self._momentum)
-
-    def _op_inputs(self, tvars):
-        dtype = tvars[0].dtype.base_dtype
-        # rho in the variables' dtype, as stock: 1 - rho from it is stock's one_minus_rho.
-        rho = tf.identity(self._get_hyper("rho", dtype))
-        if not self._momentum:
-            slots = {"velocity": self._slot_handles("rms", tvars)}
-            if self.centered:
-                slots["average_gradient"] = self._slot_handles("mg", tvars)
-            return ("rmsprop", slots, {"rho": rho, "momentum": 0.0, "epsilon": self.epsilon},
-                    {"centered": bool(self.centered), "has_momentum": False, "epsilon_outside_sqrt": True})
-        slots = [self._slot_handles("rms", tvars), self._slot_handles("momentum", tvars)]
-        if self.centered:
-            slots.append(self._slot_handles("mg", tvars))
-        return ("tf_rmsprop", slots, {"rho": rho,
-                                      "momentum": tf.identity(self._get_hyper("momentum", dtype)),
-                                      "epsilon": self.epsilon}, {"centered": bool(self.centered)})
 
 
 class _LegacyAdagrad(_LegacyFusedMixin, _legacy_stock.Adagrad):
@@ -267,13 +292,12 @@ class _LegacyAdagrad(_LegacyFusedMixin, _legacy_stock.Adagrad):
     ResourceSparseApplyAdagradV2, only the rows the gradient touches (`lazy_sparse` defaults to
     True)."""
 
+    _tfclip_binding = Binding("adagrad", slots=(("accumulator", "accumulator"),), hparams=(("epsilon", "epsilon"),),
+                              flags=(("epsilon_outside_sqrt", lambda o: True),))
+
     _checked = ("epsilon",)
 
     _lazy_default = True
-
-    def _op_inputs(self, tvars):
-        return ("adagrad", [self._slot_handles("accumulator", tvars)], {"epsilon": self.epsilon},
-                {"epsilon_outside_sqrt": True})
 
 
 class _LegacyAdadelta(_LegacyFusedMixin, _legacy_stock.Adadelta):
@@ -282,14 +306,12 @@ class _LegacyAdadelta(_LegacyFusedMixin, _legacy_stock.Adadelta):
     ResourceSparseApplyAdadelta, only the rows the gradient touches (`lazy_sparse` defaults to
     True)."""
 
+    _tfclip_binding = Binding("adadelta", slots=(("accumulated_grad", "accum_grad"), ("accumulated_delta_var", "accum_var")),
+                              hparams=(("rho", "rho"), ("epsilon", "epsilon")))
+
     _checked = ("rho", "epsilon")
 
     _lazy_default = True
-
-    def _op_inputs(self, tvars):
-        dtype = tvars[0].dtype.base_dtype
-        return ("adadelta", [self._slot_handles("accum_grad", tvars), self._slot_handles("accum_var", tvars)],
-                {"rho": tf.identity(self._get_hyper("rho", dtype)), "epsilon": self.epsilon}, {})
 
 
 class _LegacyAdamax(_LegacyFusedMixin, _legacy_stock.Adamax):
@@ -298,17 +320,13 @@ class _LegacyAdamax(_LegacyFusedMixin, _legacy_stock.Adamax):
     IndexedSlices, as stock's own sparse update, only the rows the gradient touches
     (`lazy_sparse` defaults to True)."""
 
+    _tfclip_binding = Binding("adamax", slots=(("m", "m"), ("u", "v")),
+                              hparams=(("beta_1", "beta_1"), ("beta_2", "beta_2"), ("epsilon", "epsilon"),
+                                       ("step", _step_in_f64)))
+
     _checked = ("beta_1", "beta_2", "epsilon")
 
     _lazy_default = True
-
-    def _op_inputs(self, tvars):
-        dtype = tvars[0].dtype.base_dtype
-        step = tf.cast(self.iterations + 1, dtype)
-        beta_1 = tf.identity(self._get_hyper("beta_1", dtype))
-        return ("adamax", [self._slot_handles("m", tvars), self._slot_handles("v", tvars)],
-                {"beta_1": beta_1, "beta_2": tf.identity(self._get_hyper("beta_2", dtype)),
-                 "epsilon": self.epsilon, "step": tf.cast(step, tf.float64)}, {})
 
 
 class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
@@ -316,6 +334,13 @@ class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
     shrinkage), l2 adjusted by beta / (2 lr) as stock (tfclip's `ftrl` / `ftrl_sqrt` rules; slots
     `accumulator`, `linear`), and for IndexedSlices, as stock's ResourceSparseApplyFtrl(V2), only
     the rows the gradient touches (`lazy_sparse` defaults to True)."""
+
+    _tfclip_binding = Binding(("ftrl", "ftrl_sqrt"), pick=lambda o: _opcall.ftrl_variant(o._tfclip_lr_power)[0],
+                              slots=(("accumulator", "accumulator"), ("linear", "linear")),
+                              hparams=(("lr_power", "learning_rate_power",
+                                        lambda o: _opcall.ftrl_variant(o._tfclip_lr_power)[0] == "ftrl"),
+                                       ("l1", "l1_regularization_strength"), ("l2", "l2_regularization_strength"),
+                                       ("l2_shrinkage", "_l2_shrinkage_regularization_strength"), ("beta", "beta")))
 
     _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
                 "beta")
@@ -326,17 +351,6 @@ class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
         super().__init__(*args, **kwargs)
         # The power as constructed (a number, or a tensor / callable): it picks the rule.
         self._tfclip_lr_power = self._hyper["learning_rate_power"]
-
-    def _op_inputs(self, tvars):
-        dtype = tvars[0].dtype.base_dtype
-        kind, power = _opcall.ftrl_variant(self._tfclip_lr_power)
-        if power:
-            power = {"lr_power": tf.identity(self._get_hyper("learning_rate_power", dtype))}
-        return (kind, [self._slot_handles("accumulator", tvars), self._slot_handles("linear", tvars)],
-                {**power, "l1": tf.identity(self._get_hyper("l1_regularization_strength", dtype)),
-                 "l2": tf.identity(self._get_hyper("l2_regularization_strength", dtype)),
-                 "l2_shrinkage": self._l2_shrinkage_regularization_strength,
-                 "beta": tf.identity(self._get_hyper("beta", dtype))}, {})
 
 
 _NADAM_STEPS = threading.local()  # legacy Nadam's product within a step, per thread (replica)
@@ -358,12 +372,18 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
     the other rows' slots alone): such a step runs the stock ops, with a warning once, unless
     `lazy_sparse=True` (then only the touched rows and their slots, not stock)."""
 
+    _tfclip_binding = Binding("nadam", slots=(("m", "m"), ("v", "v")),
+                              hparams=(("beta_1", "beta_1"), ("beta_2", "beta_2"), ("epsilon", "epsilon"),
+                                       ("step", _step_in_f64), ("u_product", _legacy_nadam_product),
+                                       ("schedule_decay", "_initial_decay")),
+                              flags=(("legacy_nadam", lambda o: True),))
+
     _checked = ("beta_1", "beta_2", "epsilon")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if isinstance(self._initial_decay, (int, float)) and not isinstance(self._initial_decay, bool):
-            _check_number("schedule_decay", float(self._initial_decay))
+            _step.check_number("schedule_decay", float(self._initial_decay))
 
     def _stock_reason(self, grads_and_vars):
         reason = super()._stock_reason(grads_and_vars)
@@ -399,22 +419,6 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
             stored = self._m_cache.assign(new)
         with tf.control_dependencies([stored]):
             return tf.identity(applied)
-
-    def _op_inputs(self, tvars):
-        dtype = tvars[0].dtype.base_dtype
-        t = tf.cast(self.iterations + 1, dtype)
-        beta_1 = tf.identity(self._get_hyper("beta_1", dtype))
-        beta_2 = tf.identity(self._get_hyper("beta_2", dtype))
-        # Stock's m_schedule_new, in the dtype and order of its _prepare_local; the rule computes
-        # m_t and m_t_1 itself from the same numbers.
-        m_t = beta_1 * (1.0 - 0.5 * tf.pow(tf.cast(0.96, dtype), self._initial_decay * t))
-        step = _NADAM_STEPS.by_opt[id(self)]
-        product = tf.cast(step["read"], dtype) * m_t
-        if dtype == self._m_cache.dtype.base_dtype:
-            step["new"] = product
-        return ("nadam", [self._slot_handles("m", tvars), self._slot_handles("v", tvars)],
-                {"beta_1": beta_1, "beta_2": beta_2, "epsilon": self.epsilon, "step": tf.cast(t, tf.float64),
-                 "u_product": product, "schedule_decay": self._initial_decay}, {"legacy_nadam": True})
 
 
 for _cls, _name in ((_LegacySGD, "SGD"), (_LegacyAdam, "Adam"), (_LegacyRMSprop, "RMSprop"),

@@ -1,8 +1,8 @@
-"""The fused step the tf_keras (Keras 2) drop-ins share: `_FusedMixin` (tfclip.tf_keras's
-optimizers) and what `_LegacyFusedMixin` (tfclip/_tf_keras_legacy.py, the OptimizerV2 ones) builds
-on: tfclip's own state variables, the stock apply_gradients with its update replaced, and one
-norm pass with one op call per group of variables. The public classes and their docs:
-tfclip/tf_keras.py."""
+"""What the tf_keras (Keras 2) drop-ins share: `_FusedMixin` (tfclip.tf_keras's optimizers) and
+what `_LegacyFusedMixin` (tfclip/_tf_keras_legacy.py, the OptimizerV2 ones) builds on: tfclip's
+own state variables, the stock apply_gradients with its update replaced by the one fused step
+(tfclip/_step.py, one op per group of variables), and the sources a class's binding reads. The
+public classes and their docs: tfclip/tf_keras.py."""
 import warnings
 
 import tensorflow as tf
@@ -17,9 +17,8 @@ except ImportError as _e:  # pragma: no cover - the optional dependency is absen
 from tensorflow.python.ops import control_flow_util
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _loader, _opcall, _optstate
+from tfclip import _loader, _opcall, _optstate, _step
 from tfclip import clipping as _clipping
-from tfclip.rules import _check_number, _state_scope
 
 def _in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
@@ -73,12 +72,14 @@ def _check_numbers(opt, names):
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{name} must be a number, got {v!r}")
-        _check_number(name, float(v))
+        _step.check_number(name, float(v))
 
 
 class _FusedMixin(_optstate.NormState):
     """The fused update every tf_keras drop-in shares (see the module docstring)."""
 
+    _tfclip_library = "tf_keras"  # (tfclip/_mixup.py)
+    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
     _checked = ()
 
     def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, **kwargs):
@@ -86,10 +87,10 @@ class _FusedMixin(_optstate.NormState):
         super().__init__(*args, **kwargs)
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, tf.Variable) and tf.executing_eagerly():
-            _check_number("learning_rate", float(lr.numpy()))
+            _step.check_number("learning_rate", float(lr.numpy()))
         wd = self.weight_decay
         if isinstance(wd, (int, float)) and not isinstance(wd, bool):
-            _check_number("weight_decay", float(wd))
+            _step.check_number("weight_decay", float(wd))
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         self._tfclip_init(nonfinite, lazy_sparse)
 
@@ -148,7 +149,7 @@ class _FusedMixin(_optstate.NormState):
         if not isinstance(clip, _clipping.AdaptiveClip) or clip.state is not None:
             return
         clip.bind(self)
-        with _state_scope():
+        with _step.state_scope():
             clip.build(lambda name, shape, dtype: add(f"{clip.mode}_{name}", shape, dtype))
 
     def _tfclip_value(self, name):
@@ -244,57 +245,40 @@ class _FusedMixin(_optstate.NormState):
     def _tfclip_lazy(self):
         return self.lazy_sparse
 
-    def _slot_handles(self, slot_list, tvars):
+    # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
+    # hyper-parameter by its attribute, the step.
+    def _tfclip_slot(self, attr, tvars):
+        slot_list = getattr(self, attr)
         return [slot_list[self._index(v)].handle for v in tvars]
 
-    def _step(self):
+    def _tfclip_hparam(self, name, tvars):
+        return getattr(self, name)
+
+    def _tfclip_step(self):
         return tf.cast(self.iterations + 1, tf.float64)
 
     def _fused_step(self, grads, tvars):
-        ops = _loader.ops()
-        mode, clip = self._clip_mode()
-        agc = {}
-        if isinstance(self.clip, _clipping.AGC):  # unit-wise, inside the op's own passes
-            mode, clip, agc = self.clip.op_args()
-        clip = _opcall.scalar(clip, "clip")
-        use_norm, given, tensor_norms, adaptive = tf.constant(0.0, tf.float64), False, None, None
+        """The one fused step (tfclip/_step.py), one op per group of variables (weight decay,
+        `_tfclip_group`)."""
         decay = self._tfclip_decay()
-        groups = {}
-        for i, v in enumerate(tvars):
-            groups.setdefault((bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)), []).append(i)
-        if len(groups) > 1 or (self.clip is not None and not agc):
-            # Every group's op takes the norms of one norm pass; so does an adaptive clip, whose
-            # threshold comes from it (scalar ops on the device).
-            values, _ = _opcall.op_grads(grads)
-            use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
-            given = True
-            if self.clip is not None and not agc:
-                adaptive = self.clip.step(use_norm)
-                mode, clip = "global_norm", adaptive.clip
-        norm = applied = None
-        counts, order = [], []  # each group's clipped_units, and the variables they are of
-        for (with_decay, _), idx in sorted(groups.items()):
-            values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
+        keys = [(bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)) for v in tvars]
+        groups = []
+        for (with_decay, _), idx in _step.partition(keys):
             group = [tvars[i] for i in idx]
-            lr = _opcall.scalar(self._tfclip_lr(group), "learning_rate")
-            kind, slots, hparams, flags = self._op_inputs(group)
-            hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            n, a, tn, cu = _opcall.apply(
-                kind, [v.handle for v in group], slots, values, hparams, flags,
-                clip=clip, use_norm=use_norm, iterations=[], clip_mode=mode,
-                nonfinite=self.nonfinite, use_given_norm=given, lazy=self._tfclip_lazy(),
-                # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
-                # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped
-                # slices summed, the rule fed the sum (not the sum of the slices' squares).
-                sum_of_squares=False, **agc, **sparse_kw)
-            norm = n if norm is None else norm
-            applied = a if applied is None else applied
-            tensor_norms = tn if tensor_norms is None else tensor_norms
-            counts.append(cu)
-            order += idx
-        self._record_norms(norm, applied, tensor_norms, tvars, mode, clip, adaptive,
-                           _optstate.in_order(counts, order))
-        return applied
+            kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
+            hparams.update(lr=_opcall.scalar(self._tfclip_lr(group), "learning_rate"),
+                           weight_decay=self.weight_decay if with_decay else 0.0)
+            groups.append(_step.Group(kind, [v.handle for v in group], slots, hparams, flags, idx))
+        # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
+        # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped slices
+        # summed, the rule fed the sum (not the sum of the slices' squares).
+        mode, clip = self._clip_mode()
+        result = _step.run(grads, groups, mode, clip, clip_obj=self.clip, nonfinite=self.nonfinite,
+                           lazy=self._tfclip_lazy())
+        self._record_norms(result.global_norm, result.applied, result.tensor_norms, tvars, result.clip_mode,
+                           result.clip, None if result.adaptive is None else result.adaptive.threshold,
+                           result.clipped_units)
+        return result.applied
 
     def _tfclip_group(self, v):
         """What else, beside the weight decay, splits a step into several ops sharing one norm

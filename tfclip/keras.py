@@ -44,7 +44,6 @@ fallback applies the step as `"propagate"` does, and `"raise"` is an error when 
 """
 import contextlib
 import numbers
-import sys
 import threading
 import warnings
 
@@ -57,9 +56,10 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.python.ops import control_flow_util
 
-from tfclip import _loader, _opcall, _optstate
+from tfclip import _loader, _mixup, _opcall, _optstate, _step
 from tfclip import clipping as _clipping
-from tfclip.rules import _check_number
+from tfclip._keras_logger import GradientNormLogger  # noqa: F401  (tfclip.keras.GradientNormLogger)
+from tfclip._step import STEP, Binding
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
            "Lamb", "GradientNormLogger", "get"] + (
@@ -95,7 +95,7 @@ def _warn_xla_fallback(why):
 def _xla_fallback_reason(opt, grads, tvars):
     """Why this XLA-compiled step cannot run tfclip's kernels, or None."""
     if not _xla_kernels():
-        from tfclip import _build_info
+        import tfclip._build_info as _build_info
 
         return (f"this build of tfclip has no XLA kernels (built against TensorFlow "
                 f"{_build_info.TF_VERSION}; its XLA glue is built for TF 2.21)")
@@ -149,13 +149,14 @@ def _check_betas(opt, names=("beta_1", "beta_2", "epsilon")):
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{name} must be a number or a callable, got {v!r}")
-        _check_number(name, float(v))
+        _step.check_number(name, float(v))
 
 
 class _FusedMixin(_optstate.NormState):
     """The fused update every drop-in shares (see the module docstring)."""
 
-    _tfclip_kind = None  # set per class
+    _tfclip_library = "keras"  # (tfclip/_mixup.py)
+    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
 
     def __init__(self, *args, clip=None, **kwargs):
         # `clip`: an adaptive clip (tfclip.clipping), taken here for every class; the stock
@@ -169,20 +170,18 @@ class _FusedMixin(_optstate.NormState):
         return self._tfclip_clip
 
     def _tfclip_init(self, nonfinite, lazy_sparse):
-        # A tf_keras (Keras 2) program handing this optimizer to its model: tfclip.tf_keras wraps
-        # tf_keras's optimizers.get so that the error names tfclip.tf_keras.<Class> (only where
-        # tf_keras is loaded already).
-        if "tf_keras" in sys.modules:
-            import tfclip.tf_keras  # noqa: F401
+        # A tf_keras (Keras 2) program handing this optimizer to its model: the error names
+        # tfclip.tf_keras.<Class> (tfclip/_mixup.py; only where tf_keras is loaded already).
+        _mixup.install()
         _opcall.check_policy(nonfinite)
         # The learning rate and weight decay as numbers (a schedule or callable: per step, by
         # the op): finite, the one refusal of tfclip's own (docs/differences.md).
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, keras.Variable) and tf.executing_eagerly():
-            _check_number("learning_rate", float(lr.numpy()))
+            _step.check_number("learning_rate", float(lr.numpy()))
         wd = self.weight_decay
         if isinstance(wd, (int, float)) and not isinstance(wd, bool):
-            _check_number("weight_decay", float(wd))
+            _step.check_number("weight_decay", float(wd))
         # Keras allows one of the three (it raises first otherwise); each None or 0 is no clip.
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
@@ -293,65 +292,41 @@ class _FusedMixin(_optstate.NormState):
 
     # -- the fused op -------------------------------------------------------------------
     def _fused_update_step(self, grads, keras_vars, learning_rate):
-        ops = _loader.ops()
+        # The one fused step (tfclip/_step.py). Keras applies weight decay per variable
+        # (exclude_from_weight_decay): one op per group, the global norm computed once for both.
         # IndexedSlices (embeddings) go to the op as they are: their norm is the norm of
         # `.values` (as tf.linalg.global_norm and Keras count it), and they are applied without
         # densifying, with stock Keras's results (or only their rows, with lazy_sparse). Stock
         # Keras's Adam feeds v the sum of a duplicated row's squared slices, except after
         # global_clipnorm, whose `g * scale` densifies (summing the duplicates) first.
-        mode, clip = self._clip_mode()
-        # Keras applies weight decay per variable (exclude_from_weight_decay): one op per group,
-        # the global norm computed once for both.
         decay = self.weight_decay is not None and self.weight_decay != 0
-        groups = {}
-        for i, v in enumerate(keras_vars):
-            groups.setdefault(bool(decay and self._use_weight_decay(v)), []).append(i)
         lr = _opcall.scalar(learning_rate, "learning_rate")
-        use_norm, given = tf.constant(0.0, tf.float64), False
-        tensor_norms = None
-        adaptive, agc = None, {}
-        if isinstance(self.clip, _clipping.AGC):  # unit-wise, inside the op's own passes
-            mode, clip, agc = self.clip.op_args()
-        clip = _opcall.scalar(clip, "clip")
-        if len(groups) > 1 or (self.clip is not None and not agc):
-            # Both groups' ops take the global norm (and the tensors' norms) of one pass; so does
-            # an adaptive clip, whose threshold comes from it (scalar ops on the device).
-            values, _ = _opcall.op_grads(grads)
-            use_norm, tensor_norms = ops.tfclip_global_norm(t=values, Tnorm=tf.float64)
-            given = True
-            if self.clip is not None and not agc:
-                adaptive = self.clip.step(use_norm)
-                mode, clip = "global_norm", adaptive.clip
-        norm = applied = None
-        counts, order = [], []  # each group's clipped_units, and the variables they are of
-        for with_decay, idx in sorted(groups.items()):
-            values, sparse_kw = _opcall.op_grads([grads[i] for i in idx])
+        groups = []
+        for with_decay, idx in _step.partition([bool(decay and self._use_weight_decay(v)) for v in keras_vars]):
             group = [keras_vars[i] for i in idx]
-            kind, slots, hparams, flags = self._op_inputs(group)
+            kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            n, a, tn, cu = _opcall.apply(
-                kind, [_tf_var(v).handle for v in group], slots, values, hparams, flags,
-                clip=clip, use_norm=use_norm, iterations=[],
-                clip_mode=mode, nonfinite=self.nonfinite, use_given_norm=given, lazy=self.lazy_sparse,
-                sum_of_squares=mode != "global_norm", **agc, **sparse_kw)
-            norm = n if norm is None else norm
-            applied = a if applied is None else applied
-            tensor_norms = tn if tensor_norms is None else tensor_norms
-            counts.append(cu)
-            order += idx
-        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive,
-                           _optstate.in_order(counts, order))
-        return applied
+            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx))
+        mode, clip = self._clip_mode()
+        result = _step.run(grads, groups, mode, clip, clip_obj=self.clip, nonfinite=self.nonfinite,
+                           lazy=self.lazy_sparse, keras_sparse_squares=True)
+        self._record_norms(result.global_norm, result.applied, result.tensor_norms, keras_vars,
+                           result.clip_mode, result.clip,
+                           None if result.adaptive is None else result.adaptive.threshold, result.clipped_units)
+        return result.applied
 
-    def _hp(self, name):
+    # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
+    # hyper-parameter by its attribute (a callable one called, as Keras does), the step.
+    def _tfclip_slot(self, attr, keras_vars):
+        slot_list = getattr(self, attr)
+        return [_tf_var(slot_list[self._get_variable_index(v)]).handle for v in keras_vars]
+
+    def _tfclip_hparam(self, name, keras_vars):
         v = getattr(self, name)
         return v() if callable(v) else v
 
-    def _step(self):
+    def _tfclip_step(self):
         return tf.cast(self.iterations + 1, tf.float64)
-
-    def _slot_handles(self, slot_list, keras_vars):
-        return [_tf_var(slot_list[self._get_variable_index(v)]).handle for v in keras_vars]
 
     # -- the XLA fallback: stock Keras ops, clipping after the all-reduce -------------------
     def _stock_update_step(self, grads, keras_vars, tvars, learning_rate):
@@ -392,7 +367,10 @@ class _FusedMixin(_optstate.NormState):
             update()
             applied = tf.constant(True)
         mode, clip = self._clip_mode() if adaptive is None else ("global_norm", adaptive.clip)
-        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip, adaptive, counts)
+        if adaptive is not None:
+            _clipping.assign_updates(adaptive, after=[applied])
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip,
+                           None if adaptive is None else adaptive.threshold, counts)
 
 
 def _scaled(g, scale):
@@ -401,8 +379,32 @@ def _scaled(g, scale):
     return g * tf.cast(scale, g.dtype)
 
 
+# -- the drop-ins: each class's rule binding is one data row (tfclip/_step.py, Binding) -------
+def _momentum(opt):
+    return opt.momentum != 0
+
+
+def _positive_momentum(opt):  # (stock Keras RMSprop: a momentum slot only for momentum > 0)
+    return opt.momentum > 0
+
+
+def _general_ftrl(opt):  # (Ftrl's general rule takes the power as an input; the sqrt one, none)
+    return bool(_opcall.ftrl_variant(opt.learning_rate_power)[1])
+
+
+_M_V = (("m", "_momentums"), ("v", "_velocities"))
+_BETAS_STEP = (("beta_1", "beta_1"), ("beta_2", "beta_2"), ("epsilon", "epsilon"), ("step", STEP))
+_ADAM = Binding("adam", slots=_M_V + (("vhat", "_velocity_hats", "amsgrad"),), hparams=_BETAS_STEP,
+                flags=(("amsgrad", "amsgrad"),))
+
+
 class SGD(_FusedMixin, keras.optimizers.SGD):
     """keras.optimizers.SGD (momentum, nesterov) as one fused op. Extra: `nonfinite`."""
+
+    _tfclip_binding = Binding(("sgd", "keras_momentum"), pick=lambda o: "keras_momentum" if _momentum(o) else "sgd",
+                              slots=(("accum", "momentums", _momentum),),
+                              hparams=(("momentum", "momentum", _momentum),),
+                              flags=(("use_nesterov", "nesterov", _momentum),))
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, *, nonfinite="skip",
                  lazy_sparse=False, **kwargs):
@@ -410,16 +412,11 @@ class SGD(_FusedMixin, keras.optimizers.SGD):
         _check_betas(self, ("momentum",))
         self._tfclip_init(nonfinite, lazy_sparse)
 
-    def _op_inputs(self, keras_vars):
-        """(rule, slot handle lists, hyper-parameters but lr and weight_decay, flags)."""
-        if self.momentum == 0:
-            return "sgd", [], {}, {}
-        return ("keras_momentum", [self._slot_handles(self.momentums, keras_vars)],
-                {"momentum": self.momentum}, {"use_nesterov": self.nesterov})
-
 
 class Adam(_FusedMixin, keras.optimizers.Adam):
     """keras.optimizers.Adam (amsgrad too) as one fused op. Extra: `nonfinite`."""
+
+    _tfclip_binding = _ADAM
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False, *,
                  nonfinite="skip", lazy_sparse=False, **kwargs):
@@ -428,18 +425,11 @@ class Adam(_FusedMixin, keras.optimizers.Adam):
         _check_betas(self)
         self._tfclip_init(nonfinite, lazy_sparse)
 
-    def _op_inputs(self, keras_vars):
-        slots = [self._slot_handles(self._momentums, keras_vars),
-                 self._slot_handles(self._velocities, keras_vars)]
-        if self.amsgrad:
-            slots.append(self._slot_handles(self._velocity_hats, keras_vars))
-        hparams = {n: self._hp(n) for n in ("beta_1", "beta_2", "epsilon")}
-        hparams["step"] = tf.cast(self.iterations + 1, tf.float64)
-        return "adam", slots, hparams, {"amsgrad": self.amsgrad}
-
 
 class AdamW(_FusedMixin, keras.optimizers.AdamW):
     """keras.optimizers.AdamW (decoupled weight decay) as one fused op. Extra: `nonfinite`."""
+
+    _tfclip_binding = _ADAM
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  amsgrad=False, *, nonfinite="skip", lazy_sparse=False, **kwargs):
@@ -447,8 +437,6 @@ class AdamW(_FusedMixin, keras.optimizers.AdamW):
                          beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad, **kwargs)
         _check_betas(self)
         self._tfclip_init(nonfinite, lazy_sparse)
-
-    _op_inputs = Adam._op_inputs
 
 
 class _Generic(_FusedMixin):
@@ -467,54 +455,43 @@ class _Generic(_FusedMixin):
 class RMSprop(_Generic, keras.optimizers.RMSprop):
     """keras.optimizers.RMSprop (rho, momentum, centered) as one fused op. Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding("rmsprop", slots=(("velocity", "_velocities"),
+                                                ("momentum_slot", "_momentums", _positive_momentum),
+                                                ("average_gradient", "_average_gradients", "centered")),
+                              hparams=(("rho", "rho"), ("momentum", "momentum"), ("epsilon", "epsilon")),
+                              flags=(("centered", "centered"), ("has_momentum", _positive_momentum)))
     _checked = ("rho", "momentum", "epsilon")
-
-    def _op_inputs(self, keras_vars):
-        slots = {"velocity": self._slot_handles(self._velocities, keras_vars)}
-        if self.momentum > 0:
-            slots["momentum_slot"] = self._slot_handles(self._momentums, keras_vars)
-        if self.centered:
-            slots["average_gradient"] = self._slot_handles(self._average_gradients, keras_vars)
-        return ("rmsprop", slots, {"rho": self.rho, "momentum": self.momentum, "epsilon": self.epsilon},
-                {"centered": self.centered, "has_momentum": self.momentum > 0})
 
 
 class Adagrad(_Generic, keras.optimizers.Adagrad):
     """keras.optimizers.Adagrad as one fused op. Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding("adagrad", slots=(("accumulator", "_accumulators"),), hparams=(("epsilon", "epsilon"),))
     _checked = ("epsilon", "initial_accumulator_value")
-
-    def _op_inputs(self, keras_vars):
-        return ("adagrad", [self._slot_handles(self._accumulators, keras_vars)],
-                {"epsilon": self.epsilon}, {})
 
 
 class Adadelta(_Generic, keras.optimizers.Adadelta):
     """keras.optimizers.Adadelta as one fused op. Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding("adadelta", slots=(("accumulated_grad", "_accumulated_grads"),
+                                                 ("accumulated_delta_var", "_accumulated_delta_vars")),
+                              hparams=(("rho", "rho"), ("epsilon", "epsilon")))
     _checked = ("rho", "epsilon")
-
-    def _op_inputs(self, keras_vars):
-        return ("adadelta", [self._slot_handles(self._accumulated_grads, keras_vars),
-                             self._slot_handles(self._accumulated_delta_vars, keras_vars)],
-                {"rho": self.rho, "epsilon": self.epsilon}, {})
 
 
 class Adamax(_Generic, keras.optimizers.Adamax):
     """keras.optimizers.Adamax as one fused op. Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding("adamax", slots=(("m", "_m"), ("u", "_u")), hparams=_BETAS_STEP)
     _checked = ("beta_1", "beta_2", "epsilon")
-
-    def _op_inputs(self, keras_vars):
-        return ("adamax", [self._slot_handles(self._m, keras_vars), self._slot_handles(self._u, keras_vars)],
-                {"beta_1": self._hp("beta_1"), "beta_2": self._hp("beta_2"), "epsilon": self.epsilon,
-                 "step": self._step()}, {})
 
 
 class Nadam(_Generic, keras.optimizers.Nadam):
     """keras.optimizers.Nadam as one fused op, its momentum-cache product `_u_product` carried
     across steps as stock Keras carries it. Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding("nadam", slots=_M_V,
+                              hparams=_BETAS_STEP + (("u_product", lambda o, _: o._u_next),))
     _checked = ("beta_1", "beta_2", "epsilon")
 
     def _next_u_product(self):
@@ -536,37 +513,25 @@ class Nadam(_Generic, keras.optimizers.Nadam):
             self.assign(self._u_product, self._u_next)
         return applied
 
-    def _op_inputs(self, keras_vars):
-        return ("nadam", [self._slot_handles(self._momentums, keras_vars),
-                          self._slot_handles(self._velocities, keras_vars)],
-                {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon, "step": self._step(),
-                 "u_product": self._u_next}, {})
-
 
 class Lion(_Generic, keras.optimizers.Lion):
     """keras.optimizers.Lion as one fused op. Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding("lion", slots=(("m", "_momentums"),), hparams=(("beta_1", "beta_1"), ("beta_2", "beta_2")))
     _checked = ("beta_1", "beta_2")
-
-    def _op_inputs(self, keras_vars):
-        return ("lion", [self._slot_handles(self._momentums, keras_vars)],
-                {"beta_1": self.beta_1, "beta_2": self.beta_2}, {})
 
 
 class Ftrl(_Generic, keras.optimizers.Ftrl):
     """keras.optimizers.Ftrl (l1, l2, l2 shrinkage, learning_rate_power, beta) as one fused op.
     Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding(("ftrl", "ftrl_sqrt"), pick=lambda o: _opcall.ftrl_variant(o.learning_rate_power)[0],
+                              slots=(("accumulator", "_accumulators"), ("linear", "_linears")),
+                              hparams=(("lr_power", "learning_rate_power", _general_ftrl),
+                                       ("l1", "l1_regularization_strength"), ("l2", "l2_regularization_strength"),
+                                       ("l2_shrinkage", "l2_shrinkage_regularization_strength"), ("beta", "beta")))
     _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
                 "l2_shrinkage_regularization_strength", "beta", "initial_accumulator_value")
-
-    def _op_inputs(self, keras_vars):
-        kind, power = _opcall.ftrl_variant(self.learning_rate_power)
-        return (kind, [self._slot_handles(self._accumulators, keras_vars),
-                       self._slot_handles(self._linears, keras_vars)],
-                {**power, "l1": self.l1_regularization_strength,
-                 "l2": self.l2_regularization_strength, "l2_shrinkage": self.l2_shrinkage_regularization_strength,
-                 "beta": self.beta}, {})
 
 
 class Lamb(_Generic, keras.optimizers.Lamb):
@@ -574,13 +539,8 @@ class Lamb(_Generic, keras.optimizers.Lamb):
     update before any variable moves, so a step is three passes over memory (the norm; the
     slots with each tensor's sums of w^2 and u^2; the variables), not two. Extra: `nonfinite`."""
 
+    _tfclip_binding = Binding("lamb", slots=_M_V, hparams=_BETAS_STEP)
     _checked = ("beta_1", "beta_2", "epsilon")
-
-    def _op_inputs(self, keras_vars):
-        return ("lamb", [self._slot_handles(self._momentums, keras_vars),
-                         self._slot_handles(self._velocities, keras_vars)],
-                {"beta_1": self._hp("beta_1"), "beta_2": self._hp("beta_2"), "epsilon": self.epsilon,
-                 "step": self._step()}, {})
 
 
 # keras.optimizers.ScheduleFreeAdamW is recent (Keras 3.15 has it): with a Keras without it tfclip.keras has
@@ -593,6 +553,9 @@ if _StockScheduleFree is not None:
         ScheduleFreeAdamWRule). Its `momentum` slots start as copies of the variables, made by
         the stock build. Extra: `nonfinite`."""
 
+        _tfclip_binding = Binding("schedule_free_adamw", slots=(("momentum_slot", "_momentums"), ("velocity", "_velocities")),
+                                  hparams=_BETAS_STEP + (("warmup_steps", lambda o, _: float(o.warmup_steps)),))
+
         _checked = ("beta_1", "beta_2", "epsilon")
 
         def __init__(self, *args, **kwargs):
@@ -601,13 +564,7 @@ if _StockScheduleFree is not None:
             w = self.warmup_steps
             if isinstance(w, bool) or not isinstance(w, numbers.Real):
                 raise ValueError(f"warmup_steps must be a number, got {w!r}")
-            _check_number("warmup_steps", float(w))
-
-        def _op_inputs(self, keras_vars):
-            return ("schedule_free_adamw", [self._slot_handles(self._momentums, keras_vars),
-                                            self._slot_handles(self._velocities, keras_vars)],
-                    {"beta_1": self._hp("beta_1"), "beta_2": self._hp("beta_2"), "epsilon": self.epsilon,
-                     "warmup_steps": float(self.warmup_steps), "step": self._step()}, {})
+            _step.check_number("warmup_steps", float(w))
 
 
 def __getattr__(name):
@@ -635,127 +592,3 @@ _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 # Registered so model.save / keras.models.load_model find them without custom_objects.
 for _cls in _CLASSES:
     keras.saving.register_keras_serializable(package="tfclip")(_cls)
-
-
-class GradientNormLogger(keras.callbacks.Callback):
-    """Logs where the gradients are large, from a tfclip optimizer's fused step, to TensorBoard.
-
-    Every `every_n_steps` training steps it writes, with `tf.summary`, under `log_dir`:
-
-    - `{prefix}/global_norm`: the pre-clip global norm of the step;
-    - `{prefix}/clip_threshold` (with an adaptive `clip=`, tfclip.clipping): the norm above which
-      the step would have been clipped;
-    - `{prefix}/clip_fraction` and `{prefix}/clip_scale_mean` (with `global_clipnorm`,
-      `clipnorm` or an adaptive `clip=`): the share of the steps since the last write that the clip scaled down, and
-      their mean clip scale (1 for a step left alone, clip / norm for a clipped one);
-    - `{prefix}/agc_clipped_units` and `{prefix}/agc_clipped_fraction` (with
-      `clip=tfclip.clipping.AGC(...)`): how many units AGC scaled down at the last step, all
-      variables together (`optimizer.clipped_units`, counted by the fused op), and that count over
-      the variables' total number of units (a unit: one index of a variable's last axis; a
-      variable of rank <= 1 is one unit);
-    - `{prefix}/skipped_steps`: steps skipped for a non-finite norm since the last write (and
-      `{prefix}/skipped_steps_total`);
-    - `{prefix}/{by}/<name>`: the norms of the `top_k` largest layers (`by="layer"`: the norm of
-      all the layer's gradients together; `by="variable"`: one per variable), and
-      `{prefix}/{by}_norms`, a histogram of all of them.
-
-    The norms come from the optimizer's norm pass (`optimizer.tensor_norms`): logging costs no
-    pass over the gradients, only a read of a few small variables every `every_n_steps` steps.
-
-    ```python
-    model.compile(optimizer=tfclip.keras.Adam(1e-3, global_clipnorm=1.0), loss="mse")
-    model.fit(x, y, callbacks=[tfclip.keras.GradientNormLogger("logs/grads", every_n_steps=50)])
-    ```
-    """
-
-    def __init__(self, log_dir, every_n_steps=100, top_k=5, by="layer", prefix="gradients"):
-        super().__init__()
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-        if by not in ("layer", "variable"):
-            raise ValueError(f"by must be 'layer' or 'variable', got {by!r}")
-        try:
-            import tensorboard  # noqa: F401  (tf.summary.scalar and histogram live there)
-        except ImportError:
-            raise ImportError("GradientNormLogger writes with tf.summary, which needs the tensorboard "
-                              "package: pip install tensorboard") from None
-        self.log_dir = log_dir
-        self.every_n_steps = every_n_steps
-        self.top_k = top_k
-        self.by = by
-        self.prefix = prefix
-        self._writer = None
-
-    def _optimizer(self):
-        opt = self.model.optimizer
-        if not isinstance(opt, _FusedMixin):
-            raise TypeError("GradientNormLogger needs a tfclip.keras optimizer (e.g. "
-                            f"tfclip.keras.Adam), got {type(opt).__name__}")
-        return opt
-
-    def on_train_begin(self, logs=None):
-        opt = self._optimizer()
-        if self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
-        self._last = self._counters(opt)
-        self._next = (self._last[0] // self.every_n_steps + 1) * self.every_n_steps
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_base = int(self._optimizer().iterations.numpy())
-
-    def on_train_batch_end(self, batch, logs=None):
-        step = self._epoch_base + batch + 1  # (batch: the last step of this call, as Keras counts)
-        if step >= self._next:
-            self._write(self._optimizer())
-            self._next = (step // self.every_n_steps + 1) * self.every_n_steps
-
-    def on_train_end(self, logs=None):
-        if self._writer is not None:
-            self._writer.flush()
-
-    @staticmethod
-    def _counters(opt):
-        return (int(opt.iterations.numpy()), int(opt.skipped_steps.numpy()),
-                int(opt.clipped_steps.numpy()), float(opt.clip_scale_sum.numpy()))
-
-    def group_norms(self, opt):
-        """The logged norms, by layer or variable: (names, norms), largest first."""
-        norms = opt.tensor_norms.numpy().astype("float64")
-        names = opt.tensor_norm_names
-        if self.by == "layer":
-            sums = {}
-            for name, n in zip(names, norms):
-                key = name.rsplit("/", 1)[0] if "/" in name else name
-                sums[key] = sums.get(key, 0.0) + n * n
-            names, norms = list(sums), [s ** 0.5 for s in sums.values()]
-        order = sorted(range(len(names)), key=lambda i: -norms[i] if norms[i] == norms[i] else float("-inf"))
-        return [names[i] for i in order], [float(norms[i]) for i in order]
-
-    def _write(self, opt):
-        now = self._counters(opt)
-        steps, skipped, clipped, scale_sum = (a - b for a, b in zip(now, self._last))
-        self._last = now
-        p, step = self.prefix, now[0]
-        mode, _ = opt._clip_mode()
-        with self._writer.as_default(step=step):
-            tf.summary.scalar(f"{p}/global_norm", float(opt.global_norm.numpy()))
-            tf.summary.scalar(f"{p}/skipped_steps", skipped)
-            tf.summary.scalar(f"{p}/skipped_steps_total", now[1])
-            if (mode in ("global_norm", "norm") or opt.clip is not None) and steps > 0:
-                tf.summary.scalar(f"{p}/clip_fraction", clipped / steps)
-                tf.summary.scalar(f"{p}/clip_scale_mean", scale_sum / steps)
-            if opt.clip is not None:  # the adaptive threshold of the last step, beside its norm
-                tf.summary.scalar(f"{p}/clip_threshold", float(opt.clip_threshold.numpy()))
-            if opt.clipped_units is not None:  # AGC: the last step's clipped units
-                total = int(opt.clipped_units.numpy().sum())
-                units = sum(_clipping.num_units(v.shape) for v in opt._trainable_variables)
-                tf.summary.scalar(f"{p}/agc_clipped_units", total)
-                tf.summary.scalar(f"{p}/agc_clipped_fraction", total / units if units else 0.0)
-            if opt.tensor_norms is not None:
-                names, norms = self.group_norms(opt)
-                for name, n in list(zip(names, norms))[:self.top_k]:
-                    tf.summary.scalar(f"{p}/{self.by}/{name}", n)
-                if norms:
-                    tf.summary.histogram(f"{p}/{self.by}_norms", norms)

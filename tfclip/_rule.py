@@ -1,0 +1,273 @@
+"""`tfclip.rules.Rule`, what every rule object is: its state (the step counter, each variable's
+slots, made once under a lock, mirrored under tf.distribute), the op's resource inputs (kept for
+a repeated eager step), and its step through the one fused step (tfclip/_step.py). The rules
+themselves, each a constructor and a binding row: tfclip/rules.py."""
+import numbers
+
+import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BaseResourceVariable
+
+from tfclip import _opcall, _step
+from tfclip import clipping as _clipping
+from tfclip._opcall import ClipApplyResult
+
+
+def _on_host(t):
+    return ":CPU:" in t.device
+
+
+def _pack_handles(handles):
+    """One vector of resource handles, for an op input list that takes handles packed."""
+    return tf.raw_ops.Pack(values=handles, axis=0)
+
+
+class Rule:
+    """Base class: see the module docstring. A rule is declared by its `binding` (data,
+    tfclip/_step.py's `Binding`): its row of the core's rule table (`tfclip._core.rule_table()`),
+    its slots by name and its hyper-parameters and flags by the attributes that hold them."""
+
+    binding = None
+
+    @property
+    def kind(self):
+        """The rule-table row a step runs."""
+        return self.binding.kind(self)
+
+    @property
+    def slot_names(self):
+        """The names of the slots (`slots(var)`), in the table's order."""
+        return tuple(stock for _, stock in self.binding.slot_names(self))
+
+    def __init__(self, learning_rate, weight_decay=0.0, name=None):
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.name = name or type(self).__name__
+        self._slots = {}
+        self._iterations = None
+        self._handle_cache = None  # see _handles
+        self._pairs_cache = None  # see tfclip.ops._repeated_eager_split
+        for k, v in self._config_numbers().items():
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):
+                _step.check_number(k, v)
+        self._check_stock_ranges()
+
+    def _check_stock_ranges(self):
+        """The checks the stock class this rule mirrors makes in its constructor (beyond the
+        shared table's): none by default."""
+
+    # -- state --------------------------------------------------------------------------
+    # State is made once, under the rule's lock: threads that start stepping one rule at once
+    # must not each make their own counter or slots (the updates written to the losing copies
+    # would be lost). Under tf.distribute it is made in the strategy's scope, so a rule first
+    # used in a replica function gets mirrored state (see tfclip.ops, _mirrored_step).
+    @property
+    def iterations(self):
+        it = self._iterations
+        if it is None:
+            with _opcall.state_lock(self), _step.state_scope():
+                if self._iterations is None:
+                    self._iterations = tf.Variable(
+                        0, dtype=tf.int64, trainable=False, name=f"{self.name}/iterations",
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                it = self._iterations
+        return it
+
+    def slots(self, var):
+        """The slot variables of `var`, by name (created, as zeros, on first call)."""
+        key = var.ref()
+        got = self._slots.get(key)
+        if got is None:
+            with _opcall.state_lock(self), _step.state_scope():
+                got = self._slots.get(key)
+                if got is None:
+                    base = var.name.split(":")[0]
+                    got = {
+                        s: tf.Variable(self._slot_initial_value(s, var),
+                                       trainable=False, name=f"{base}/{self.name}/{s}",
+                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                        for s in self.slot_names
+                    }
+                    self._slots[key] = got
+        return got
+
+    def _make_state(self, variables):
+        """Makes (once) the counter and the slots of `variables` now."""
+        self.iterations  # noqa: B018  (made on first read)
+        for v in variables:
+            self.slots(v)
+
+    def _state_variables(self, variables):
+        """The state a step over `variables` writes."""
+        out = [self.iterations]
+        for v in variables:
+            out.extend(self.slots(v).values())
+        return out
+
+    @property
+    def variables(self):
+        """Every variable this rule owns: iterations, each model variable's slots, then the state
+        of the adaptive clips named by `clip="zclip"`-style arguments (tfclip.clipping)."""
+        out = [self.iterations]
+        for slots in self._slots.values():
+            out.extend(slots.values())
+        for clip in self.__dict__.get("_named_clips", {}).values():
+            out.extend((clip.state or {}).values())
+        return out
+
+    def _slot_initial(self, name):
+        """A slot's initial value (Adagrad's accumulator: initial_accumulator_value)."""
+        return 0.0
+
+    def _slot_initial_value(self, name, var):
+        """A slot's initial tensor for `var`: `_slot_initial(name)` everywhere by default."""
+        init = self._slot_initial(name)
+        # A Python number straight to the variable's dtype (tf.cast would first round it to
+        # float32: a float64 slot would start 1e-8 off the stock class's).
+        init = (tf.constant(init, var.dtype) if isinstance(init, numbers.Real) and not isinstance(init, bool)
+                else tf.cast(init, var.dtype))
+        return tf.fill(var.shape, init)
+
+    # -- hyper-parameters ---------------------------------------------------------------
+    def current_learning_rate(self):
+        lr = self.learning_rate
+        if callable(lr) and not isinstance(lr, (tf.Variable, tf.Tensor)):
+            try:
+                import keras
+
+                is_schedule = isinstance(lr, keras.optimizers.schedules.LearningRateSchedule)
+            except ImportError:  # keras is optional here
+                is_schedule = False
+            if is_schedule:
+                lr = lr(self.iterations)
+            else:
+                import inspect
+
+                lr = lr(self.iterations) if len(inspect.signature(lr).parameters) else lr()
+        return _opcall.scalar(lr, "learning_rate")
+
+    def _config_numbers(self):
+        return {"weight_decay": self.weight_decay}
+
+    # -- the step -----------------------------------------------------------------------
+    def _handles(self, variables):
+        """The op's resource inputs: the variables' handles and each slot's list of handles.
+
+        Eagerly and outside `tf.distribute` (where a handle depends on the replica context) they
+        are kept for the last list of variables, so a repeated step pays no per-variable Python
+        here; the entry holds the variables themselves, so their ids cannot be reused while it
+        stands. For host variables each list is kept packed into one vector of handles (the op
+        takes either form): TF's eager dispatch costs per resource input, and 600 of them were
+        most of a 200-variable step's fixed cost (benchmarks/NOTES.md, "Figures behind the
+        code": P5). Graph code keeps one input per variable,
+        which is what automatic control dependencies order the step by. Also returns whether
+        every variable (and so every slot) is in host memory, where the CPU kernel runs, and
+        the step counter's handle where the op may own the count (see _host_counter).
+        """
+        cache = self._handle_cache  # read once: another thread may replace it meanwhile
+        cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
+        if cacheable and cache is not None and cache[1] is variables:  # the repeated step's list
+            return cache[2], cache[3], cache[4], cache[5]
+        ids = tuple(map(id, variables))
+        if cacheable and cache is not None and cache[0] == ids:
+            return cache[2], cache[3], cache[4], cache[5]
+        slot_lists = {s: [] for s in self.slot_names}
+        for v in variables:
+            for s, var in self.slots(v).items():
+                slot_lists[s].append(var.handle)
+        var_handles = [v.handle for v in variables]
+        host = all(_on_host(v) for v in variables)  # slots live with their variable
+        counter = self._host_counter() if host else None
+        if cacheable and host:
+            with tf.device("/device:CPU:0"):
+                var_handles = [_pack_handles(var_handles)]
+                slot_lists = {s: [_pack_handles(hs)] for s, hs in slot_lists.items()}
+        if cacheable:  # (the counter is made once per rule: it may be kept with the lists)
+            self._handle_cache = (ids, variables, var_handles, slot_lists, host, counter)
+        return var_handles, slot_lists, host, counter
+
+    def _apply(self, grads, variables, *args, **kwargs):
+        # Eagerly, one step of a rule at a time: threads stepping one rule end in the state of
+        # a serial order (the counter read, the op and the count, and Nadam's product, as one).
+        # Not under tf.distribute, whose replica threads meet in merge_call (a lock held there
+        # would deadlock); in a graph the op's locks and the op-owned counter order the steps.
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            with _opcall.state_lock(self):
+                return self._clip_and_step(grads, variables, *args, **kwargs)
+        return self._clip_and_step(grads, variables, *args, **kwargs)
+
+    def _clip_and_step(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
+                       all_dense=False):
+        """The rule's step through the one fused step (tfclip/_step.py): the rule's own part is its
+        state (slots, counter, Nadam's product) and its hyper-parameters."""
+        clip_obj = None
+        if clip_mode == "adaptive":  # a tfclip.clipping object: AGC, or a clip with state
+            clip_obj, clip_mode, clip = clip, "none", 0.0
+            if not isinstance(clip_obj, _clipping.AGC):
+                with _opcall.state_lock(self), _step.state_scope():
+                    clip_obj.build()
+                _step.check_clip_state(clip_obj, self)
+        self._before_step(variables)
+        # The step counter advances only for an applied step. With host variables and a host
+        # counter the op reads it (Adam's step) and advances it under the step's locks: the
+        # same count, atomic with the update, without the eager reads, constants and increments
+        # (in a tf.function, five small ops and two identities; NOTES.md's P6); else graph
+        # ops do it here. (`counter`: its handle then, else None.)
+        var_handles, slot_lists, host, counter = self._handles(variables)
+        hparams, flags = self._op_inputs(counter is not None)
+        group = _step.Group(self.kind, var_handles, self._op_slots(slot_lists), hparams, flags,
+                            iterations=() if counter is None else (counter,))
+        result = _step.run(grads, [group], clip_mode, clip, clip_obj=clip_obj, use_norm=use_norm,
+                           nonfinite=nonfinite, lazy=lazy_sparse, all_dense=all_dense)
+        after = self._after_step(result.applied)
+        if counter is None:
+            after.append(self.iterations.assign_add(tf.cast(result.applied, tf.int64), read_value=False))
+        if result.clip_update is not None:
+            after.append(result.clip_update)
+        if tf.executing_eagerly():
+            return result.outputs
+        with tf.control_dependencies(after):
+            return ClipApplyResult(*[tf.identity(t) for t in result.outputs])
+
+    def _before_step(self, variables):
+        """State a step needs made before its hyper-parameters are read: none by default."""
+
+    def _after_step(self, applied):
+        """The rule's own state updates once the op ran (Nadam's product): a list of ops."""
+        return []
+
+    def _host_counter(self):
+        """The step counter's handle where the op may own the count: outside tf.distribute
+        (a replica's counter is not the variable's), a resource variable in host memory.
+        Else None. (A TF1 graph's variable has no device yet: None.)"""
+        it = self.iterations
+        # (A counter first made while a tf.function traces is an UnliftedInitializerVariable,
+        # a resource variable with a plain handle; distributed variables are not these.)
+        if isinstance(it, _BaseResourceVariable) and _on_host(it) and not tf.distribute.has_strategy():
+            return it.handle
+        return None
+
+    def _op_inputs(self, has_counter):
+        """The op's hyper-parameters and flags by the rule table's names, from the binding; lr
+        (the schedule's value) and weight_decay where the row takes them. has_counter: the op
+        owns the count, and `step` is the 1 it adds."""
+        hparams, flags = self.binding.values(self, None, step=1.0 if has_counter else None)
+        if "lr" not in hparams:
+            hparams["lr"] = self.current_learning_rate()
+        if "weight_decay" in _opcall.RULES[self.kind]["hparams"]:
+            hparams["weight_decay"] = self.weight_decay
+        return hparams, flags
+
+    def _op_slots(self, slot_lists):
+        """The slot handle lists for the op, by the table's names."""
+        return {table: slot_lists[stock] for table, stock in self.binding.slot_names(self)}
+
+    # The binding's sources (tfclip/_step.py, Binding): an attribute, the step.
+    def _tfclip_hparam(self, name, variables):
+        return getattr(self, name)
+
+    def _tfclip_step(self):
+        """`iterations + 1` as a float64 scalar."""
+        return tf.cast(self.iterations + 1, tf.float64)
+
+
+Rule.__module__ = "tfclip.rules"  # (where users find it)

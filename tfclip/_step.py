@@ -1,0 +1,237 @@
+"""The fused step, said once: every front door (`tfclip.fused_clip_apply` through `tfclip.rules`,
+the Keras 3, tf_keras and legacy optimizers, `tfclip.compat.v1`) calls `run`, and keeps only what
+is its own: the stock class's variables and names, its arguments, its checkpoint layout, its
+distribution hooks, its step counter.
+
+A step is
+1. the clip: a fixed mode (Keras's `global_clipnorm` / `clipnorm` / `clipvalue`), AGC (unit-wise,
+   inside the apply op's own two passes), or an adaptive clip (`tfclip.clipping.ZClip`,
+   `AutoClip`) whose threshold follows the global norm;
+2. the norm pass (`TfclipGlobalNorm`), only where the apply op cannot take the norm itself: an
+   adaptive clip needs the norm for its threshold, and a step split into several ops (variable
+   groups: Keras's weight-decay exclusions, legacy Nadam's per-dtype constants) shares one norm;
+3. one apply op per group (`tfclip._opcall.apply`), each with that norm, the clip and the
+   non-finite policy;
+4. one `StepResult`: the norm, whether the step was applied, each gradient's norm and AGC's
+   clipped units in the gradients' order, the clip as the ops ran it, and the adaptive clip's
+   state advanced (its assign, after the step; not for a non-finite norm).
+
+A rule's binding to a stock class is data (`Binding`): the rule-table row, and where the stock
+class keeps each slot and hyper-parameter. Adding a rule: docs/adding-a-rule.md.
+
+Imports flow one way: the front doors import this module; it imports `_opcall`, `_loader` and
+`clipping`, never a front door.
+"""
+import collections
+import contextlib
+import math
+
+import tensorflow as tf
+
+from tfclip import _loader, _opcall
+from tfclip import clipping as _clipping
+from tfclip._opcall import ClipApplyResult
+
+# ---------------------------------------------------------------------------- the step
+
+
+class Group(collections.namedtuple("Group", ["kind", "var", "slots", "hparams", "flags", "positions",
+                                             "refs", "iterations"], defaults=(None, None, ()))):
+    """One apply op of a step: the rule-table row `kind`, the variables' handles `var`, the slot
+    handle lists (by the table's slot names, or in its order), the hyper-parameters and flags by
+    the table's names (`tfclip._opcall.apply`). `positions`: the gradients it takes (their
+    indices; None: all, the one group of a step). `refs`: TF1 ref variables (see
+    `_opcall.apply`). `iterations`: `[handle]` where the op owns the step counter (`tfclip.rules`
+    on host variables), else empty."""
+
+
+StepResult = collections.namedtuple(
+    "StepResult", ["global_norm", "applied", "tensor_norms", "clipped_units", "clip_mode", "clip",
+                   "adaptive", "clip_update"])
+StepResult.__doc__ = """What `run` returns: `ClipApplyResult`'s four fields (`outputs`), the clip the
+ops ran (`clip_mode`, `clip`: an adaptive clip runs as "global_norm" with its threshold), the
+adaptive clip's `ClipStep` (None without one) and the op assigning its state after the step
+(graph mode; None eagerly or without one)."""
+StepResult.outputs = property(lambda self: ClipApplyResult(*self[:4]))
+
+
+def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfinite="skip", lazy=False,
+        keras_sparse_squares=False, all_dense=False):
+    """One fused step over `grads` (tensors or IndexedSlices, aligned with the groups'
+    positions): see the module docstring.
+
+    clip_mode, clip: the fixed clip (`_opcall.clip_config`). clip_obj: an AGC or adaptive clip
+    (`tfclip.clipping`; its state built by the caller), which replaces them. use_norm: a global
+    norm given by the caller (no norm pass). keras_sparse_squares: Keras 3's stock update of an
+    IndexedSlices gradient: a repeated row feeds the sum of its slices' squares, unless a
+    global-norm clip scaled (so densified) it. all_dense: the caller checked that every gradient
+    is a dense eager tensor (the eager fast path).
+    """
+    agc, adaptive = {}, None
+    if isinstance(clip_obj, _clipping.AGC):  # unit-wise, inside the op's own passes
+        clip_mode, clip, agc = clip_obj.op_args()
+    given = use_norm is not None
+    pass_norms = None
+    if given:
+        use_norm = _opcall.scalar(use_norm, "use_norm")
+    elif len(groups) > 1 or (clip_obj is not None and not agc):
+        # Every group's op takes the norms of one norm pass; so does an adaptive clip, whose
+        # threshold comes from it (scalar ops on the device).
+        values = grads if all_dense else _opcall.op_grads(grads)[0]
+        use_norm, pass_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
+        given = True
+    if clip_obj is not None and not agc:
+        adaptive = clip_obj.step(use_norm)
+        clip_mode, clip = "global_norm", adaptive.clip
+    common = dict(clip=_opcall.scalar(clip, "clip"),
+                  use_norm=use_norm if given else _opcall.scalar(0.0, "use_norm"),
+                  clip_mode=clip_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy, **agc)
+    if keras_sparse_squares and clip_mode != "global_norm":
+        common["sum_of_squares"] = True
+    outs = []
+    for g in groups:
+        part = grads if len(groups) == 1 else [grads[i] for i in g.positions]
+        values, sparse_kw = (part, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(part)
+        outs.append(_opcall.apply(g.kind, g.var, g.slots, values, g.hparams, g.flags, refs=g.refs,
+                                  iterations=list(g.iterations), **sparse_kw, **common))
+    norm, applied, tensor_norms, clipped_units = outs[0]
+    if len(groups) > 1:
+        order = [i for g in groups for i in g.positions]
+        clipped_units = in_order([o[3] for o in outs], order)
+        if pass_norms is None:
+            tensor_norms = in_order([o[2] for o in outs], order)
+    if pass_norms is not None:
+        tensor_norms = tf.cast(pass_norms, tf.float32)
+    update = None
+    if adaptive is not None:
+        clip_obj._remember(adaptive)
+        update = _clipping.assign_updates(adaptive, after=[applied])
+    return StepResult(norm, applied, tensor_norms, clipped_units, clip_mode, common["clip"], adaptive, update)
+
+
+def partition(keys):
+    """The groups of a step: [(key, [indices])] for the variables' keys, sorted by key (one op
+    each, in that order)."""
+    groups = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    return sorted(groups.items())
+
+
+def in_order(parts, order):
+    """The groups' per-variable vectors `parts` (of the variables `order`, group by group) in
+    the variables' order."""
+    v = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+    if order == list(range(len(order))):
+        return v
+    inverse = [0] * len(order)
+    for k, i in enumerate(order):
+        inverse[i] = k
+    return tf.gather(v, inverse)
+
+
+# ---------------------------------------------------------------------------- bindings
+
+STEP = "<iterations + 1>"  # a Binding's hyper-parameter source: the front door's `_tfclip_step()`
+
+
+class Binding(collections.namedtuple("Binding", ["kinds", "slots", "hparams", "flags", "pick"],
+                                     defaults=((), (), (), None))):
+    """A stock optimizer class bound to rule-table rows, as data: what `inputs` reads.
+
+    kinds: the rule-table rows it may run (a name, or a tuple of names with `pick`, a function of
+        the optimizer giving the one a step runs: SGD's "sgd" or "keras_momentum").
+    slots: (table slot, stock slot[, when]): the stock slot is what the front door's
+        `_tfclip_slot(stock_slot, variables)` looks up (Keras 3: the attribute listing the slot
+        variables; legacy: the slot name); `when`, an attribute name or a function of the
+        optimizer, says whether the slot exists (Adam's vhat: "amsgrad").
+    hparams: (table name, source[, when]): the source is an attribute name, read by the front
+        door's `_tfclip_hparam(name, variables)`, `STEP` (iterations + 1), or a function
+        (optimizer, variables) -> value. lr and weight_decay come from the front door.
+    flags: (flag, source[, when]): an attribute name or a function of the optimizer.
+    """
+
+    def kind(self, opt):
+        return self.pick(opt) if self.pick is not None else self.kinds
+
+    def inputs(self, opt, tvars):
+        """(kind, slot handle lists by table name, hyper-parameters, flags) for `tvars`."""
+        slots = {name: opt._tfclip_slot(stock, tvars) for name, stock in self.slot_names(opt)}
+        hparams, flags = self.values(opt, tvars)
+        return self.kind(opt), slots, hparams, flags
+
+    def slot_names(self, opt):
+        """[(table slot, stock slot)] of the slots `opt` has, in the table's order."""
+        return [(row[0], row[1]) for row in self.slots if _holds(opt, row)]
+
+    def values(self, opt, tvars, step=None):
+        """(hyper-parameters, flags) by the table's names. step: the value `STEP` takes where the
+        front door gives it (an op owning the count takes the 1 it adds), else `_tfclip_step()`."""
+        hparams = {}
+        for row in self.hparams:
+            if _holds(opt, row):
+                src = row[1]
+                hparams[row[0]] = ((opt._tfclip_step() if step is None else step) if src is STEP else src(opt, tvars) if callable(src)
+                                   else opt._tfclip_hparam(src, tvars))
+        flags = {row[0]: bool(row[1](opt) if callable(row[1]) else getattr(opt, row[1]))
+                 for row in self.flags if _holds(opt, row)}
+        return hparams, flags
+
+    def all_kinds(self):
+        return (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+
+
+def _holds(opt, row):
+    if len(row) < 3 or row[2] is None:
+        return True
+    when = row[2]
+    return bool(when(opt) if callable(when) else getattr(opt, when))
+
+
+# ---------------------------------------------------------------------------- shared checks
+
+
+def check_number(name, v):
+    """A hyper-parameter given as a Python number, checked at construction against the range the
+    core's table gives it (csrc/core/hparams.h, through tfclip._core.hparam_table())."""
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    info = _opcall.HPARAMS.get("lr" if name == "learning_rate" else name) or next(
+        (i for i in _opcall.HPARAMS.values() if i["display"] == name), None)
+    if info is None:
+        return
+    lo, hi = info["lo"], info["hi"]
+    ok = (v > lo if info["lo_open"] else v >= lo) and (v < hi if info["hi_open"] else v <= hi)
+    if not ok:
+        if math.isinf(hi):
+            raise ValueError(f"{name} must be {'>' if info['lo_open'] else '>='} {lo:g}, got {v}")
+        raise ValueError(f"{name} must be in {'(' if info['lo_open'] else '['}{lo:g}, {hi:g}"
+                         f"{')' if info['hi_open'] else ']'}, got {v}")
+
+
+@contextlib.contextmanager
+def state_scope():
+    """Where a rule's or optimizer's state is made: outside any tf.function (init_scope), and in
+    the scope of the strategy in use, if any, so that state used under tf.distribute is mirrored
+    like the variables it serves."""
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    with tf.init_scope():
+        if strategy is None or tf.distribute.has_strategy():
+            yield
+        else:
+            with strategy.scope():
+                yield
+
+
+def check_clip_state(clip, owner):
+    """An adaptive clip's state serves one rule or optimizer, and under tf.distribute is mirrored
+    (made on its first step, in the strategy's scope)."""
+    clip.bind(owner)
+    state = clip.state
+    if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        for v in state.values():
+            if not isinstance(v, tf.distribute.DistributedValues):
+                raise ValueError(
+                    f"the adaptive clip's state variable {v.name} was made outside "
+                    f"{type(tf.distribute.get_strategy()).__name__}'s scope, so it is not mirrored: "
+                    "use a new clip object under the strategy (its state is made on its first step)")
