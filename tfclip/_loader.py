@@ -11,7 +11,7 @@ _REBUILD = (
 
 def load_op_library():
     try:
-        from tfclip import _build_info
+        import tfclip._build_info as _build_info
     except ImportError as e:  # never built
         raise ImportError(f"tfclip's native ops are not built. {_REBUILD}") from e
     if _build_info.TF_VERSION != tf.__version__:
@@ -32,7 +32,7 @@ def load_op_library():
 
 
 def _cuda_versions():
-    from tfclip import _core
+    import tfclip._core as _core
 
     return _core.cuda_versions()
 
@@ -53,7 +53,7 @@ def cuda_driver_problem(driver, runtime, visible_gpus):
     would fail at the op's first CUDA call with "insufficient driver"."""
     if driver == 0 or driver // 1000 >= runtime // 1000 or not visible_gpus():
         return None
-    from tfclip import _build_info
+    import tfclip._build_info as _build_info
 
     major = driver // 1000
     return (

@@ -17,7 +17,8 @@ import weakref
 import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor
 
-from tfclip import _core, _loader
+import tfclip._core as _core
+from tfclip import _loader
 
 RULES = _core.rule_table()
 HPARAMS = _core.hparam_table()

@@ -87,7 +87,7 @@ def _probes():
     def cuda_runtime():
         if bi is None or not bi.CUDA:
             return "-"
-        from tfclip import _core
+        import tfclip._core as _core
 
         driver, runtime = _core.cuda_versions()
         drv = _fmt_cuda(driver) if driver else "none found (no NVIDIA driver)"
@@ -108,7 +108,7 @@ def _probes():
         return "; ".join(out)
 
     def cpu():
-        from tfclip import _core
+        import tfclip._core as _core
 
         built_isas = "baseline, avx2, avx512 (norm pass)" if bi is not None and bi.ISA_VARIANTS else "baseline only"
         return (f"{platform.machine()}, {os.cpu_count()} logical CPUs; variant in use: {_core.cpu_isa()} "

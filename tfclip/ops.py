@@ -6,7 +6,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as _dist_values
 from tensorflow.python.framework.ops import EagerTensor
 
-from tfclip import _eager, _loader, _opcall, clipping
+import tfclip._eager as _eager
+from tfclip import _loader, _opcall, clipping
 from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
 from tfclip.rules import Rule
 
