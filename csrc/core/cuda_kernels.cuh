@@ -57,6 +57,7 @@
 #endif
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace tfclip {
 namespace cuda {
