@@ -1,5 +1,5 @@
 // tfclip core: AGC's plan, reductions and scales (agc.h). The element passes are in
-// cpu_kernels.inc (AgcSums) and cuda_driver.cu.
+// cpu_kernels.inc (AgcSums) and cuda_norm.cu (AGC's norm pass), cuda_apply.cu (its scales applied).
 #include "csrc/core/agc.h"
 
 #include <algorithm>

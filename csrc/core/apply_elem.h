@@ -3,7 +3,7 @@
 // ApplyElem is the wrapper around a rule's Update: load the slots, decoupled weight decay, the
 // rule (once, or once per duplicate row of a scatter rule), store. Every apply pass calls it:
 // dense chunks, rows no IndexedSlices slice touches, touched rows; on the CPU (cpu_kernels.inc)
-// and on CUDA (cuda_driver.cu). The code that decides CPU/CUDA bit parity exists once.
+// and on CUDA (cuda_apply.cu, cuda_sparse_apply.cu). The code that decides CPU/CUDA bit parity exists once.
 //
 // The gradient reaches it as a "grads" source, already clipped in the variable's math type M:
 //   DenseGrad<M>{g}   a dense element (or a zero one: an untouched row of an all-rows pass)

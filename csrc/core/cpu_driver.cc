@@ -5,11 +5,9 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <sstream>
 
 #include "csrc/core/cpu_kernels.h"
 #include "csrc/core/denormals.h"
-#include "csrc/core/validate.h"
 
 namespace tfclip {
 
@@ -91,26 +89,6 @@ T RoundNorm(double norm) {
 }
 template float RoundNorm<float>(double);
 template double RoundNorm<double>(double);
-
-std::string NonFiniteError(double norm) {
-  std::ostringstream os;
-  os << "the global norm of the gradients is " << norm
-     << " (non-finite) and nonfinite='raise'; no variable was updated";
-  return os.str();
-}
-
-std::string StepHParams(const StepArgs& a, HParams* hp) {
-  *hp = a.hp;
-  if (a.iterations != nullptr) hp->step += static_cast<double>(*a.iterations);
-  std::string e = ValidateHParams(a.rule, *hp);
-  if (!e.empty() && a.iterations != nullptr) {
-    std::ostringstream os;
-    os << " (iterations + step = " << hp->step << ")";
-    e += os.str();
-  }
-  if (e.empty()) e = ValidateClipConfig(a.cfg);
-  return e;
-}
 
 StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& exec) {
   StepResult r;

@@ -12,6 +12,7 @@
 #include "csrc/core/chunk_plan.h"
 #include "csrc/core/clip.h"
 #include "csrc/core/rule_table.h"
+#include "csrc/core/step.h"
 #include "csrc/core/tensors.h"
 #include "csrc/core/sparse.h"
 
@@ -74,35 +75,6 @@ void TrustCpu(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const Chu
 void ReduceTrustSums(const ChunkPlan& plan, const SparsePlan& sp, const double* trust, int n,
                      double* sums);
 
-// A clip-and-apply step as every adapter hands it to the core.
-struct StepArgs {
-  RuleKind rule = RuleKind::kSgd;
-  HParams hp;
-  ClipConfig cfg;
-  const ApplyTensor* ts = nullptr;
-  int n = 0;
-  bool lazy = false;  // sparse gradients update only the rows they touch (see sparse.h)
-  // A step counter (CPU: host memory) or null: the rule's step is then *iterations + hp.step,
-  // and the counter advances by one when the step is applied, under the caller's locks.
-  int64_t* iterations = nullptr;
-  // Out (may be null): each tensor's pre-clip gradient norm (IndexedSlices: its values'), from
-  // the norm pass at no extra pass; NaN when none ran (use_norm). Written before the non-finite
-  // policy acts, so a skipped step still tells which tensor was not finite.
-  double* tensor_norms = nullptr;
-  // Out (may be null): with clip_mode agc, each tensor's count of clipped units (scale < 1);
-  // 0 in the other modes. Written with tensor_norms.
-  int64_t* agc_clipped = nullptr;
-};
-
-// Both passes of a clip-and-apply step, with the non-finite policy. Everything is checked before
-// anything is written: hyper-parameters, clip numbers, sparse indices (the adapters check
-// shapes and dtypes, which the core does not see).
-struct StepResult {
-  double global_norm = 0.0;
-  bool applied = false;
-  bool nonfinite = false;  // with kRaise: the caller reports the error; nothing was written
-  std::string error;       // a bad input: nothing was written
-};
 // scratch is reused across calls when the caller keeps it.
 struct StepScratch {
   ChunkPlan plan;
@@ -115,13 +87,9 @@ struct StepScratch {
   AgcPlan agc;
   std::vector<double> agc_part_g, agc_part_w, unit_g, unit_w, unit_scale, sparse_vsq;
 };
+// Both passes of a clip-and-apply step (StepArgs, StepResult: csrc/core/step.h), with the
+// non-finite policy.
 StepResult ClipApplyCpu(const StepArgs& args, StepScratch* scratch, const CpuExecutor& exec);
-
-// The message of a non-finite norm with nonfinite='raise' (every adapter's).
-std::string NonFiniteError(double norm);
-
-// The hyper-parameters of a step with its counter applied, checked: "" or the error.
-std::string StepHParams(const StepArgs& args, HParams* hp);
 
 // A norm rounded to float (or kept double) with subnormal results kept: TF runs kernels with
 // flush-to-zero set, which would turn a right, subnormal float norm into 0.

@@ -1,4 +1,6 @@
-// tfclip core, CUDA: the multi-tensor launcher. The CUDA twin of csrc/core/cpu_driver.h.
+// tfclip core, CUDA: the multi-tensor launcher. The CUDA twin of the CPU driver (ClipApplyCpu
+// and its passes), which it does not include: the step types both take (StepArgs, StepResult)
+// are csrc/core/step.h. The code behind it: csrc/core/cuda_kernels.cuh lists the .cu files.
 //
 // This header includes no CUDA, TF or pybind11 header, so the TF glue and the pybind11 module
 // (plain C++ compilers) call it. A stream is a `cudaStream_t` passed as void*.
@@ -21,8 +23,9 @@
 
 #include "csrc/core/chunk_plan.h"
 #include "csrc/core/clip.h"
-#include "csrc/core/cpu_driver.h"
 #include "csrc/core/sparse.h"
+#include "csrc/core/step.h"
+#include "csrc/core/tensors.h"
 
 namespace tfclip {
 namespace cuda {

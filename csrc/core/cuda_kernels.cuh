@@ -1,9 +1,14 @@
 // tfclip core, CUDA: what the driver's .cu files share (and nothing outside them includes):
 // the tensor table as the kernels see it, the fixed-order warp and block sums, the chunk crews,
-// and the launchers each kernel file exports to the driver.
-//   cuda_driver.cu        the step: plan, upload, norm / AGC / finalize / scale kernels, entry points
+// the step's plan and host table layout, and the launchers each kernel file exports to the
+// driver (host functions: no __global__ symbol crosses a file, relocatable device code is off).
+//   cuda_driver.cu        the entry points of cuda_driver.h: each op's launch sequence
+//   cuda_plan.cu          the host side of a step: plan, table layout and upload, chunk ranges
+//   cuda_norm.cu          the norm kernel and AGC's unit-sum kernels
+//   cuda_finalize.cu      the finalize kernel and the clip op's scale kernel
 //   cuda_apply.cu         the dense apply kernel and the trust-ratio kernels (Lamb)
 //   cuda_sparse_apply.cu  the IndexedSlices apply kernel
+//   cuda_workspace.cu     the workspace (cuda_workspace.h), and the copies _core makes
 // The apply kernels are most of the device code (one instantiation per rule and slot count), so
 // they have files of their own: the build compiles them side by side.
 //
@@ -52,6 +57,7 @@
 #endif
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace tfclip {
 namespace cuda {
@@ -250,8 +256,72 @@ std::string LaunchForRule(RuleKind rule, int nslots, const char* what, Launch&& 
   return err;
 }
 
-// The apply launches of a step, each adding one to *launches per kernel queued; each returns ""
-// or an error.
+// ---------------------------------------------------------------- the step's plan (cuda_plan.cu)
+// The plan of one step: chunks over the flattened list, the sparse plan (owned by the caller),
+// and where each part lives in the host table and the device workspace.
+struct CudaPlan {
+  ChunkPlan plan;
+  std::vector<int32_t> many;  // Table::many
+  int n = 0;
+  const SparsePlan* sparse = nullptr;
+  size_t host_bytes = 0;    // the table: consts, hparams, tensors, chunks, block starts, sparse plan
+  size_t device_bytes = 0;  // the table's device copy, then partials, clip factors, status
+  size_t off_partials = 0, off_factors = 0, off_status = 0, off_trust = 0, off_trust_sums = 0;
+  bool trust = false;
+  const AgcPlan* agc = nullptr;  // an AGC step's plan (null otherwise)
+  size_t off_agc = 0;            // its device buffers: part_g, part_w, unit_g, unit_w, unit_scale, vsq
+};
+
+inline size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
+
+// Host table layout: the step constants, the host hyper-parameters, tensors, chunks, block
+// starts, the tensors of many chunks, then the sparse plan's units, order, urows and ustart
+// (each 256-aligned).
+struct HostLayout {
+  size_t off_hparams, off_tensors, off_chunks, off_blocks, off_many, off_units, off_order,
+      off_urows, off_ustart, off_tiles, off_uoff, off_poff, off_ablocks, off_spans, bytes;
+};
+HostLayout Layout(const CudaPlan& p);
+
+// The plan of a step over n tensors of sizes[i] gradient elements (the sparse plan, a
+// trust-ratio rule's buffers and AGC's plan when given).
+void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust,
+                  const AgcPlan* agc);
+// Fills the host table, uploads it, and returns the device-side view of the workspace.
+std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, void* host_ws,
+                   void* dev_ws, cudaStream_t stream, Table* t);
+// Per-tensor chunk ranges (chunks of a tensor are consecutive in the plan).
+void ChunkRanges(const CudaPlan& p, DevTensor* ts);
+
+// ---------------------------------------------------------------- the finalize kernel's arguments
+struct FinalizeArgs {
+  ClipConfig cfg;
+  RuleKind rule;
+  bool have_partials;   // false: no norm pass ran (a given norm)
+  bool round_norm;      // the clip op: the scale comes from the norm rounded to its dtype
+  bool apply_step;      // a clip-and-apply step (hyper-parameters, factors, consts)
+  DeviceScalars ds;     // scalars to read from device memory (apply steps)
+  ClipOpScalars clip_op;  // the clip op's clip_norm / use_norm in device memory
+  bool read_scalars;    // ds.any(): read them, check them, recompute the step constants
+  bool zero_clipped;    // out.clipped_units is 0s (no AGC pass counted them)
+  CudaOutputs out;
+};
+
+// ---------------------------------------------------------------- the launchers
+// A step's launches, each adding one to *launches per kernel queued; each returns "" or an error.
+// cuda_norm.cu: the norm kernel over the plan's nblocks blocks (each chunk's sum of squares
+// into t.partials).
+std::string LaunchNorm(const Table& t, unsigned nblocks, cudaStream_t stream, int* launches);
+// cuda_norm.cu: AGC's pass in the norm kernel's place: the tiles' and spans' sums, the units'
+// sums, then each tensor's sum where the finalize kernel reads it and its units' scales (up to
+// three launches).
+std::string LaunchAgcSums(const Table& t, const DevAgc& agc, cudaStream_t stream, int* launches);
+// cuda_finalize.cu: the finalize kernel (one block); host_hp is the host hyper-parameters'
+// copy in the workspace.
+std::string LaunchFinalize(const Table& t, const FinalizeArgs& a, const HParams* host_hp,
+                           cudaStream_t stream, int* launches);
+// cuda_finalize.cu: the clip op's scale kernel over the plan's nblocks blocks.
+std::string LaunchScale(const Table& t, unsigned nblocks, cudaStream_t stream, int* launches);
 // cuda_apply.cu: the dense apply kernel over the plan's nblocks blocks.
 std::string LaunchDenseApply(RuleKind rule, int nslots, const Table& t, unsigned nblocks,
                              cudaStream_t stream, int* launches);

@@ -320,7 +320,7 @@ class SharedVar {
 }  // namespace tfclip_emu
 
 // TFCLIP_SHARED(T, name) is `__shared__ T name;`, TFCLIP_SHARED_ARRAY(T, name, n) is
-// `__shared__ T name[n];` under nvcc (csrc/core/cuda_driver.cu). Here: one per worker thread
+// `__shared__ T name[n];` under nvcc (csrc/core/cuda_*.cu). Here: one per worker thread
 // (blocks run one after another there, so a block's threads share it), every access checked.
 #define TFCLIP_SHARED(T, name) static thread_local ::tfclip_emu::SharedVar<T> name(#name)
 #define TFCLIP_SHARED_ARRAY(T, name, n) \
