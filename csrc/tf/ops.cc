@@ -1,4 +1,5 @@
-// tfclip TF glue: op declarations (attrs, inputs, shape functions). Kernels live in kernels.cc.
+// tfclip TF glue: op declarations (attrs, inputs, shape functions). Kernels live in kernels.cc
+// (the norm ops) and apply_kernel.cc (the apply ops).
 //
 // Every op takes its tensors as lists: one norm pass and one apply pass cover the whole list,
 // whatever its length. Hyper-parameters are scalar tensors (double), so schedules and
@@ -109,7 +110,7 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // semantics (slots decay on every row). `sum_of_squares`: duplicate rows feed Adam's v the sum
 // of their squares (stock Keras on raw IndexedSlices), not the square of their sum (the dense
 // result). See csrc/core/sparse.h.
-// Each resource list may hold one handle per tensor or pack them into vectors (see kernels.cc:
+// Each resource list may hold one handle per tensor or pack them into vectors (see resources.h:
 // an eager caller packs a repeated step's lists once); its handles, in order, are the lists'.
 // `iterations`: none, or an int64 scalar variable counting applied steps, read and advanced
 // under the step's locks (the rule's t is then iterations + `step`). `clip`: 0 is no clip.
