@@ -9,9 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/apply_op.h"
 #include "csrc/core/cpu_driver.h"
 #include "csrc/core/rule_table.h"
 #include "csrc/core/validate.h"
+#include "csrc/tf/apply_op_attrs.h"
 #include "csrc/tf/device.h"
 #include "csrc/tf/resources.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -91,70 +93,28 @@ class ClipApplyOp : public OpKernel {
  public:
   explicit ClipApplyOp(OpKernelConstruction* c) : OpKernel(c) {
     const std::string& op = c->def().op();
-    const RuleInfo* info = nullptr;
-    for (const RuleInfo& r : AllRules()) {
-      if (op == std::string("TfclipClipApply") + r.op) info = &r;
-      if (op == std::string("TfclipClipApplyRef") + r.op) {
-        info = &r;
-        with_refs_ = true;
-      }
-    }
+    const RuleInfo* info = FindApplyRule(op, &with_refs_);
     OP_REQUIRES(c, info != nullptr, tf::errors::Internal("no rule for op ", op));
     rule_ = *info;
     slots_ = rule_.slots();
-    std::string mode, policy;
+    // The common attrs, from the description (csrc/core/apply_op.h), checked; the rule's flags.
+    ApplyOpAttrs attrs;
+    OP_REQUIRES_OK(c, ReadApplyOpAttrs(c, rule_, with_refs_, &attrs));
     // One variable per gradient; the resource lists may pack their handles (see VarLookup).
-    std::vector<tf::DataType> grad_types;
-    OP_REQUIRES_OK(c, c->GetAttr("Tgrad", &grad_types));
-    n_ = static_cast<int>(grad_types.size());
-    OP_REQUIRES_OK(c, c->GetAttr("clip_mode", &mode));
-    OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
-    OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
-    OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
-    OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
-                tf::errors::InvalidArgument("nonfinite ", policy));
-    float agc_eps = 1e-3f;
-    OP_REQUIRES_OK(c, c->GetAttr("agc_eps", &agc_eps));
-    cfg_.agc_eps = static_cast<double>(agc_eps);
-    OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
-    int n_iterations = 0;
-    OP_REQUIRES_OK(c, c->GetAttr("Niterations", &n_iterations));
-    OP_REQUIRES(c, n_iterations <= 1,
-                tf::errors::InvalidArgument("iterations takes at most one variable, got ",
-                                            n_iterations));
-    has_iterations_ = n_iterations > 0;
-    OP_REQUIRES_OK(c, c->GetAttr("sum_of_squares", &hp_.sum_of_squares));
-    std::vector<int32_t> sparse;
-    OP_REQUIRES_OK(c, c->GetAttr("sparse", &sparse));
-    sparse_of_.assign(static_cast<size_t>(n_), -1);
-    for (size_t k = 0; k < sparse.size(); ++k) {
-      const int32_t i = sparse[k];
-      OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > sparse[k - 1]),
-                  tf::errors::InvalidArgument("sparse must list gradient positions in [0, ", n_,
-                                              ") in increasing order; got ", i, " at ", k));
-      sparse_of_[i] = static_cast<int>(k);
-    }
-    num_sparse_ = static_cast<int>(sparse.size());
-    is_ref_.assign(static_cast<size_t>(n_), false);
-    if (with_refs_) {
-      std::vector<int32_t> ref;
-      OP_REQUIRES_OK(c, c->GetAttr("ref", &ref));
-      for (size_t k = 0; k < ref.size(); ++k) {
-        const int32_t i = ref[k];
-        OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > ref[k - 1]),
-                    tf::errors::InvalidArgument("ref must list gradient positions in [0, ", n_,
-                                                ") in increasing order; got ", i, " at ", k));
-        is_ref_[i] = true;
-      }
-      num_ref_ = static_cast<int>(ref.size());
-    }
+    n_ = attrs.num_grads;
+    cfg_ = attrs.Clip();
+    lazy_ = attrs.lazy;
+    has_iterations_ = attrs.num_iterations > 0;
+    hp_.sum_of_squares = attrs.sum_of_squares;
     for (int k = 0; k < kNumFlags; ++k) {
-      if ((rule_.flags >> k) & 1u) {
-        bool v = false;
-        OP_REQUIRES_OK(c, c->GetAttr(FlagAttr(static_cast<Flag>(k)), &v));
-        hp_.SetFlag(static_cast<Flag>(k), v);
-      }
+      if ((rule_.flags >> k) & 1u) hp_.SetFlag(static_cast<Flag>(k), (attrs.flags >> k) & 1u);
     }
+    sparse_of_.assign(static_cast<size_t>(n_), -1);
+    for (size_t k = 0; k < attrs.sparse.size(); ++k) sparse_of_[attrs.sparse[k]] = static_cast<int>(k);
+    num_sparse_ = static_cast<int>(attrs.sparse.size());
+    is_ref_.assign(static_cast<size_t>(n_), false);
+    for (const int32_t i : attrs.ref) is_ref_[i] = true;
+    num_ref_ = static_cast<int>(attrs.ref.size());
     nslots_ = NumSlots(rule_.kind, hp_);
   }
 
@@ -201,14 +161,17 @@ class ClipApplyOp : public OpKernel {
     args.ts = ts.data();
     args.n = n_;
 
-    Tensor* norm_out;
-    Tensor* applied_out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &norm_out));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
-    Tensor* per_out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({n_}), &per_out));
-    Tensor* clipped_out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({n_}), &clipped_out));
+    // The outputs, each of its shape kind (csrc/core/apply_op.h).
+    Tensor* outs[kNumApplyOutputs];
+    for (int k = 0; k < kNumApplyOutputs; ++k) {
+      const bool scalar = kApplyOutputs[k].shape == ApplyOutputShape::kScalar;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(k, scalar ? tf::TensorShape({}) : tf::TensorShape({n_}),
+                                               &outs[k]));
+    }
+    Tensor* norm_out = outs[kApplyOutGlobalNorm];
+    Tensor* applied_out = outs[kApplyOutApplied];
+    Tensor* per_out = outs[kApplyOutTensorNorms];
+    Tensor* clipped_out = outs[kApplyOutClippedUnits];
     StepResult r;
     if constexpr (kGpu<D>) {
 #if TFCLIP_WITH_CUDA
@@ -457,7 +420,7 @@ OpKernel* CreateClipApply(OpKernelConstruction* c) {
 // (The ref op's ref inputs are the variables' own tensors, in device memory.)
 bool RegisterApplyKernels() {
   for (const RuleInfo& r : AllRules()) {
-    for (const char* prefix : {"TfclipClipApply", "TfclipClipApplyRef"}) {
+    for (const char* prefix : {kApplyOpPrefix, kApplyRefOpPrefix}) {
       const std::string op = std::string(prefix) + r.op;
       tf::kernel_factory::OpKernelRegistrar cpu(
           tf::KernelDefBuilder(op.c_str()).Device(tf::DEVICE_CPU).Build(), "ClipApplyOp",
