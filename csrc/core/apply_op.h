@@ -159,21 +159,27 @@ struct ApplyInputDef {
   const char* name;
   const char* type;   // TF's arg type text ("N * resource", "double")
   ApplyOps ops;
+  // On GPU, an input the kernel reads on the host (resource handles, the IndexedSlices indices
+  // it plans there); every other input stays in device memory. (kRuleSlots: the slot resource
+  // lists; a ref op's ref lists are the variables' own tensors, in device memory.)
+  bool host_memory = false;
   // An attr the input brings along, registered with it (before kApplyAttrs): its name, and for
   // a list(type) over tfclip's dtypes the text after the list (" >= 0").
   const char* attr = nullptr;
   const char* attr_bound = nullptr;
 };
 inline constexpr ApplyInputDef kApplyInputs[] = {
-    {ApplyInputKind::kInput, "var", "N * resource", ApplyOps::kBoth},
-    {ApplyInputKind::kInput, "var_ref", "Ref(Tvar_ref)", ApplyOps::kRefOnly, "Tvar_ref", " >= 0"},
-    {ApplyInputKind::kRuleSlots, nullptr, nullptr, ApplyOps::kBoth},  // each: "<slot>: N_<slot> * resource"
+    {ApplyInputKind::kInput, "var", "N * resource", ApplyOps::kBoth, true},
+    {ApplyInputKind::kInput, "var_ref", "Ref(Tvar_ref)", ApplyOps::kRefOnly, false, "Tvar_ref", " >= 0"},
+    // each slot: "<slot>: N_<slot> * resource" with attr "N_<slot>: int >= 0"; on the ref op
+    // then "<slot>_ref: Ref(T<slot>_ref)" with its list(type) attr
+    {ApplyInputKind::kRuleSlots, nullptr, nullptr, ApplyOps::kBoth, true},
     {ApplyInputKind::kInput, "grad", "Tgrad", ApplyOps::kBoth},
     {ApplyInputKind::kRuleHParams, nullptr, nullptr, ApplyOps::kBoth},  // each: "<hparam>: double"
-    {ApplyInputKind::kInput, "indices", "Tindices", ApplyOps::kBoth},
+    {ApplyInputKind::kInput, "indices", "Tindices", ApplyOps::kBoth, true},
     {ApplyInputKind::kInput, "clip", "double", ApplyOps::kBoth},
     {ApplyInputKind::kInput, "use_norm", "double", ApplyOps::kBoth},
-    {ApplyInputKind::kInput, "iterations", "Niterations * resource", ApplyOps::kBoth},
+    {ApplyInputKind::kInput, "iterations", "Niterations * resource", ApplyOps::kBoth, true},
 };
 
 // The outputs, in order, with their shapes.

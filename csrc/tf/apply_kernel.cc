@@ -415,20 +415,27 @@ OpKernel* CreateClipApply(OpKernelConstruction* c) {
 }
 
 // One kernel per rule and device, from the rule table. On GPU only the resource handles and the
-// IndexedSlices indices (planned on the host) are in host memory; every scalar stays on the
-// device, where the step reads it without a host round trip.
-// (The ref op's ref inputs are the variables' own tensors, in device memory.)
+// IndexedSlices indices (planned on the host) are in host memory (the inputs csrc/core/apply_op.h
+// marks host_memory); every scalar stays on the device, where the step reads it without a host
+// round trip. (The ref op's ref inputs are the variables' own tensors, in device memory.)
 bool RegisterApplyKernels() {
   for (const RuleInfo& r : AllRules()) {
-    for (const char* prefix : {kApplyOpPrefix, kApplyRefOpPrefix}) {
-      const std::string op = std::string(prefix) + r.op;
+    for (const bool ref_op : {false, true}) {
+      const std::string op = std::string(ref_op ? kApplyRefOpPrefix : kApplyOpPrefix) + r.op;
       tf::kernel_factory::OpKernelRegistrar cpu(
           tf::KernelDefBuilder(op.c_str()).Device(tf::DEVICE_CPU).Build(), "ClipApplyOp",
           &CreateClipApply<OnCpu>);
 #if TFCLIP_WITH_CUDA
       tf::KernelDefBuilder gpu(op.c_str());
-      gpu.Device(tf::DEVICE_GPU).HostMemory("var").HostMemory("indices").HostMemory("iterations");
-      for (const std::string& s : r.slots()) gpu.HostMemory(s.c_str());
+      gpu.Device(tf::DEVICE_GPU);
+      const std::vector<std::string> slots = r.slots();
+      for (const ApplyInputDef& in : kApplyInputs) {
+        if (!in.host_memory || !ApplyOpHas(in.ops, ref_op)) continue;
+        if (in.kind == ApplyInputKind::kInput) gpu.HostMemory(in.name);
+        if (in.kind == ApplyInputKind::kRuleSlots) {
+          for (const std::string& s : slots) gpu.HostMemory(s.c_str());
+        }
+      }
       tf::kernel_factory::OpKernelRegistrar reg(gpu.Build(), "ClipApplyOp", &CreateClipApply<OnGpu>);
 #endif
     }
