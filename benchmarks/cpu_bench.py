@@ -455,7 +455,7 @@ def overhead_table(args, rng):
     ~0.45 us per tensor here) and in a `tf.function` (the call's captures). So each row is set
     against TF's cheapest op, `consume` (a no-op), timed in the same rounds; a difference is
     the median of the per-round differences. Eagerly tfclip passes each handle list packed
-    (one input per list, see kernels.cc), so its eager call is set against two no-ops: over
+    (one input per list, see csrc/tf/resources.h), so its eager call is set against two no-ops: over
     the 800 tensors a per-variable op must take (variables, m, v, gradients), and over the 200
     gradients alone, which any op that consumes them takes. In a `tf.function` the captures
     are the same for every method (the model's step captures the variables anyway). Eager and

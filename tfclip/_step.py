@@ -83,17 +83,17 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     if clip_obj is not None and not agc:
         adaptive = clip_obj.step(use_norm)
         clip_mode, clip = "global_norm", adaptive.clip
-    common = dict(clip=_opcall.scalar(clip, "clip"),
-                  use_norm=use_norm if given else _opcall.scalar(0.0, "use_norm"),
-                  clip_mode=clip_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy, **agc)
-    if keras_sparse_squares and clip_mode != "global_norm":
-        common["sum_of_squares"] = True
+    clip = _opcall.scalar(clip, "clip")
+    norm_input = use_norm if given else _opcall.scalar(0.0, "use_norm")
+    squares = keras_sparse_squares and clip_mode != "global_norm"
     outs = []
     for g in groups:
         part = grads if len(groups) == 1 else [grads[i] for i in g.positions]
         values, sparse_kw = (part, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(part)
         outs.append(_opcall.apply(g.kind, g.var, g.slots, values, g.hparams, g.flags, refs=g.refs,
-                                  iterations=list(g.iterations), **sparse_kw, **common))
+                                  iterations=list(g.iterations), clip=clip, use_norm=norm_input,
+                                  clip_mode=clip_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy,
+                                  **({"sum_of_squares": True} if squares else {}), **agc, **sparse_kw))
     norm, applied, tensor_norms, clipped_units = outs[0]
     if len(groups) > 1:
         order = [i for g in groups for i in g.positions]
@@ -106,7 +106,7 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     if adaptive is not None:
         clip_obj._remember(adaptive)
         update = _clipping.assign_updates(adaptive, after=[applied])
-    return StepResult(norm, applied, tensor_norms, clipped_units, clip_mode, common["clip"], adaptive, update)
+    return StepResult(norm, applied, tensor_norms, clipped_units, clip_mode, clip, adaptive, update)
 
 
 def partition(keys):

@@ -1,98 +1,45 @@
-// tfclip TF glue: the OpKernels, CPU and GPU. Each Compute() validates what only TF sees (shapes,
-// dtypes, resources), looks up and locks the variables (resources.h), allocates, and calls one
-// core step: csrc/core/cpu_driver.h on CPU, csrc/core/cuda_driver.h on GPU (stream from the op
-// context, memory from TF's allocators). The apply ops are registered from the rule table.
-#include <algorithm>
-#include <memory>
+// tfclip TF glue: the OpKernels of the norm ops, TfclipGlobalNorm and TfclipClipByGlobalNorm
+// (ops.cc), CPU and GPU, with their registrations. Each Compute() validates what only TF sees,
+// allocates, and calls one core pass: csrc/core/cpu_driver.h on CPU, csrc/core/cuda_driver.h on
+// GPU (the op's stream, memory from TF's allocators: device.h). The apply ops' kernel is in
+// apply_kernel.cc.
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "csrc/core/cpu_driver.h"
-#include "csrc/core/rule_table.h"
 #include "csrc/core/validate.h"
-#include "csrc/tf/resources.h"
+#include "csrc/tf/device.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
-#include "tensorflow/core/platform/threadpool.h"
 
 #if TFCLIP_WITH_CUDA
 #include "csrc/core/cuda_driver.h"
-#include "csrc/core/cuda_workspace.h"
-#include "tensorflow/core/common_runtime/device/device_event_mgr.h"
-#include "xla/stream_executor/stream.h"
 #endif
 
 namespace tfclip {
 namespace {
 
+namespace tf = ::tensorflow;
 using tf::OpKernel;
 using tf::OpKernelConstruction;
 using tf::OpKernelContext;
 using tf::Tensor;
+using tf_glue::kGpu;
+using tf_glue::OnCpu;
+using tf_glue::OnGpu;
+using tf_glue::ScalarInput;
+using tf_glue::TfExecutor;
+using tf_glue::ToCoreDType;
+using tf_glue::WriteNorms;
+#if TFCLIP_WITH_CUDA
+using tf_glue::CudaStatus;
+using tf_glue::GpuMemory;
+using tf_glue::GpuStream;
+using tf_glue::NormOutput;
+#endif
 
-struct OnCpu {};
-struct OnGpu {};
-template <typename D>
-constexpr bool kGpu = std::is_same_v<D, OnGpu>;
-
-CpuExecutor TfExecutor(OpKernelContext* ctx) {
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return CpuExecutor{[pool](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
-    // One contiguous range of units per thread (as many as the work is worth): streams stay
-    // long, and no thread picks up scattered small shards. The partition never changes a result.
-    constexpr int64_t kMinCyclesPerThread = int64_t{1} << 17;
-    const int64_t threads = std::max<int64_t>(
-        1, std::min<int64_t>({static_cast<int64_t>(pool->NumThreads()) + 1, n,
-                              n * cost / kMinCyclesPerThread}));
-    if (threads <= 1) {
-      fn(0, n);
-      return;
-    }
-    const int64_t per = (n + threads - 1) / threads;
-    pool->TransformRangeConcurrently(per, n, fn);
-  }};
-}
-
-// TF's dtype for each core dtype, from the one dtype list (its TF names).
-bool ToCoreDType(tf::DataType t, DType* out) {
-  static const std::vector<std::pair<tf::DataType, DType>> kMap = [] {
-    std::vector<std::pair<tf::DataType, DType>> m;
-#define TFCLIP_TF_DTYPE(E, S, M, N, ...)          \
-  {                                               \
-    tf::DataType dt;                              \
-    if (tf::DataTypeFromString(N, &dt)) m.push_back({dt, DType::E}); \
-  }
-    TFCLIP_FOR_EACH_TYPE(TFCLIP_TF_DTYPE)
-#undef TFCLIP_TF_DTYPE
-    return m;
-  }();
-  for (const auto& [tf_type, core] : kMap) {
-    if (tf_type == t) {
-      *out = core;
-      return true;
-    }
-  }
-  return false;
-}
-
-// Reads a scalar input as double, or names it in the error.
-absl::Status ScalarInput(OpKernelContext* ctx, const char* name, double* out) {
-  const Tensor* t;
-  TF_RETURN_IF_ERROR(ctx->input(name, &t));
-  if (!tf::TensorShapeUtils::IsScalar(t->shape())) {
-    return tf::errors::InvalidArgument(name, " must be a scalar, got shape ",
-                                       t->shape().DebugString());
-  }
-  switch (t->dtype()) {
-    case tf::DT_FLOAT: *out = t->scalar<float>()(); break;
-    case tf::DT_DOUBLE: *out = t->scalar<double>()(); break;
-    default: return tf::errors::InvalidArgument(name, " must be float or double");
-  }
-  return absl::OkStatus();
-}
-
+// The input list as the core's tensor views; an error names `what`[i].
 absl::Status ViewList(const tf::OpInputList& list, const char* what, std::vector<TensorView>* out) {
   out->resize(list.size());
   for (int i = 0; i < list.size(); ++i) {
@@ -108,77 +55,11 @@ absl::Status ViewList(const tf::OpInputList& list, const char* what, std::vector
 }
 
 #if TFCLIP_WITH_CUDA
-absl::Status CudaStatus(const std::string& e) {
-  return e.empty() ? absl::OkStatus() : tf::errors::Internal(e);
-}
-
-void* GpuStream(OpKernelContext* ctx) {
-  return ctx->op_device_context()->stream()->platform_specific_handle().stream;
-}
-
-// A step's memory from TF's allocators: the tensor table in pinned host memory and the device
-// workspace. The device buffer may be freed when Compute returns (TF's GPU allocator is ordered
-// on the compute stream); the host table is held until the stream has passed its upload, as
-// TF's own GpuDeviceArrayOnHost does: through the device's EventMgr, which records an event and
-// lets go of the table from its polling thread, so the stream never waits. (A host function,
-// cudaLaunchHostFunc, holds the stream until a CUDA host thread has run it: only where the
-// device has no EventMgr.) The core calls Release on every path (cuda_driver.h).
-class GpuMemory : public cuda::CudaStepMemory {
- public:
-  explicit GpuMemory(OpKernelContext* ctx) : ctx_(ctx) {}
-  std::string Acquire(size_t host_bytes, size_t device_bytes, void** host, void** device) override {
-    tf::AllocatorAttributes host_attr;
-    host_attr.set_on_host(true);
-    host_attr.set_gpu_compatible(true);
-    absl::Status s = ctx_->allocate_temp(
-        tf::DT_INT8, tf::TensorShape({static_cast<int64_t>(host_bytes)}), &host_, host_attr);
-    if (s.ok()) {
-      s = ctx_->allocate_temp(tf::DT_INT8, tf::TensorShape({static_cast<int64_t>(device_bytes)}),
-                              &dev_);
-    }
-    if (!s.ok()) return std::string(s.message());
-    *host = const_cast<char*>(host_.tensor_data().data());
-    *device = const_cast<char*>(dev_.tensor_data().data());
-    return "";
-  }
-  std::string Release() override {
-    const auto* info = ctx_->device()->tensorflow_accelerator_device_info();
-    if (info != nullptr && info->event_mgr != nullptr) {
-      info->event_mgr->ThenExecute(ctx_->op_device_context()->stream(), [keep = host_]() {});
-      return "";
-    }
-    auto* keep = new Tensor(host_);
-    return cuda::ThenRunOnHost(
-        GpuStream(ctx_), [](void* t) { delete static_cast<Tensor*>(t); }, keep);
-  }
-
- private:
-  OpKernelContext* ctx_;
-  Tensor host_, dev_;
-};
-
-// The op's scalar norm output and its tensor_norms vector (of the same dtype), in device memory.
-cuda::CudaOutputs NormOutput(Tensor* norm, DType dtype, Tensor* tensor_norms) {
-  cuda::CudaOutputs o;
-  o.norm = const_cast<char*>(norm->tensor_data().data());
-  o.norm_dtype = dtype;
-  o.tensor_norms = const_cast<char*>(tensor_norms->tensor_data().data());
-  o.tensor_norms_dtype = dtype;
-  return o;
-}
-
 template <typename Tnorm>
 DType NormDType() {
   return kDTypeOf<Tnorm>;
 }
 #endif  // TFCLIP_WITH_CUDA
-
-// A tensor_norms output from the core's fp64 norms, rounded as the global norm is.
-template <typename Tnorm>
-void WriteNorms(const std::vector<double>& norms, Tensor* out) {
-  auto f = out->flat<Tnorm>();
-  for (size_t i = 0; i < norms.size(); ++i) f(static_cast<int64_t>(i)) = RoundNorm<Tnorm>(norms[i]);
-}
 
 // ---------------------------------------------------------------- TfclipGlobalNorm
 template <typename Tnorm, typename D>
@@ -273,438 +154,6 @@ class ClipByGlobalNormOp : public OpKernel {
  private:
   bool use_given_norm_ = false;
 };
-
-// ---------------------------------------------------------------- clip-and-apply ops
-// An IndexedSlices gradient of vars[i]: values [k] + var.shape[1:], indices [k] (int32 or
-// int64, read as int64 here; their range is checked by PlanSparse before anything is written).
-absl::Status CheckSparse(int i, const Tensor& var, const Tensor& values,
-                         const Tensor& idx, std::vector<int64_t>* rows_out, ApplyTensor* t) {
-  const std::string g = absl::StrCat("grads[", i, "] (IndexedSlices)");
-  if (var.dims() < 1) {
-    return tf::errors::InvalidArgument(g, ": vars[", i, "] is a scalar; IndexedSlices need a "
-                                       "variable of rank >= 1");
-  }
-  if (!tf::TensorShapeUtils::IsVector(idx.shape())) {
-    return tf::errors::InvalidArgument(g, ": indices must be a vector, got shape ",
-                                       idx.shape().DebugString());
-  }
-  tf::TensorShape row_shape = var.shape();
-  row_shape.RemoveDim(0);
-  tf::TensorShape want({idx.NumElements()});
-  want.AppendShape(row_shape);
-  if (values.shape() != want) {
-    return tf::errors::InvalidArgument(g, ": values have shape ", values.shape().DebugString(),
-                                       "; with ", idx.NumElements(), " indices and vars[", i,
-                                       "] of shape ", var.shape().DebugString(), " they must be ",
-                                       want.DebugString());
-  }
-  std::vector<int64_t>& rows = *rows_out;
-  rows.resize(static_cast<size_t>(idx.NumElements()));
-  if (idx.dtype() == tf::DT_INT32) {
-    const auto f = idx.flat<int32_t>();
-    for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
-  } else {
-    const auto f = idx.flat<int64_t>();
-    for (int64_t j = 0; j < idx.NumElements(); ++j) rows[j] = f(j);
-  }
-  t->sparse = true;
-  t->indices = rows.data();
-  t->nnz = idx.NumElements();
-  t->rows = var.dim_size(0);
-  t->width = row_shape.num_elements();
-  return absl::OkStatus();
-}
-
-
-// TfclipClipApply<Op> and TfclipClipApplyRef<Op> (TF1 ref variables too; ops.cc): one kernel
-// class for every rule, which it finds by the op's name in the rule table.
-template <typename D>
-class ClipApplyOp : public OpKernel {
- public:
-  explicit ClipApplyOp(OpKernelConstruction* c) : OpKernel(c) {
-    const std::string& op = c->def().op();
-    const RuleInfo* info = nullptr;
-    for (const RuleInfo& r : AllRules()) {
-      if (op == std::string("TfclipClipApply") + r.op) info = &r;
-      if (op == std::string("TfclipClipApplyRef") + r.op) {
-        info = &r;
-        with_refs_ = true;
-      }
-    }
-    OP_REQUIRES(c, info != nullptr, tf::errors::Internal("no rule for op ", op));
-    rule_ = *info;
-    slots_ = rule_.slots();
-    std::string mode, policy;
-    // One variable per gradient; the resource lists may pack their handles (see VarLookup).
-    std::vector<tf::DataType> grad_types;
-    OP_REQUIRES_OK(c, c->GetAttr("Tgrad", &grad_types));
-    n_ = static_cast<int>(grad_types.size());
-    OP_REQUIRES_OK(c, c->GetAttr("clip_mode", &mode));
-    OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
-    OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
-    OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
-    OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
-                tf::errors::InvalidArgument("nonfinite ", policy));
-    float agc_eps = 1e-3f;
-    OP_REQUIRES_OK(c, c->GetAttr("agc_eps", &agc_eps));
-    cfg_.agc_eps = static_cast<double>(agc_eps);
-    OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
-    int n_iterations = 0;
-    OP_REQUIRES_OK(c, c->GetAttr("Niterations", &n_iterations));
-    OP_REQUIRES(c, n_iterations <= 1,
-                tf::errors::InvalidArgument("iterations takes at most one variable, got ",
-                                            n_iterations));
-    has_iterations_ = n_iterations > 0;
-    OP_REQUIRES_OK(c, c->GetAttr("sum_of_squares", &hp_.sum_of_squares));
-    std::vector<int32_t> sparse;
-    OP_REQUIRES_OK(c, c->GetAttr("sparse", &sparse));
-    sparse_of_.assign(static_cast<size_t>(n_), -1);
-    for (size_t k = 0; k < sparse.size(); ++k) {
-      const int32_t i = sparse[k];
-      OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > sparse[k - 1]),
-                  tf::errors::InvalidArgument("sparse must list gradient positions in [0, ", n_,
-                                              ") in increasing order; got ", i, " at ", k));
-      sparse_of_[i] = static_cast<int>(k);
-    }
-    num_sparse_ = static_cast<int>(sparse.size());
-    is_ref_.assign(static_cast<size_t>(n_), false);
-    if (with_refs_) {
-      std::vector<int32_t> ref;
-      OP_REQUIRES_OK(c, c->GetAttr("ref", &ref));
-      for (size_t k = 0; k < ref.size(); ++k) {
-        const int32_t i = ref[k];
-        OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > ref[k - 1]),
-                    tf::errors::InvalidArgument("ref must list gradient positions in [0, ", n_,
-                                                ") in increasing order; got ", i, " at ", k));
-        is_ref_[i] = true;
-      }
-      num_ref_ = static_cast<int>(ref.size());
-    }
-    for (int k = 0; k < kNumFlags; ++k) {
-      if ((rule_.flags >> k) & 1u) {
-        bool v = false;
-        OP_REQUIRES_OK(c, c->GetAttr(FlagAttr(static_cast<Flag>(k)), &v));
-        hp_.SetFlag(static_cast<Flag>(k), v);
-      }
-    }
-    nslots_ = NumSlots(rule_.kind, hp_);
-  }
-
-  // Check, look up and lock, allocate, one core step.
-  void Compute(OpKernelContext* ctx) override {
-    StepArgs args;
-    args.rule = rule_.kind;
-    args.hp = hp_;
-    args.cfg = cfg_;
-    args.lazy = lazy_;
-    Scalars ds;
-    OP_REQUIRES_OK(ctx, ReadScalars(ctx, &args, &ds));
-    tf::OpInputList grads, indices;
-    OP_REQUIRES_OK(ctx, ctx->input_list("grad", &grads));
-    OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
-    OP_REQUIRES(ctx, indices.size() == num_sparse_,
-                tf::errors::InvalidArgument("got ", indices.size(), " index vectors for ",
-                                            num_sparse_, " sparse gradients"));
-    VarLookup lookup(ctx);  // before refs: it may own references refs point through
-    std::vector<VarRef> refs;
-    OP_REQUIRES_OK(ctx, LookUp(ctx, &lookup, &refs));
-    LockSet locks;
-    OP_REQUIRES_OK(ctx, lock_order_.Lock(refs, &locks));
-    // Ref variables: their tensors, read under their mutexes (an Assign may have replaced the
-    // buffer), as TF's ApplyX ops read theirs. They share the variables' buffers: the core
-    // updates the variables in place (TF1 semantics: no copy-on-write for refs).
-    std::vector<Tensor> ref_tensors;
-    if (with_refs_) {
-      ref_tensors.reserve(static_cast<size_t>(num_ref_ * (nslots_ + 1)));
-      for (VarRef& r : refs) {
-        if (r.ref_input < 0) continue;
-        ref_tensors.push_back(ctx->mutable_input(r.ref_input, /*lock_held=*/true));
-        r.ref = &ref_tensors.back();
-      }
-    }
-    void* gpu_stream = nullptr;
-#if TFCLIP_WITH_CUDA
-    if constexpr (kGpu<D>) gpu_stream = GpuStream(ctx);
-#endif
-    std::vector<ApplyTensor> ts(n_);
-    std::vector<std::vector<int64_t>> sparse_rows(static_cast<size_t>(num_sparse_));
-    int64_t* counter = nullptr;
-    OP_REQUIRES_OK(ctx, Prepare(ctx, refs, grads, indices, gpu_stream, &ts, &sparse_rows, &counter));
-    args.ts = ts.data();
-    args.n = n_;
-
-    Tensor* norm_out;
-    Tensor* applied_out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &norm_out));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &applied_out));
-    Tensor* per_out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({n_}), &per_out));
-    Tensor* clipped_out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({n_}), &clipped_out));
-    StepResult r;
-    if constexpr (kGpu<D>) {
-#if TFCLIP_WITH_CUDA
-      ds.iterations = counter;
-      GpuMemory mem(ctx);
-      cuda::CudaOutputs o = NormOutput(norm_out, DType::kFloat, per_out);
-      o.applied = reinterpret_cast<bool*>(const_cast<char*>(applied_out->tensor_data().data()));
-      o.clipped_units = clipped_out->flat<int64_t>().data();
-      OP_REQUIRES_OK(ctx, CudaStatus(cuda::CudaClipApply(args, ds, &mem, o, gpu_stream, &r)));
-      OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
-#endif
-    } else {
-      args.iterations = counter;
-      // The plan and partials' buffers are kept across steps (nothing allocated per step once
-      // they have grown); a concurrent call of the same kernel waits for them.
-      tf::mutex_lock scratch_lock(scratch_mu_);
-      scratch_norms_.resize(static_cast<size_t>(n_));
-      args.tensor_norms = scratch_norms_.data();
-      args.agc_clipped = clipped_out->flat<int64_t>().data();
-      r = ClipApplyCpu(args, &scratch_, TfExecutor(ctx));
-      OP_REQUIRES(ctx, r.error.empty(), tf::errors::InvalidArgument(r.error));
-      norm_out->scalar<float>()() = RoundNorm<float>(r.global_norm);
-      applied_out->scalar<bool>()() = r.applied;
-      WriteNorms<float>(scratch_norms_, per_out);
-    }
-  }
-
- private:
-#if TFCLIP_WITH_CUDA
-  using Scalars = cuda::DeviceScalars;
-#else
-  struct Scalars {
-    int64_t* iterations = nullptr;
-  };
-#endif
-
-  // The scalar inputs: read here on CPU; on GPU they stay in device memory, read by the core.
-  absl::Status ReadScalars(OpKernelContext* ctx, StepArgs* args, Scalars* ds) {
-    for (int k = 0; k < kNumHParams; ++k) {
-      if (!((rule_.hparams >> k) & 1u)) continue;
-      const char* name = GetHParamInfo(static_cast<HP>(k)).input;
-      if constexpr (kGpu<D>) {
-#if TFCLIP_WITH_CUDA
-        TF_RETURN_IF_ERROR(DeviceScalar(ctx, name, &ds->hparams[k]));
-#endif
-      } else {
-        double v = 0;
-        TF_RETURN_IF_ERROR(ScalarInput(ctx, name, &v));
-        args->hp.Set(static_cast<HP>(k), v);
-      }
-    }
-    if constexpr (kGpu<D>) {
-#if TFCLIP_WITH_CUDA
-      TF_RETURN_IF_ERROR(DeviceScalar(ctx, "clip", &ds->clip));
-      TF_RETURN_IF_ERROR(DeviceScalar(ctx, "use_norm", &ds->use_norm));
-      if (!cfg_.has_use_norm) ds->use_norm = nullptr;
-#endif
-    } else {
-      TF_RETURN_IF_ERROR(ScalarInput(ctx, "clip", &args->cfg.clip));
-      TF_RETURN_IF_ERROR(ScalarInput(ctx, "use_norm", &args->cfg.use_norm));
-    }
-    return absl::OkStatus();
-  }
-
-  // Every resource: vars, then each slot list the step uses (slot k of var i is
-  // refs[(k + 1) * n + i]), then the step counter, if given (locked and copied-on-write with the
-  // rest: refs' last). A slot the step's flags leave out (Adam's vhat without amsgrad, RMSprop's
-  // momentum without has_momentum) is an empty input; the others follow in the table's order.
-  absl::Status LookUp(OpKernelContext* ctx, VarLookup* lookup, std::vector<VarRef>* refs) {
-    refs->reserve(static_cast<size_t>((nslots_ + 1) * n_ + 1));
-    TF_RETURN_IF_ERROR(AddList(ctx, lookup, "var", "vars", refs));
-    int used = 0;
-    for (const std::string& s : slots_) {
-      int64_t count = 0;
-      TF_RETURN_IF_ERROR(lookup->Count(s.c_str(), &count));
-      if (with_refs_) {
-        int start, stop;
-        TF_RETURN_IF_ERROR(ctx->op_kernel().InputRange(s + "_ref", &start, &stop));
-        count += stop - start;
-      }
-      if (count == 0) continue;
-      if (used == nslots_) {
-        return tf::errors::InvalidArgument("got ", count, " ", s, " slots, but with these flags rule '",
-                                           rule_.name, "' takes ", nslots_, " slot lists");
-      }
-      TF_RETURN_IF_ERROR(AddList(ctx, lookup, s, s.c_str(), refs));
-      ++used;
-    }
-    if (used != nslots_) {
-      return tf::errors::InvalidArgument("with these flags rule '", rule_.name, "' takes ", nslots_,
-                                         " slot lists, got ", used);
-    }
-    if (has_iterations_) TF_RETURN_IF_ERROR(lookup->Add("iterations", "iterations", 1, refs));
-    return absl::OkStatus();
-  }
-
-  // One variable or slot list: its n_ entries in gradient order. Without refs the resource list
-  // alone; with them the resource list holds the positions `ref` leaves out, in order, and
-  // `<input>_ref` those it names (ops.cc).
-  absl::Status AddList(OpKernelContext* ctx, VarLookup* lookup, const std::string& input,
-                       const char* label, std::vector<VarRef>* refs) {
-    if (!with_refs_) return lookup->Add(input.c_str(), label, n_, refs);
-    int start, stop;
-    TF_RETURN_IF_ERROR(ctx->op_kernel().InputRange(input + "_ref", &start, &stop));
-    int64_t num_resources = 0;
-    TF_RETURN_IF_ERROR(lookup->Count(input.c_str(), &num_resources));
-    if (stop - start != num_ref_ || num_resources != n_ - num_ref_) {
-      return tf::errors::InvalidArgument(
-          "got ", num_resources, " resource and ", stop - start, " ref ", label, " for ", n_,
-          " gradients, of which `ref` names ", num_ref_, " positions: there must be ", n_ - num_ref_,
-          " and ", num_ref_);
-    }
-    const size_t first = refs->size();
-    TF_RETURN_IF_ERROR(lookup->Add(input.c_str(), label, n_ - num_ref_, refs));
-    const std::vector<VarRef> resources(refs->begin() + static_cast<std::ptrdiff_t>(first), refs->end());
-    refs->resize(first);
-    int r = 0, k = 0;
-    for (int i = 0; i < n_; ++i) {
-      if (is_ref_[i]) {
-        VarRef v{label, i, nullptr};
-        v.ref_input = start + r++;
-        v.ref_mu = ctx->input_ref_mutex(v.ref_input);
-        v.node = &ctx->op_kernel().requested_input(v.ref_input);
-        if (v.ref_mu == nullptr) return tf::errors::Internal(v.name(), " has no mutex");
-        refs->push_back(v);
-      } else {
-        VarRef v = resources[static_cast<size_t>(k++)];
-        v.index = i;
-        refs->push_back(v);
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  // Checks everything TF sees (dtypes, shapes, initialization) before the first write, and gives
-  // each variable, once checked, a private buffer (EnsureExclusive changes no value, so a later
-  // failure has still written nothing) and its raw pointers for the core: one visit of each Var
-  // and tensor per step. The step counter's pointer, if any, in *counter.
-  absl::Status Prepare(OpKernelContext* ctx, const std::vector<VarRef>& refs,
-                       const tf::OpInputList& grads, const tf::OpInputList& indices,
-                       void* gpu_stream, std::vector<ApplyTensor>* ts_out,
-                       std::vector<std::vector<int64_t>>* sparse_rows, int64_t** counter) {
-    std::vector<ApplyTensor>& ts = *ts_out;
-    for (int i = 0; i < n_; ++i) {
-      const VarRef& vr = refs[i];
-      if (!vr.initialized()) return tf::errors::FailedPrecondition(vr.name(), " is not initialized");
-      const Tensor& vt = *vr.tensor();
-      if (!ToCoreDType(vt.dtype(), &ts[i].var_dtype)) {
-        return tf::errors::InvalidArgument(vr.name(), " has dtype ", tf::DataTypeString(vt.dtype()),
-                                           "; only half, bfloat16, float and double variables");
-      }
-      if (!ToCoreDType(grads[i].dtype(), &ts[i].grad_dtype)) {
-        return tf::errors::InvalidArgument("grads[", i, "] has unsupported dtype");
-      }
-      if (sparse_of_[i] >= 0) {
-        TF_RETURN_IF_ERROR(CheckSparse(i, vt, grads[i], indices[sparse_of_[i]],
-                                       &(*sparse_rows)[sparse_of_[i]], &ts[i]));
-      } else if (vt.shape() != grads[i].shape()) {
-        if (vt.NumElements() != grads[i].NumElements()) {
-          return tf::errors::InvalidArgument(
-              "grads[", i, "] has ", grads[i].NumElements(), " elements (shape ",
-              grads[i].shape().DebugString(), ") but ", vr.name(), " has ", vt.NumElements(),
-              " (shape ", vt.shape().DebugString(), ")");
-        }
-        return tf::errors::InvalidArgument("grads[", i, "] has shape ", grads[i].shape().DebugString(),
-                                           " but ", vr.name(), " has shape ", vt.shape().DebugString());
-      }
-      ts[i].size = vt.NumElements();
-      ts[i].units = vt.dims() >= 2 ? vt.dim_size(vt.dims() - 1) : 1;  // AGC's (csrc/core/agc.h)
-      if (vr.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, vr.var, gpu_stream));
-      ts[i].var = const_cast<char*>(vr.tensor()->tensor_data().data());
-      ts[i].grad = grads[i].tensor_data().data();
-      for (int k = 0; k < nslots_; ++k) {
-        const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
-        if (!s.initialized()) return tf::errors::FailedPrecondition(s.name(), " is not initialized");
-        const Tensor& st = *s.tensor();
-        if (st.dtype() != vt.dtype() || st.shape() != vt.shape()) {
-          return tf::errors::InvalidArgument(
-              s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ",
-              vr.name(), " is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
-              "; a slot must match its variable");
-        }
-        if (s.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, s.var, gpu_stream));
-        ts[i].slots[k] = const_cast<char*>(s.tensor()->tensor_data().data());
-      }
-    }
-    *counter = nullptr;
-    if (has_iterations_) {
-      tf::Var* cv = refs.back().var;
-      if (!cv->is_initialized) return tf::errors::FailedPrecondition("iterations is not initialized");
-      const Tensor& c = *cv->tensor();
-      if (c.dtype() != tf::DT_INT64 || !tf::TensorShapeUtils::IsScalar(c.shape())) {
-        return tf::errors::InvalidArgument("iterations must be an int64 scalar variable, got ",
-                                           tf::DataTypeString(c.dtype()), c.shape().DebugString());
-      }
-      TF_RETURN_IF_ERROR(EnsureExclusive(ctx, cv, gpu_stream));
-      // Read and advanced by the core, under the step's locks: every rule's t is
-      // iterations + step (on GPU in device memory, by the finalize kernel).
-      *counter = const_cast<int64_t*>(
-          reinterpret_cast<const int64_t*>(cv->tensor()->tensor_data().data()));
-    }
-    return absl::OkStatus();
-  }
-
-#if TFCLIP_WITH_CUDA
-  // A scalar double input left in device memory.
-  static absl::Status DeviceScalar(OpKernelContext* ctx, const char* name, const double** out) {
-    const Tensor* t;
-    TF_RETURN_IF_ERROR(ctx->input(name, &t));
-    if (!tf::TensorShapeUtils::IsScalar(t->shape())) {
-      return tf::errors::InvalidArgument(name, " must be a scalar, got shape ",
-                                         t->shape().DebugString());
-    }
-    *out = reinterpret_cast<const double*>(t->tensor_data().data());
-    return absl::OkStatus();
-  }
-#endif
-
-  RuleInfo rule_{};
-  std::vector<std::string> slots_;
-  int nslots_ = 0;
-  int n_ = 0;
-  HParams hp_;
-  ClipConfig cfg_;
-  bool lazy_ = false;
-  bool has_iterations_ = false;  // an `iterations` input: see ops.cc
-  std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
-  int num_sparse_ = 0;
-  bool with_refs_ = false;  // TfclipClipApplyRef<Op>
-  std::vector<bool> is_ref_;  // per gradient: its variable (and slots) a ref
-  int num_ref_ = 0;
-  LockOrder lock_order_;
-  tf::mutex scratch_mu_;
-  StepScratch scratch_ TF_GUARDED_BY(scratch_mu_);
-  std::vector<double> scratch_norms_ TF_GUARDED_BY(scratch_mu_);
-};
-
-template <typename D>
-OpKernel* CreateClipApply(OpKernelConstruction* c) {
-  return new ClipApplyOp<D>(c);
-}
-
-// One kernel per rule and device, from the rule table. On GPU only the resource handles and the
-// IndexedSlices indices (planned on the host) are in host memory; every scalar stays on the
-// device, where the step reads it without a host round trip.
-// (The ref op's ref inputs are the variables' own tensors, in device memory.)
-bool RegisterApplyKernels() {
-  for (const RuleInfo& r : AllRules()) {
-    for (const char* prefix : {"TfclipClipApply", "TfclipClipApplyRef"}) {
-      const std::string op = std::string(prefix) + r.op;
-      tf::kernel_factory::OpKernelRegistrar cpu(
-          tf::KernelDefBuilder(op.c_str()).Device(tf::DEVICE_CPU).Build(), "ClipApplyOp",
-          &CreateClipApply<OnCpu>);
-#if TFCLIP_WITH_CUDA
-      tf::KernelDefBuilder gpu(op.c_str());
-      gpu.Device(tf::DEVICE_GPU).HostMemory("var").HostMemory("indices").HostMemory("iterations");
-      for (const std::string& s : r.slots()) gpu.HostMemory(s.c_str());
-      tf::kernel_factory::OpKernelRegistrar reg(gpu.Build(), "ClipApplyOp", &CreateClipApply<OnGpu>);
-#endif
-    }
-  }
-  return true;
-}
-[[maybe_unused]] const bool kApplyKernelsRegistered = RegisterApplyKernels();
 
 }  // namespace
 

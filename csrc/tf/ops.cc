@@ -1,10 +1,11 @@
-// tfclip TF glue: op declarations (attrs, inputs, shape functions). Kernels live in kernels.cc.
+// tfclip TF glue: op declarations (attrs, inputs, shape functions). Kernels live in kernels.cc
+// (the norm ops) and apply_kernel.cc (the apply ops).
 //
 // Every op takes its tensors as lists: one norm pass and one apply pass cover the whole list,
 // whatever its length. Hyper-parameters are scalar tensors (double), so schedules and
 // tf.Variables work; the Python layer (tfclip/ops.py) casts them.
+#include "csrc/core/apply_op.h"
 #include "csrc/core/rule_table.h"
-#include "csrc/core/types.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
@@ -12,17 +13,6 @@ namespace tfclip {
 namespace {
 
 using ::tensorflow::shape_inference::InferenceContext;
-
-// "half, bfloat16, float, double" from the one dtype list.
-#define TFCLIP_ATTR_NAME(E, S, M, N, ...) N ", "
-constexpr char kTypeList[] = TFCLIP_FOR_EACH_TYPE(TFCLIP_ATTR_NAME);
-#undef TFCLIP_ATTR_NAME
-
-std::string TypeAttr(const char* name, const char* suffix) {
-  std::string list(kTypeList);
-  list.resize(list.size() - 2);  // drop the trailing ", "
-  return std::string(name) + ": list({" + list + "})" + suffix;
-}
 
 // The global norm (output `norm`) a scalar, tensor_norms a vector of one norm per tensor of the
 // input list `list`.
@@ -46,16 +36,18 @@ absl::Status ClipShapes(InferenceContext* c) {
   return NormShapes(c, "t", "norm");
 }
 
-// The apply ops: global_norm and applied scalars, tensor_norms and clipped_units [N].
+// The apply ops' outputs by their shape kind (csrc/core/apply_op.h): scalars, or one entry per
+// gradient.
 absl::Status ApplyShapes(InferenceContext* c) {
-  TF_RETURN_IF_ERROR(NormShapes(c, "grad", "global_norm"));
-  std::vector<::tensorflow::shape_inference::ShapeHandle> applied{c->Scalar()};
-  TF_RETURN_IF_ERROR(c->set_output("applied", applied));
   std::vector<::tensorflow::shape_inference::ShapeHandle> grads;
   TF_RETURN_IF_ERROR(c->input("grad", &grads));
-  std::vector<::tensorflow::shape_inference::ShapeHandle> per{
-      c->Vector(static_cast<int64_t>(grads.size()))};
-  return c->set_output("clipped_units", per);
+  for (const ApplyOutputDef& out : kApplyOutputs) {
+    std::vector<::tensorflow::shape_inference::ShapeHandle> shape{
+        out.shape == ApplyOutputShape::kScalar ? c->Scalar()
+                                               : c->Vector(static_cast<int64_t>(grads.size()))};
+    TF_RETURN_IF_ERROR(c->set_output(out.name, shape));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -66,7 +58,7 @@ REGISTER_OP("TfclipGlobalNorm")
     .Input("t: T")
     .Output("norm: Tnorm")
     .Output("tensor_norms: Tnorm")
-    .Attr(TypeAttr("T", " >= 1"))
+    .Attr(FloatTypeListAttr("T", " >= 1"))
     .Attr("Tnorm: {float, double} = DT_FLOAT")
     .SetShapeFn(GlobalNormShapes);
 
@@ -79,12 +71,14 @@ REGISTER_OP("TfclipClipByGlobalNorm")
     .Output("clipped: T")
     .Output("norm: Tnorm")
     .Output("tensor_norms: Tnorm")
-    .Attr(TypeAttr("T", " >= 1"))
+    .Attr(FloatTypeListAttr("T", " >= 1"))
     .Attr("Tnorm: {float, double} = DT_FLOAT")
     .Attr("use_given_norm: bool = false")
     .SetShapeFn(ClipShapes);
 
 // Clip-and-apply ops, one per row of the rule table (csrc/core/rule_table.h): TfclipClipApply<Op>.
+// Their signature (inputs, outputs, attributes, in order) is written once, in
+// csrc/core/apply_op.h; AddApplyOp below only walks it. What they mean:
 // N resource variables updated in place from N gradients (same shapes; any float dtype: a
 // gradient is clipped in its own dtype, then cast to its variable's as Keras does), with each of
 // the rule's slots as a further list of resources (N of them, or none for a slot the step's flags
@@ -109,7 +103,7 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // semantics (slots decay on every row). `sum_of_squares`: duplicate rows feed Adam's v the sum
 // of their squares (stock Keras on raw IndexedSlices), not the square of their sum (the dense
 // result). See csrc/core/sparse.h.
-// Each resource list may hold one handle per tensor or pack them into vectors (see kernels.cc:
+// Each resource list may hold one handle per tensor or pack them into vectors (see resources.h:
 // an eager caller packs a repeated step's lists once); its handles, in order, are the lists'.
 // `iterations`: none, or an int64 scalar variable counting applied steps, read and advanced
 // under the step's locks (the rule's t is then iterations + `step`). `clip`: 0 is no clip.
@@ -125,47 +119,44 @@ REGISTER_OP("TfclipClipByGlobalNorm")
 // address order. A separate op: an op with a ref input has no eager wrapper in Python, and the
 // resource op must keep its eager path. No XLA kernel: ref variables live only in TF1 graphs.
 namespace {
+// The signature from the description (csrc/core/apply_op.h): its inputs in order, a rule's slot
+// lists (each with its count attr, and on the ref op its ref list) and hyper-parameters where
+// the description places them; the rule's flags; its outputs; its attributes.
 void AddApplyOp(const RuleInfo& r, bool with_refs) {
   namespace reg = ::tensorflow::register_op;
-  const std::string name = std::string(with_refs ? "TfclipClipApplyRef" : "TfclipClipApply") + r.op;
+  const std::string name = std::string(with_refs ? kApplyRefOpPrefix : kApplyOpPrefix) + r.op;
   reg::OpDefBuilderWrapper w(name.c_str());
-  w.Input("var: N * resource");
-  if (with_refs) w.Input("var_ref: Ref(Tvar_ref)").Attr(TypeAttr("Tvar_ref", " >= 0"));
-  for (const std::string& slot : r.slots()) {
-    w.Input(slot + ": N_" + slot + " * resource");
-    w.Attr("N_" + slot + ": int >= 0");
-    if (with_refs) {
-      w.Input(slot + "_ref: Ref(T" + slot + "_ref)").Attr(TypeAttr(("T" + slot + "_ref").c_str(), " >= 0"));
+  for (const ApplyInputDef& in : kApplyInputs) {
+    if (!ApplyOpHas(in.ops, with_refs)) continue;
+    switch (in.kind) {
+      case ApplyInputKind::kInput:
+        w.Input(std::string(in.name) + ": " + in.type);
+        if (in.attr != nullptr) w.Attr(FloatTypeListAttr(in.attr, in.attr_bound));
+        break;
+      case ApplyInputKind::kRuleSlots:
+        for (const std::string& slot : r.slots()) {
+          w.Input(slot + ": N_" + slot + " * resource");
+          w.Attr("N_" + slot + ": int >= 0");
+          if (with_refs) {
+            w.Input(slot + "_ref: Ref(T" + slot + "_ref)").Attr(FloatTypeListAttr("T" + slot + "_ref", " >= 0"));
+          }
+        }
+        break;
+      case ApplyInputKind::kRuleHParams:
+        for (int k = 0; k < kNumHParams; ++k) {
+          if ((r.hparams >> k) & 1u) w.Input(std::string(GetHParamInfo(static_cast<HP>(k)).input) + ": double");
+        }
+        break;
     }
-  }
-  w.Input("grad: Tgrad");
-  for (int k = 0; k < kNumHParams; ++k) {
-    if ((r.hparams >> k) & 1u) w.Input(std::string(GetHParamInfo(static_cast<HP>(k)).input) + ": double");
   }
   for (int k = 0; k < kNumFlags; ++k) {
     if ((r.flags >> k) & 1u) w.Attr(std::string(FlagAttr(static_cast<Flag>(k))) + ": bool = false");
   }
-  w.Input("indices: Tindices")
-      .Input("clip: double")
-      .Input("use_norm: double")
-      .Input("iterations: Niterations * resource")
-      .Output("global_norm: float")
-      .Output("applied: bool")
-      .Output("tensor_norms: float")
-      .Output("clipped_units: int64")
-      .Attr(with_refs ? "N: int >= 0" : "N: int >= 1")
-      .Attr("Niterations: int >= 0 = 0")
-      .Attr(TypeAttr("Tgrad", " >= 1"))
-      .Attr("clip_mode: {'none', 'global_norm', 'norm', 'value', 'agc'} = 'none'")
-      .Attr("agc_eps: float = 0.001")
-      .Attr("nonfinite: {'skip', 'propagate', 'raise'} = 'skip'")
-      .Attr("use_given_norm: bool = false")
-      .Attr("Tindices: list({int32, int64}) >= 0")
-      .Attr("sparse: list(int) = []")
-      .Attr("lazy: bool = false")
-      .Attr("sum_of_squares: bool = false")
-      .SetShapeFn(ApplyShapes);
-  if (with_refs) w.Attr("ref: list(int) = []");
+  for (const ApplyOutputDef& out : kApplyOutputs) w.Output(std::string(out.name) + ": " + out.type);
+  for (const ApplyAttrDef& a : kApplyAttrs) {
+    if (ApplyOpHas(a.ops, with_refs)) w.Attr(ApplyAttrSpec(a, with_refs));
+  }
+  w.SetShapeFn(ApplyShapes);
   w();
 }
 

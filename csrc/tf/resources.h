@@ -1,6 +1,6 @@
 // tfclip TF glue: the step's resource variables. Finding each Var behind its handle, locking a
 // step's variables in one global order, copy-on-write before an in-place update: what a TF
-// kernel that updates resource variables must do, apart from the core's work (kernels.cc).
+// kernel that updates resource variables must do, apart from the core's work (apply_kernel.cc).
 #pragma once
 
 #include <string>

@@ -35,7 +35,7 @@ class PoolParallelFor {
   explicit PoolParallelFor(ffi::ThreadPool* pool) : pool_(pool) {}
 
   void operator()(int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
-    // As the TF kernel's executor (csrc/tf/kernels.cc): contiguous ranges, as many as the work
+    // As the TF kernel's executor (csrc/tf/device.cc): contiguous ranges, as many as the work
     // is worth. The partition never changes a result.
     constexpr int64_t kMinCyclesPerThread = int64_t{1} << 17;
     const int64_t threads = pool_ == nullptr ? 0 : pool_->num_threads();

@@ -27,8 +27,10 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/apply_op.h"
 #include "csrc/core/clip.h"
 #include "csrc/core/rule_table.h"
+#include "csrc/tf/apply_op_attrs.h"
 #include "csrc/xla/custom_calls.h"
 #include "tensorflow/compiler/tf2xla/type_util.h"
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
@@ -156,51 +158,26 @@ class ClipApplyXla : public XlaOpKernel {
  public:
   explicit ClipApplyXla(tf::OpKernelConstruction* c) : XlaOpKernel(c) {
     const std::string& op = c->def().op();
-    const RuleInfo* info = nullptr;
-    for (const RuleInfo& r : AllRules()) {
-      if (op == std::string("TfclipClipApply") + r.op) info = &r;
-    }
-    OP_REQUIRES(c, info != nullptr, tf::errors::Internal("no rule for op ", op));
+    bool ref_op = false;
+    const RuleInfo* info = FindApplyRule(op, &ref_op);
+    OP_REQUIRES(c, info != nullptr && !ref_op, tf::errors::Internal("no rule for op ", op));
     rule_ = *info;
     slots_ = rule_.slots();
-    std::vector<tf::DataType> grad_types;
-    OP_REQUIRES_OK(c, c->GetAttr("Tgrad", &grad_types));
-    n_ = static_cast<int>(grad_types.size());
-    std::string mode, policy;
-    OP_REQUIRES_OK(c, c->GetAttr("clip_mode", &mode));
-    OP_REQUIRES_OK(c, c->GetAttr("nonfinite", &policy));
-    OP_REQUIRES_OK(c, c->GetAttr("use_given_norm", &cfg_.has_use_norm));
-    OP_REQUIRES(c, ParseClipMode(mode, &cfg_.mode), tf::errors::InvalidArgument("clip_mode ", mode));
-    float agc_eps = 1e-3f;
-    OP_REQUIRES_OK(c, c->GetAttr("agc_eps", &agc_eps));
-    cfg_.agc_eps = static_cast<double>(agc_eps);
-    OP_REQUIRES(c, ParseNonFinitePolicy(policy, &cfg_.policy),
-                tf::errors::InvalidArgument("nonfinite ", policy));
-    OP_REQUIRES_OK(c, c->GetAttr("lazy", &lazy_));
-    OP_REQUIRES_OK(c, c->GetAttr("sum_of_squares", &sum_of_squares_));
-    int n_iterations = 0;
-    OP_REQUIRES_OK(c, c->GetAttr("Niterations", &n_iterations));
-    OP_REQUIRES(c, n_iterations <= 1,
-                tf::errors::InvalidArgument("iterations takes at most one variable, got ", n_iterations));
-    has_iterations_ = n_iterations > 0;
-    std::vector<int32_t> sparse;
-    OP_REQUIRES_OK(c, c->GetAttr("sparse", &sparse));
+    // The common attrs, as the TF kernel reads them (csrc/tf/apply_op_attrs.h), checked.
+    ApplyOpAttrs attrs;
+    OP_REQUIRES_OK(c, ReadApplyOpAttrs(c, rule_, /*ref_op=*/false, &attrs));
+    n_ = attrs.num_grads;
+    cfg_ = attrs.Clip();
+    lazy_ = attrs.lazy;
+    sum_of_squares_ = attrs.sum_of_squares;
+    has_iterations_ = attrs.num_iterations > 0;
+    const std::vector<int32_t>& sparse = attrs.sparse;
     sparse_of_.assign(static_cast<size_t>(n_), -1);
-    for (size_t k = 0; k < sparse.size(); ++k) {
-      const int32_t i = sparse[k];
-      OP_REQUIRES(c, i >= 0 && i < n_ && (k == 0 || i > sparse[k - 1]),
-                  tf::errors::InvalidArgument("sparse must list gradient positions in [0, ", n_,
-                                              ") in increasing order; got ", i, " at ", k));
-      sparse_of_[i] = static_cast<int>(k);
-    }
+    for (size_t k = 0; k < sparse.size(); ++k) sparse_of_[sparse[k]] = static_cast<int>(k);
+    flags_ = attrs.flags;
     HParams hp;
     for (int k = 0; k < kNumFlags; ++k) {
-      if ((rule_.flags >> k) & 1u) {
-        bool v = false;
-        OP_REQUIRES_OK(c, c->GetAttr(FlagAttr(static_cast<Flag>(k)), &v));
-        hp.SetFlag(static_cast<Flag>(k), v);
-        if (v) flags_ |= FlagBit(static_cast<Flag>(k));
-      }
+      if ((flags_ >> k) & 1) hp.SetFlag(static_cast<Flag>(k), true);
     }
     nslots_ = NumSlots(rule_.kind, hp);
     const char* env = std::getenv("TFCLIP_XLA_DENSIFY_SPARSE");
@@ -390,8 +367,8 @@ class ClipApplyXla : public XlaOpKernel {
       }
       if (g0 == 0) {
         first = call;
-        ctx->SetOutput(0, xla::GetTupleElement(call, r0 + 1));
-        ctx->SetOutput(1, xla::GetTupleElement(call, r0));
+        ctx->SetOutput(kApplyOutGlobalNorm, xla::GetTupleElement(call, r0 + 1));
+        ctx->SetOutput(kApplyOutApplied, xla::GetTupleElement(call, r0));
         if (has_iterations_) {
           OP_REQUIRES_OK(ctx, ctx->AssignVariable(counter_index, tf::DT_INT64,
                                                   xla::GetTupleElement(call, r0 + 4)));
@@ -402,10 +379,10 @@ class ClipApplyXla : public XlaOpKernel {
     }
     // Each gradient's norm: the norm call's, or (use_norm given) what each group's step wrote
     // (NaN, or its own norms where clipnorm needs them).
-    ctx->SetOutput(2, cfg_.has_use_norm ? xla::ConcatInDim(b, group_norms, 0)
-                                        : xla::GetTupleElement(norm_call, 2));
+    ctx->SetOutput(kApplyOutTensorNorms, cfg_.has_use_norm ? xla::ConcatInDim(b, group_norms, 0)
+                                                           : xla::GetTupleElement(norm_call, 2));
     // Each variable's count of AGC's clipped units, the groups' in order.
-    ctx->SetOutput(3, xla::ConcatInDim(b, group_clipped, 0));
+    ctx->SetOutput(kApplyOutClippedUnits, xla::ConcatInDim(b, group_clipped, 0));
   }
 
  private:
@@ -516,7 +493,7 @@ bool RegisterXlaKernels() {
     Register("TfclipGlobalNorm", d, &Create<GlobalNormXla>);
     Register("TfclipClipByGlobalNorm", d, &Create<ClipByGlobalNormXla>);
     for (const RuleInfo& r : AllRules()) {
-      Register(std::string("TfclipClipApply") + r.op, d, &Create<ClipApplyXla>);
+      Register(std::string(kApplyOpPrefix) + r.op, d, &Create<ClipApplyXla>);
     }
   }
   return true;
