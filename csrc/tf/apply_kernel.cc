@@ -31,19 +31,7 @@ using tf::OpKernel;
 using tf::OpKernelConstruction;
 using tf::OpKernelContext;
 using tf::Tensor;
-using tf_glue::kGpu;
-using tf_glue::OnCpu;
-using tf_glue::OnGpu;
-using tf_glue::ScalarInput;
-using tf_glue::TfExecutor;
-using tf_glue::ToCoreDType;
-using tf_glue::WriteNorms;
-#if TFCLIP_WITH_CUDA
-using tf_glue::CudaStatus;
-using tf_glue::GpuMemory;
-using tf_glue::GpuStream;
-using tf_glue::NormOutput;
-#endif
+using namespace tf_glue;  // NOLINT(build/namespaces): the glue both kernel files share (device.h)
 
 // An IndexedSlices gradient of vars[i]: values [k] + var.shape[1:], indices [k] (int32 or
 // int64, read as int64 here; their range is checked by PlanSparse before anything is written).
