@@ -16,12 +16,12 @@ SPIKES = (31, 47, 48)  # gradients x100 at these steps
 
 
 def _skip_jit_without_xla_kernels(graph):
-    """fused_clip_apply under jit_compile needs tfclip's XLA kernels (built for TF 2.21 only)."""
+    """fused_clip_apply under jit_compile needs tfclip's XLA kernels (built for TF 2.20 and 2.21)."""
     if graph == "jit_compile":
         from test_xla import HAVE_XLA, WHY
 
         if not HAVE_XLA:
-            pytest.skip(f"tfclip was built without its XLA kernels (TF 2.21 only): {WHY}")
+            pytest.skip(f"tfclip was built without its XLA kernels (TF 2.20 and 2.21 only): {WHY}")
 
 
 def _grads(steps, shapes, seed=0, spikes=SPIKES, nan_at=()):
