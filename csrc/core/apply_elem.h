@@ -20,11 +20,15 @@
 
 namespace tfclip {
 
+// A rule's step constants (rules.h) in the math type of variable dtype V.
+template <typename Rule, typename V>
+using ConstsOf = typename Rule::template Consts<typename Elem<V>::Math>;
+
 template <typename M>
 struct DenseGrad {
   M g;
   template <typename Rule, typename F>
-  TFCLIP_HD void Feed(const StepConsts<M>&, const F& update) const {
+  TFCLIP_HD void Feed(const StepBase<M>&, const F& update) const {
     update(g, Rule::Second(g));
   }
 };
@@ -33,7 +37,7 @@ struct DenseGrad {
 // it inline into every instruction-set variant of the CPU loops).
 template <typename Rule, typename M>
 struct RuleStep {
-  const StepConsts<M>& c;
+  const typename Rule::template Consts<M>& c;
   M& v;
   M* s;
   TFCLIP_HD void operator()(M g, M gsq) const { Rule::Update(c, g, gsq, v, s); }
@@ -51,7 +55,7 @@ struct ElemNorms {
 // storage type V, updated in place. A trust-ratio rule (rules.h) updates the slots only, and
 // returns the element's w and u: its variable is written by TrustElem, a pass later.
 template <typename Rule, int kSlots, typename V, typename Grads>
-TFCLIP_HD ElemNorms<typename Elem<V>::Math> ApplyElem(const StepConsts<typename Elem<V>::Math>& c,
+TFCLIP_HD ElemNorms<typename Elem<V>::Math> ApplyElem(const ConstsOf<Rule, V>& c,
                                                       const Grads& grads, V* var, V* s0, V* s1,
                                                       V* s2, int64_t i) {
   using M = typename Elem<V>::Math;
@@ -81,7 +85,7 @@ TFCLIP_HD ElemNorms<typename Elem<V>::Math> ApplyElem(const StepConsts<typename 
 // fixed order), as keras computes it in the variable's dtype: |w| / |u| when both are > 0
 // (a NaN norm compares false: 1), else 1; then ratio * lr.
 template <typename M>
-TFCLIP_HD M TrustRatioLr(const StepConsts<M>& c, double w2, double u2) {
+TFCLIP_HD M TrustRatioLr(const StepBase<M>& c, double w2, double u2) {
   const M w = static_cast<M>(std::sqrt(w2)), u = static_cast<M>(std::sqrt(u2));
   const M ratio = w > M(0) ? (u > M(0) ? w / u : M(1)) : M(1);
   return ratio * c.lr;
@@ -89,7 +93,7 @@ TFCLIP_HD M TrustRatioLr(const StepConsts<M>& c, double w2, double u2) {
 
 // The last pass of a trust-ratio rule: var[i] after weight decay, stepped by ratio_lr * u.
 template <typename Rule, int kSlots, typename V>
-TFCLIP_HD void TrustElem(const StepConsts<typename Elem<V>::Math>& c,
+TFCLIP_HD void TrustElem(const ConstsOf<Rule, V>& c,
                          typename Elem<V>::Math ratio_lr, V* var, const V* s0, const V* s1,
                          const V* s2, int64_t i) {
   using M = typename Elem<V>::Math;
@@ -142,14 +146,29 @@ TFCLIP_HD void DispatchPair(DType var, DType grad, Fn&& fn) {
   });
 }
 
+// A rule's step constants in both math types (float: half, bfloat16 and float variables;
+// double), computed once per step by the CPU driver, the CUDA upload or the finalize kernel.
+template <typename Rule>
+struct RuleConsts {
+  typename Rule::template Consts<float> f;
+  typename Rule::template Consts<double> d;
+};
+
+template <typename Rule>
+TFCLIP_HD RuleConsts<Rule> MakeRuleConsts(const HParams& hp) {
+  RuleConsts<Rule> c;
+  c.f = Rule::template MakeConsts<float>(hp);
+  c.d = Rule::template MakeConsts<double>(hp);
+  return c;
+}
+
 // The step constants in V's math type, from the float and double sets.
-template <typename V>
-TFCLIP_HD const StepConsts<typename Elem<V>::Math>& ConstsFor(const StepConsts<float>& cf,
-                                                               const StepConsts<double>& cd) {
+template <typename V, typename Rule>
+TFCLIP_HD const ConstsOf<Rule, V>& ConstsFor(const RuleConsts<Rule>& c) {
   if constexpr (std::is_same_v<typename Elem<V>::Math, double>) {
-    return cd;
+    return c.d;
   } else {
-    return cf;
+    return c.f;
   }
 }
 

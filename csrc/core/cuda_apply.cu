@@ -20,11 +20,11 @@ namespace {
 // once into registers here (a by-value or by-reference argument went through a 900-byte stack
 // frame in the kernel, with spills; this way the kernel keeps no frame).
 template <typename Rule, typename V, typename G, int kSlots>
-TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Math>* __restrict__ cp,
+TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__ cp,
                                            const DevTensor& t, const ClipFactor* __restrict__ fp,
                                            int64_t b, int64_t e, Crew crew) {
   using M = typename Elem<V>::Math;
-  const StepConsts<M> c = *cp;
+  const ConstsOf<Rule, V> c = *cp;
   const ClipFactor f = *fp;
   constexpr int kV = 4;
   TrustAcc acc;
@@ -91,10 +91,10 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const StepConsts<typename Elem<V>::Ma
 // thread per element in crew order. The unit walks with the thread: one modulo per range, then
 // a step of crew.size % units with one compare per element.
 template <typename Rule, typename V, int kSlots>
-TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRangeAgc(const StepConsts<typename Elem<V>::Math>* __restrict__ cp,
+TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRangeAgc(const ConstsOf<Rule, V>* __restrict__ cp,
                                               const DevTensor& t, int64_t b, int64_t e, Crew crew) {
   using M = typename Elem<V>::Math;
-  const StepConsts<M> c = *cp;
+  const ConstsOf<Rule, V> c = *cp;
   TrustAcc acc;
   V* var = static_cast<V*>(t.var);
   V* s0 = static_cast<V*>(t.slots[0]);
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
 #ifndef TFCLIP_PLANT_SKIP_IGNORED
   if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
 #endif
-  const DevConsts* consts = t.consts;
+  const RuleConsts<Rule>* consts = t.consts->template As<Rule>();
   ForEachChunk(t, [&](int64_t c, Crew crew) {
     const DevChunk ch = t.chunks[c];
     const DevTensor& ten = t.tensors[ch.tensor];
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
     if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
       DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
         using V = decltype(vtag);
-        acc = ApplyRangeAgc<Rule, V, kSlots>(&ConstsFor<V>(consts->f, consts->d), ten, ch.begin,
+        acc = ApplyRangeAgc<Rule, V, kSlots>(&ConstsFor<V>(*consts), ten, ch.begin,
                                              ch.end, crew);
       });
     } else {
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
                    [&](auto vtag, auto gtag) {
                      using V = decltype(vtag);
                      acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
-                         &ConstsFor<V>(consts->f, consts->d), ten, &t.factors[ch.tensor],
+                         &ConstsFor<V>(*consts), ten, &t.factors[ch.tensor],
                          ch.begin, ch.end, crew);
                    });
     }
@@ -185,11 +185,11 @@ template <typename Rule, int kSlots>
 __global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, int64_t nblocks) {
   if (!t.status->apply) return;
   if constexpr (Rule::kTrustRatio) {
-    const DevConsts consts = *t.consts;
+    const RuleConsts<Rule> consts = *t.consts->template As<Rule>();
     auto range = [&](const DevTensor& ten, int tensor, int64_t b, int64_t e, Crew crew) {
       DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
         using V = decltype(vtag);
-        const auto& c = ConstsFor<V>(consts.f, consts.d);
+        const auto& c = ConstsFor<V>(consts);
         const auto ratio_lr = TrustRatioLr(c, t.trust_sums[2 * tensor], t.trust_sums[2 * tensor + 1]);
         V* var = static_cast<V*>(ten.var);
         const V* s0 = static_cast<const V*>(ten.slots[0]);

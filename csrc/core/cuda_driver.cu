@@ -87,7 +87,7 @@ std::string ViewStep(const TensorView* in, const TensorView* out, int n, const F
     std::vector<DevTensor> dts = TensorsFromViews(in, out, n);
     ChunkRanges(p, dts.data());
     Table t;
-    std::string e = Upload(p, dts.data(), nullptr, h, d, stream, &t);
+    std::string e = Upload(p, dts.data(), nullptr, RuleKind::kSgd /* no constants */, h, d, stream, &t);
     if (!e.empty()) return e;
     t.factors = nullptr;
     e = NormAndFinalize(p, t, a, d, stream);
@@ -233,7 +233,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       }
     }
     Table t;
-    std::string err = Upload(p, dts.data(), &hp, h, d, stream, &t);
+    std::string err = Upload(p, dts.data(), &hp, args.rule, h, d, stream, &t);
     if (!err.empty()) return err;
     FinalizeArgs a{};
     a.cfg = args.cfg;

@@ -36,8 +36,7 @@ __device__ int ReadDeviceScalars(const FinalizeArgs& a, const HParams& host_hp, 
     *bad_value = c == 1 ? cfg->clip : cfg->use_norm;
     return -c;
   }
-  consts->f = MakeStepConsts<float>(hp);
-  consts->d = MakeStepConsts<double>(hp);
+  DispatchRule(a.rule, [&](auto rule_tag) { consts->Set(MakeRuleConsts<decltype(rule_tag)>(hp)); });
   return 0;
 }
 

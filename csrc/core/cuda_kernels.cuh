@@ -134,11 +134,29 @@ struct DevStatus {
   double bad_value;
 };
 
-// The per-step constants the apply kernels read: from the host, or computed by the finalize
-// kernel from scalars in device memory.
-struct DevConsts {
-  StepConsts<float> f;
-  StepConsts<double> d;
+// The per-step constants the apply kernels read: the step's rule's RuleConsts<Rule> (its own
+// constants in float and double, csrc/core/apply_elem.h), from the host (Upload) or computed by
+// the finalize kernel from scalars in device memory. One slot in the workspace, sized and aligned
+// for the largest rule's; the kernels, each compiled for one rule, read it as that rule's.
+#define TFCLIP_RULE_CONSTS_SIZE(kind, Struct, ...) sizeof(RuleConsts<Struct>),
+#define TFCLIP_RULE_CONSTS_ALIGN(kind, Struct, ...) alignof(RuleConsts<Struct>),
+constexpr size_t kDevConstsBytes = std::max({TFCLIP_FOR_EACH_RULE(TFCLIP_RULE_CONSTS_SIZE)});
+constexpr size_t kDevConstsAlign = std::max({TFCLIP_FOR_EACH_RULE(TFCLIP_RULE_CONSTS_ALIGN)});
+#undef TFCLIP_RULE_CONSTS_SIZE
+#undef TFCLIP_RULE_CONSTS_ALIGN
+
+struct alignas(kDevConstsAlign) DevConsts {
+  unsigned char bytes[kDevConstsBytes];
+  template <typename Rule>
+  TFCLIP_HD const RuleConsts<Rule>* As() const {
+    static_assert(sizeof(RuleConsts<Rule>) <= kDevConstsBytes, "a rule's constants fit the slot");
+    return reinterpret_cast<const RuleConsts<Rule>*>(bytes);
+  }
+  template <typename Rule>
+  TFCLIP_HD void Set(const RuleConsts<Rule>& c) {
+    static_assert(sizeof(RuleConsts<Rule>) <= kDevConstsBytes, "a rule's constants fit the slot");
+    *reinterpret_cast<RuleConsts<Rule>*>(bytes) = c;
+  }
 };
 
 // Device pointers into the workspace, passed to every kernel by value.
@@ -287,9 +305,10 @@ HostLayout Layout(const CudaPlan& p);
 // trust-ratio rule's buffers and AGC's plan when given).
 void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust,
                   const AgcPlan* agc);
-// Fills the host table, uploads it, and returns the device-side view of the workspace.
-std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, void* host_ws,
-                   void* dev_ws, cudaStream_t stream, Table* t);
+// Fills the host table, uploads it, and returns the device-side view of the workspace. With
+// hyper-parameters (an apply step), the table's constants are `rule`'s from them.
+std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, RuleKind rule,
+                   void* host_ws, void* dev_ws, cudaStream_t stream, Table* t);
 // Per-tensor chunk ranges (chunks of a tensor are consecutive in the plan).
 void ChunkRanges(const CudaPlan& p, DevTensor* ts);
 

@@ -92,16 +92,15 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
 }
 
 // Fills the host table, uploads it, and returns the device-side view of the workspace.
-std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, void* host_ws,
-                   void* dev_ws, cudaStream_t stream, Table* t) {
+std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, RuleKind rule,
+                   void* host_ws, void* dev_ws, cudaStream_t stream, Table* t) {
   const HostLayout l = Layout(p);
   char* h = static_cast<char*>(host_ws);
   char* d = static_cast<char*>(dev_ws);
   DevConsts* hc0 = reinterpret_cast<DevConsts*>(h);
   std::memset(static_cast<void*>(hc0), 0, sizeof(DevConsts));
   if (hp != nullptr) {
-    hc0->f = MakeStepConsts<float>(*hp);
-    hc0->d = MakeStepConsts<double>(*hp);
+    DispatchRule(rule, [&](auto rule_tag) { hc0->Set(MakeRuleConsts<decltype(rule_tag)>(*hp)); });
     std::memcpy(h + l.off_hparams, hp, sizeof(HParams));
   }
   std::memcpy(h + l.off_tensors, tensors, sizeof(DevTensor) * p.n);

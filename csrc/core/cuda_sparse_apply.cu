@@ -12,7 +12,7 @@ namespace {
 // unit a row finds its slices by binary search over the unit's touched rows (once per row a
 // thread visits, not per element).
 template <typename Rule, typename V, typename G, int kSlots>
-__device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, const DevTensor& ten,
+__device__ TrustAcc SparseUnitDev(const ConstsOf<Rule, V>& c, const DevTensor& ten,
                                   const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
   using M = typename Elem<V>::Math;
   TrustAcc acc;
@@ -81,7 +81,7 @@ __device__ TrustAcc SparseUnitDev(const StepConsts<typename Elem<V>::Math>& c, c
 template <typename Rule, int kSlots>
 __global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse sp) {
   if (!t.status->apply) return;
-  const DevConsts consts = *t.consts;
+  const RuleConsts<Rule> consts = *t.consts->template As<Rule>();
   const SparseUnit u = sp.units[blockIdx.x];
   const DevTensor& ten = t.tensors[u.tensor];
   const ClipFactor f = t.factors[u.tensor];
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse
                [&](auto vtag, auto gtag) {
                  using V = decltype(vtag);
                  acc = SparseUnitDev<Rule, V, decltype(gtag), kSlots>(
-                     ConstsFor<V>(consts.f, consts.d), ten, f, sp, u);
+                     ConstsFor<V>(consts), ten, f, sp, u);
                });
   if constexpr (Rule::kTrustRatio) {
     const double w = BlockSum<kThreads>(acc.w);

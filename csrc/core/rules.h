@@ -32,120 +32,34 @@ namespace tfclip {
 constexpr int kMaxSlots = 3;  // Adam with amsgrad: m, v, vhat
 
 // Per-step constants in the math type M, computed as Keras computes them (in the variable's
-// dtype): alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t).
+// dtype). Each rule has its own: Rule::Consts<M>, derived from StepBase<M> (what every rule's
+// apply reads: the learning rate, decoupled weight decay, a sparse row's sum_of_squares) with
+// the rule's own fields, and Rule::MakeConsts<M>(hp), which computes those alone (issue 44: a
+// step of SGD no longer computes Nadam's powers). The expressions, their order and types are
+// the ones the shared 50-field struct had, so the bits are too.
 template <typename M>
-struct StepConsts {
-  M lr, momentum, one_minus_beta_1, one_minus_beta_2, epsilon, alpha;
-  M weight_decay;
-  M beta_1, beta_2;                  // in M (Lion, Adamax)
-  M one_minus_beta_1_m, one_minus_beta_2_m;  // M(1) - M(beta): Lion's, computed in the dtype
-  M one_minus_beta_1_power;          // 1 - beta_1^t (Adamax)
-  M rho, one_minus_rho;              // RMSprop, Adadelta
-  // Nadam: u_{t+1}, 1 - u_product_{t+1}, 1 - u_t, 1 - u_product_t, 1 - beta_2^t (all in M)
-  M u_next, one_minus_u_product_next, one_minus_u_t, one_minus_u_product, one_minus_beta_2_power;
-  // NadamRule's form factors: keras 1, 1, 1, u_{t+1}, 1, 1 - u_t, 1; legacy_nadam beta_1, beta_2,
-  // 0, 1, u_{t+1}, 1, 1 - u_t.
-  M nadam_keep_m, nadam_keep_v, nadam_sub, nadam_pre_m, nadam_post_m, nadam_pre_g, nadam_post_g;
-  // Ftrl: l1, 2*l2_shrinkage, -lr_power, 2*(l2 + beta/(2*lr))
-  M l1, two_l2_shrinkage, neg_lr_power, two_l2_reg;
-  // ScheduleFreeAdamW: lr * min(t / warmup_steps, 1) (lr when warmup_steps <= 0), 1/t, 1 - 1/t
-  M warm_lr, inv_step, one_minus_inv_step;
-  // TF1's proximal rules and AdagradDA, as TF's kernels compute their scalars in the dtype:
-  // l2; lr*l1 and 1 + l2*lr (ProximalGradientDescent); AdagradDA's global step t as float (the
-  // kernel's static_cast<float>) then the dtype, t*l1 and l2*(t*lr).
-  M l2, lr_l1, one_plus_l2_lr, da_t_l1, da_l2_t_lr;
-  bool l1_on;  // l1 > 0: the kernels' branch to the l1 shrinkage
-  // Adagrad, RMSprop: epsilon inside the square root (eps_in; eps_out 0), or, eps_outside,
-  // added to it (eps_out; eps_in 0): one sqrt either way, and x + 0 is x, so each form keeps
-  // its own rounding and the loop has no branch.
-  M eps_in, eps_out;
-  bool nesterov, amsgrad, decay, sum_of_squares, centered, has_momentum;
+struct StepBase {
+  M lr, weight_decay;
+  bool decay, sum_of_squares;
 };
 
 template <typename M>
-TFCLIP_HD StepConsts<M> MakeStepConsts(const HParams& hp) {
-  StepConsts<M> c;
-  c.lr = static_cast<M>(hp.lr);
-  c.momentum = static_cast<M>(hp.momentum);
-  const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
-  // Keras multiplies by the Python float `1 - beta`, rounded once to M; (M(1) - M(beta)) would
-  // differ by an ulp (0.1f vs 0.100000024f for beta 0.9) and drift over many steps.
-  c.one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
-  c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
-  c.epsilon = static_cast<M>(hp.epsilon);
-  const M t = static_cast<M>(hp.step);
-  // A beta power given as it is (TF1's accumulators), else beta^t.
-  const M b1p = hp.beta_1_power == hp.beta_1_power ? static_cast<M>(hp.beta_1_power) : std::pow(b1, t);
-  const M b2p = hp.beta_2_power == hp.beta_2_power ? static_cast<M>(hp.beta_2_power) : std::pow(b2, t);
-  c.alpha = c.lr * std::sqrt(M(1) - b2p) / (M(1) - b1p);
-  c.beta_1 = b1;
-  c.beta_2 = b2;
-  c.one_minus_beta_1_m = M(1) - b1;
-  c.one_minus_beta_2_m = M(1) - b2;
-  c.one_minus_beta_1_power = M(1) - b1p;
-  c.rho = static_cast<M>(hp.rho);
-  c.one_minus_rho = static_cast<M>(1.0 - hp.rho);
-  // Nadam, as keras computes it in the variable's dtype: u_t = beta_1 * (1 - 0.5 * 0.96^t); the
-  // running product u_product (through step t) is carried across steps by the caller. With
-  // schedule_decay given (tf_keras legacy Nadam's, 0.004): 0.96^(schedule_decay * t), the
-  // product schedule_decay * t in the dtype as stock's `self._initial_decay * local_step`.
-  // legacy_nadam: stock's base tf.cast(0.96, dtype) converts the Python float to a float32
-  // tensor first (float64 variables get float32's 0.96, widened).
-  const M decay = hp.legacy_nadam ? static_cast<M>(0.96f) : static_cast<M>(0.96);
-  const bool scaled = hp.schedule_decay == hp.schedule_decay;
-  const M sd = static_cast<M>(scaled ? hp.schedule_decay : 1.0);
-  const M t_next = static_cast<M>(hp.step + 1.0);
-  const M u_t = b1 * (M(1) - M(0.5) * std::pow(decay, scaled ? sd * t : t));
-  c.u_next = b1 * (M(1) - M(0.5) * std::pow(decay, scaled ? sd * t_next : t_next));
-  const M u_product = static_cast<M>(hp.u_product);
-  c.one_minus_u_product_next = M(1) - u_product * c.u_next;
-  c.one_minus_u_t = M(1) - u_t;
-  c.one_minus_u_product = M(1) - u_product;
-  c.one_minus_beta_2_power = M(1) - b2p;
-  const bool L = hp.legacy_nadam;
-  c.nadam_keep_m = L ? b1 : M(1);
-  c.nadam_keep_v = L ? b2 : M(1);
-  c.nadam_sub = L ? M(0) : M(1);
-  c.nadam_pre_m = L ? M(1) : c.u_next;
-  c.nadam_post_m = L ? c.u_next : M(1);
-  c.nadam_pre_g = L ? M(1) : c.one_minus_u_t;
-  c.nadam_post_g = L ? c.one_minus_u_t : M(1);
-  // Ftrl, as keras: l2 + beta / (2 * lr) in the dtype; the Python-side products exactly.
-  c.l1 = static_cast<M>(hp.l1);
-  c.two_l2_shrinkage = static_cast<M>(2.0 * hp.l2_shrinkage);
-  c.neg_lr_power = static_cast<M>(-hp.lr_power);
-  c.two_l2_reg = M(2) * (static_cast<M>(hp.l2) + static_cast<M>(hp.beta) / (M(2) * c.lr));
-  // ScheduleFreeAdamW, as keras in the dtype: lr * minimum(t / warmup_steps, 1.0) when
-  // warmup_steps > 0 (a Python test there: a value <= 0 is no warmup); weight = 1.0 / t.
-  c.warm_lr = c.lr;
-  if (hp.warmup_steps > 0.0) {
-    const M f = t / static_cast<M>(hp.warmup_steps);
-    c.warm_lr = c.lr * (f < M(1) ? f : M(1));
-  }
-  c.inv_step = M(1) / t;
-  c.one_minus_inv_step = M(1) - c.inv_step;
-  c.l2 = static_cast<M>(hp.l2);
-  c.lr_l1 = c.lr * c.l1;
-  c.one_plus_l2_lr = M(1) + c.l2 * c.lr;
-  const M da_t = static_cast<M>(static_cast<float>(hp.global_step));
-  c.da_t_l1 = da_t * c.l1;
-  c.da_l2_t_lr = c.l2 * (da_t * c.lr);
-  c.l1_on = c.l1 > M(0);
-  c.weight_decay = static_cast<M>(hp.weight_decay);
-  c.decay = hp.weight_decay != 0.0;
-  c.nesterov = hp.nesterov;
-  c.amsgrad = hp.amsgrad;
-  c.sum_of_squares = hp.sum_of_squares;
-  c.centered = hp.centered;
-  c.has_momentum = hp.has_momentum;
-  c.eps_in = hp.eps_outside ? M(0) : c.epsilon;
-  c.eps_out = hp.eps_outside ? c.epsilon : M(0);
-  return c;
+TFCLIP_HD void MakeStepBase(const HParams& hp, StepBase<M>* c) {
+  c->lr = static_cast<M>(hp.lr);
+  c->weight_decay = static_cast<M>(hp.weight_decay);
+  c->decay = hp.weight_decay != 0.0;
+  c->sum_of_squares = hp.sum_of_squares;
+}
+
+// A beta power given as it is (TF1's accumulators), else beta^t.
+template <typename M>
+TFCLIP_HD M BetaPower(double given, M beta, M t) {
+  return given == given ? static_cast<M>(given) : std::pow(beta, t);
 }
 
 // Keras applies decoupled weight decay as `var - var * wd * lr` before the rule.
 template <typename M>
-TFCLIP_HD M DecayVar(const StepConsts<M>& c, M var) {
+TFCLIP_HD M DecayVar(const StepBase<M>& c, M var) {
   return c.decay ? var - var * c.weight_decay * c.lr : var;
 }
 
@@ -158,22 +72,35 @@ TFCLIP_HD M DecayVar(const StepConsts<M>& c, M var) {
 // (var untouched), Direction(c, slots) is the element's update u from the stored slots, and
 // after the per-tensor sums of var^2 and u^2 (ApplyElem's return, csrc/core/apply_elem.h) Trust(c, ratio * lr, var,
 // slots) writes the variable.
+//
+// Consts<M> and MakeConsts<M>(hp): the rule's step constants (above). RuleBase's are StepBase's
+// alone, for a rule that reads nothing else (SGD); a rule with fields of its own declares both
+// (one without the other does not compile: MakeConsts's type is not the one Update takes).
 struct RuleBase {
   static constexpr bool kTrustRatio = false;
   static constexpr bool kZeroGradKeeps = false;  // a zero gradient leaves var and slots as they are
   template <typename M>
   static TFCLIP_HD M Second(M g) { return g * g; }
+  template <typename M>
+  using Consts = StepBase<M>;
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    return c;
+  }
 };
 
 // Each rule: kScatter (IndexedSlices duplicates applied one by one, as TF's scatter ops, rather
-// than summed), kMinSlots..kMaxSlots and NumSlots(hp) (the slot count a step uses), Update.
+// than summed), kMinSlots..kMaxSlots and NumSlots(hp) (the slot count a step uses), its step
+// constants (Consts, MakeConsts; RuleBase's for SGD), Update.
 struct SgdRule : RuleBase {
   static constexpr bool kScatter = true;  // keras SGD on IndexedSlices: scatter_sub(g * lr)
   static constexpr bool kZeroGradKeeps = true;
   static constexpr int kMinSlots = 0, kMaxSlots = 0;
   static TFCLIP_HD int NumSlots(const HParams&) { return 0; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* /*slots*/) {
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M /*gsq*/, M& var, M* /*slots*/) {
     var = var - g * c.lr;
   }
 };
@@ -184,7 +111,20 @@ struct MomentumRule : RuleBase {
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M momentum;
+    bool nesterov;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    c.momentum = static_cast<M>(hp.momentum);
+    c.nesterov = hp.nesterov;
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M /*gsq*/, M& var, M* s) {
     M accum = s[0] * c.momentum + g;
     s[0] = accum;
     if (c.nesterov) {
@@ -201,7 +141,13 @@ struct KerasMomentumRule : RuleBase {
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* s) {
+  using Consts = MomentumRule::Consts<M>;  // the same constants as MomentumRule's
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    return MomentumRule::MakeConsts<M>(hp);
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M /*gsq*/, M& var, M* s) {
     const M neg_g_lr = -g * c.lr;
     const M m = neg_g_lr + s[0] * c.momentum;
     s[0] = m;
@@ -215,7 +161,29 @@ struct AdamRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 3;
   static TFCLIP_HD int NumSlots(const HParams& hp) { return hp.amsgrad ? 3 : 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M one_minus_beta_1, one_minus_beta_2, epsilon, alpha;  // alpha = lr sqrt(1 - b2^t) / (1 - b1^t)
+    bool amsgrad;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
+    // Keras multiplies by the Python float `1 - beta`, rounded once to M; (M(1) - M(beta)) would
+    // differ by an ulp (0.1f vs 0.100000024f for beta 0.9) and drift over many steps.
+    c.one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
+    c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
+    c.epsilon = static_cast<M>(hp.epsilon);
+    const M t = static_cast<M>(hp.step);
+    const M b1p = BetaPower(hp.beta_1_power, b1, t);
+    const M b2p = BetaPower(hp.beta_2_power, b2, t);
+    c.alpha = c.lr * std::sqrt(M(1) - b2p) / (M(1) - b1p);
+    c.amsgrad = hp.amsgrad;
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M m = s[0] + (g - s[0]) * c.one_minus_beta_1;
     M v = s[1] + (gsq - s[1]) * c.one_minus_beta_2;
     s[0] = m;
@@ -236,7 +204,23 @@ struct AdagradRule : RuleBase {
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    // epsilon inside the square root (eps_in; eps_out 0), or, eps_outside, added to it (eps_out;
+    // eps_in 0): one sqrt either way, and x + 0 is x, so each form keeps its own rounding and
+    // the loop has no branch.
+    M eps_in, eps_out;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M epsilon = static_cast<M>(hp.epsilon);
+    c.eps_in = hp.eps_outside ? M(0) : epsilon;
+    c.eps_out = hp.eps_outside ? epsilon : M(0);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M accum = s[0] + gsq;
     s[0] = accum;
     var = var - (c.lr * g) / (std::sqrt(accum + c.eps_in) + c.eps_out);
@@ -256,7 +240,27 @@ struct RmsPropRule : RuleBase {
     return 1 + (hp.has_momentum ? 1 : 0) + (hp.centered ? 1 : 0);
   }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M rho, one_minus_rho, momentum;
+    M eps_in, eps_out;  // as AdagradRule's
+    bool centered, has_momentum;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    c.momentum = static_cast<M>(hp.momentum);
+    const M epsilon = static_cast<M>(hp.epsilon);
+    c.rho = static_cast<M>(hp.rho);
+    c.one_minus_rho = static_cast<M>(1.0 - hp.rho);
+    c.centered = hp.centered;
+    c.has_momentum = hp.has_momentum;
+    c.eps_in = hp.eps_outside ? M(0) : epsilon;
+    c.eps_out = hp.eps_outside ? epsilon : M(0);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     // Written as selects on the (uniform) flags, no branch and no run-time slot index, so the
     // CPU loop vectorizes: with branches, 2.8x (plain) and 2.1x (centered, momentum) the floor
     // (benchmarks/NOTES.md, R1). What a flag turns off is computed and dropped.
@@ -281,7 +285,20 @@ struct AdadeltaRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M rho, one_minus_rho, epsilon;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    c.epsilon = static_cast<M>(hp.epsilon);
+    c.rho = static_cast<M>(hp.rho);
+    c.one_minus_rho = static_cast<M>(1.0 - hp.rho);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M ag = c.rho * s[0] + c.one_minus_rho * gsq;
     s[0] = ag;
     const M rms_delta = std::sqrt(s[1] + c.epsilon), rms_grad = std::sqrt(ag + c.epsilon);
@@ -303,9 +320,27 @@ struct AdamaxRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
+  struct Consts : StepBase<M> {
+    M one_minus_beta_1, beta_2, epsilon;
+    M one_minus_beta_1_power;  // 1 - beta_1^t
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
+    c.one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
+    c.epsilon = static_cast<M>(hp.epsilon);
+    const M t = static_cast<M>(hp.step);
+    const M b1p = BetaPower(hp.beta_1_power, b1, t);
+    c.beta_2 = b2;
+    c.one_minus_beta_1_power = M(1) - b1p;
+    return c;
+  }
+  template <typename M>
   static TFCLIP_HD M Second(M g) { return g < M(0) ? -g : g; }  // |g| (a duplicated row: their sum)
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M ag, M& var, M* s) {
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M ag, M& var, M* s) {
     const M m = s[0] + (g - s[0]) * c.one_minus_beta_1;
     s[0] = m;
     const M bu = c.beta_2 * s[1];
@@ -322,7 +357,23 @@ struct LionRule : RuleBase {
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M beta_1, beta_2;
+    M one_minus_beta_1_m, one_minus_beta_2_m;  // M(1) - M(beta), computed in the dtype
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
+    c.beta_1 = b1;
+    c.beta_2 = b2;
+    c.one_minus_beta_1_m = M(1) - b1;
+    c.one_minus_beta_2_m = M(1) - b2;
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M, M& var, M* s) {
     const M x = s[0] * c.beta_1 + g * c.one_minus_beta_1_m;
     const M sign = x > M(0) ? M(1) : (x < M(0) ? M(-1) : (x != x ? x : M(0)));
     var = var - c.lr * sign;
@@ -340,7 +391,7 @@ struct NadamRule : RuleBase {
   // v_t_prime_denominator are u_t, u_product_t, 1 - b2^t here), with schedule_decay 0.004.
   // One body for both forms, with no select and no branch: each form is the other's
   // operations with factors of 1 (exact: x * 1 is x, inf and NaN included) or 0 where the form
-  // has no such operation (nadam_keep_*, nadam_sub, nadam_pre_*, nadam_post_*; MakeStepConsts).
+  // has no such operation (nadam_keep_*, nadam_sub, nadam_pre_*, nadam_post_*; MakeConsts).
   // Written as selects on the flag, or as two branches, the Keras 3 loop ran at 6-7x its former
   // time on the CPU (81 and 122 vs 12-18 ms for 2e7 elements, tfclip._core.clip_apply, avx512):
   // this way it costs six multiplies more, never a division. The legacy form's g - 0*s is g,
@@ -350,7 +401,53 @@ struct NadamRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M one_minus_beta_1_m, one_minus_beta_2_m, epsilon;  // M(1) - M(beta), in the dtype
+    // 1 - u_product_{t+1}, 1 - u_product_t, 1 - beta_2^t (all in M)
+    M one_minus_u_product_next, one_minus_u_product, one_minus_beta_2_power;
+    // The form factors: keras 1, 1, 1, u_{t+1}, 1, 1 - u_t, 1; legacy_nadam beta_1, beta_2, 0,
+    // 1, u_{t+1}, 1, 1 - u_t.
+    M nadam_keep_m, nadam_keep_v, nadam_sub, nadam_pre_m, nadam_post_m, nadam_pre_g, nadam_post_g;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
+    c.epsilon = static_cast<M>(hp.epsilon);
+    const M t = static_cast<M>(hp.step);
+    const M b2p = BetaPower(hp.beta_2_power, b2, t);
+    c.one_minus_beta_1_m = M(1) - b1;
+    c.one_minus_beta_2_m = M(1) - b2;
+    // As keras computes it in the variable's dtype: u_t = beta_1 * (1 - 0.5 * 0.96^t); the
+    // running product u_product (through step t) is carried across steps by the caller. With
+    // schedule_decay given (tf_keras legacy Nadam's, 0.004): 0.96^(schedule_decay * t), the
+    // product schedule_decay * t in the dtype as stock's `self._initial_decay * local_step`.
+    // legacy_nadam: stock's base tf.cast(0.96, dtype) converts the Python float to a float32
+    // tensor first (float64 variables get float32's 0.96, widened).
+    const M decay = hp.legacy_nadam ? static_cast<M>(0.96f) : static_cast<M>(0.96);
+    const bool scaled = hp.schedule_decay == hp.schedule_decay;
+    const M sd = static_cast<M>(scaled ? hp.schedule_decay : 1.0);
+    const M t_next = static_cast<M>(hp.step + 1.0);
+    const M u_t = b1 * (M(1) - M(0.5) * std::pow(decay, scaled ? sd * t : t));
+    const M u_next = b1 * (M(1) - M(0.5) * std::pow(decay, scaled ? sd * t_next : t_next));
+    const M u_product = static_cast<M>(hp.u_product);
+    c.one_minus_u_product_next = M(1) - u_product * u_next;
+    const M one_minus_u_t = M(1) - u_t;
+    c.one_minus_u_product = M(1) - u_product;
+    c.one_minus_beta_2_power = M(1) - b2p;
+    const bool L = hp.legacy_nadam;
+    c.nadam_keep_m = L ? b1 : M(1);
+    c.nadam_keep_v = L ? b2 : M(1);
+    c.nadam_sub = L ? M(0) : M(1);
+    c.nadam_pre_m = L ? M(1) : u_next;
+    c.nadam_post_m = L ? u_next : M(1);
+    c.nadam_pre_g = L ? M(1) : one_minus_u_t;
+    c.nadam_post_g = L ? one_minus_u_t : M(1);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     // keras: s + (x - s)(1 - b); legacy: b s + (1 - b) x (a sum and a product commute exactly).
     const M m = c.nadam_keep_m * s[0] + (g - c.nadam_sub * s[0]) * c.one_minus_beta_1_m;
     const M v = c.nadam_keep_v * s[1] + (gsq - c.nadam_sub * s[1]) * c.one_minus_beta_2_m;
@@ -377,7 +474,22 @@ struct FtrlRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M l1, two_l2_shrinkage, neg_lr_power, two_l2_reg;  // l1, 2*l2_shrinkage, -lr_power, 2*(l2 + beta/(2*lr))
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    // As keras: l2 + beta / (2 * lr) in the dtype; the Python-side products exactly.
+    c.l1 = static_cast<M>(hp.l1);
+    c.two_l2_shrinkage = static_cast<M>(2.0 * hp.l2_shrinkage);
+    c.neg_lr_power = static_cast<M>(-hp.lr_power);
+    c.two_l2_reg = M(2) * (static_cast<M>(hp.l2) + static_cast<M>(hp.beta) / (M(2) * c.lr));
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M gs = g + c.two_l2_shrinkage * var;
     const M n = s[0];
     const M n_new = n + gsq;
@@ -418,17 +530,37 @@ struct LambRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& /*var*/, M* s) {
+  struct Consts : StepBase<M> {
+    M one_minus_beta_1, one_minus_beta_2, epsilon;
+    M one_minus_beta_1_power, one_minus_beta_2_power;  // 1 - beta^t
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
+    c.one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
+    c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
+    c.epsilon = static_cast<M>(hp.epsilon);
+    const M t = static_cast<M>(hp.step);
+    const M b1p = BetaPower(hp.beta_1_power, b1, t);
+    const M b2p = BetaPower(hp.beta_2_power, b2, t);
+    c.one_minus_beta_1_power = M(1) - b1p;
+    c.one_minus_beta_2_power = M(1) - b2p;
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& /*var*/, M* s) {
     s[0] = s[0] + (g - s[0]) * c.one_minus_beta_1;
     s[1] = s[1] + (gsq - s[1]) * c.one_minus_beta_2;
   }
   template <typename M>
-  static TFCLIP_HD M Direction(const StepConsts<M>& c, const M* s) {
+  static TFCLIP_HD M Direction(const Consts<M>& c, const M* s) {
     return (s[0] / c.one_minus_beta_1_power) /
            (std::sqrt(s[1] / c.one_minus_beta_2_power) + c.epsilon);
   }
   template <typename M>
-  static TFCLIP_HD void Trust(const StepConsts<M>& c, M ratio_lr, M& var, const M* s) {
+  static TFCLIP_HD void Trust(const Consts<M>& c, M ratio_lr, M& var, const M* s) {
     var = var - ratio_lr * Direction(c, s);
   }
 };
@@ -448,7 +580,37 @@ struct ScheduleFreeAdamWRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M beta_1, one_minus_beta_1_m, one_minus_beta_2_m, epsilon;  // 1 - b: M(1) - M(beta)
+    M one_minus_beta_2_power;  // 1 - beta_2^t
+    // lr * min(t / warmup_steps, 1) (lr when warmup_steps <= 0), 1/t, 1 - 1/t
+    M warm_lr, inv_step, one_minus_inv_step;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
+    c.epsilon = static_cast<M>(hp.epsilon);
+    const M t = static_cast<M>(hp.step);
+    const M b2p = BetaPower(hp.beta_2_power, b2, t);
+    c.beta_1 = b1;
+    c.one_minus_beta_1_m = M(1) - b1;
+    c.one_minus_beta_2_m = M(1) - b2;
+    c.one_minus_beta_2_power = M(1) - b2p;
+    // As keras in the dtype: lr * minimum(t / warmup_steps, 1.0) when warmup_steps > 0 (a
+    // Python test there: a value <= 0 is no warmup); weight = 1.0 / t.
+    c.warm_lr = c.lr;
+    if (hp.warmup_steps > 0.0) {
+      const M f = t / static_cast<M>(hp.warmup_steps);
+      c.warm_lr = c.lr * (f < M(1) ? f : M(1));
+    }
+    c.inv_step = M(1) / t;
+    c.one_minus_inv_step = M(1) - c.inv_step;
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M v = s[1] + (gsq - s[1]) * c.one_minus_beta_2_m;
     s[1] = v;
     const M denom = std::sqrt(v / c.one_minus_beta_2_power) + c.epsilon;
@@ -471,7 +633,22 @@ struct TfRmsPropRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 3;
   static TFCLIP_HD int NumSlots(const HParams& hp) { return hp.centered ? 3 : 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M rho, momentum, epsilon;
+    bool centered;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    c.momentum = static_cast<M>(hp.momentum);
+    c.epsilon = static_cast<M>(hp.epsilon);
+    c.rho = static_cast<M>(hp.rho);
+    c.centered = hp.centered;
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M one_minus_rho = M(1) - c.rho;
     const M ms = s[0] + (gsq - s[0]) * one_minus_rho;
     s[0] = ms;
@@ -507,7 +684,23 @@ struct ProximalSgdRule : RuleBase {
   static constexpr int kMinSlots = 0, kMaxSlots = 0;
   static TFCLIP_HD int NumSlots(const HParams&) { return 0; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M /*gsq*/, M& var, M* /*slots*/) {
+  struct Consts : StepBase<M> {
+    M lr_l1, one_plus_l2_lr;  // as TF's kernel, in the dtype: lr*l1, 1 + l2*lr
+    bool l1_on;               // l1 > 0: the kernel's branch to the l1 shrinkage
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M l1 = static_cast<M>(hp.l1);
+    const M l2 = static_cast<M>(hp.l2);
+    c.lr_l1 = c.lr * l1;
+    c.one_plus_l2_lr = M(1) + l2 * c.lr;
+    c.l1_on = l1 > M(0);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M /*gsq*/, M& var, M* /*slots*/) {
     const M p = var - g * c.lr;
     var = (c.l1_on ? Shrink(p, c.lr_l1) : p) / c.one_plus_l2_lr;
   }
@@ -521,7 +714,21 @@ struct ProximalAdagradRule : RuleBase {
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    M l1, l2;
+    bool l1_on;  // l1 > 0: the kernel's branch to the l1 shrinkage
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    c.l1 = static_cast<M>(hp.l1);
+    c.l2 = static_cast<M>(hp.l2);
+    c.l1_on = c.l1 > M(0);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M accum = s[0] + gsq;
     s[0] = accum;
     const M a = c.lr * (M(1) / std::sqrt(accum));
@@ -539,7 +746,26 @@ struct AdagradDaRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  static TFCLIP_HD void Update(const StepConsts<M>& c, M g, M gsq, M& var, M* s) {
+  struct Consts : StepBase<M> {
+    // The global step t as TF's kernel has it (its static_cast<float>, then the dtype): t*l1,
+    // l2*(t*lr).
+    M da_t_l1, da_l2_t_lr;
+    bool l1_on;  // l1 > 0: the kernel's branch to the l1 shrinkage
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M l1 = static_cast<M>(hp.l1);
+    const M l2 = static_cast<M>(hp.l2);
+    const M da_t = static_cast<M>(static_cast<float>(hp.global_step));
+    c.da_t_l1 = da_t * l1;
+    c.da_l2_t_lr = l2 * (da_t * c.lr);
+    c.l1_on = l1 > M(0);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M gsq, M& var, M* s) {
     const M ga = s[0] + g;
     const M gga = s[1] + gsq;
     s[0] = ga;

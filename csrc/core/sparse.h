@@ -77,7 +77,7 @@ struct RowGrads {
   const int64_t* order;
   int64_t jb, je;
   template <typename Rule, typename F>
-  TFCLIP_HD void Feed(const StepConsts<M>& c, const F& update) const {
+  TFCLIP_HD void Feed(const StepBase<M>& c, const F& update) const {
     if (Rule::kScatter) {
       for (int64_t j = jb; j < je; ++j) {
         const M g = grad(order[j] * width + col);

@@ -20,7 +20,6 @@ int failures = 0;
 
 using tfclip::DenseGrad;
 using tfclip::HParams;
-using tfclip::StepConsts;
 
 // s[k] += (k + 1) * g for every slot; var -= g. Two slots.
 struct TwoSlotRule : tfclip::RuleBase {
@@ -28,7 +27,7 @@ struct TwoSlotRule : tfclip::RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  static void Update(const StepConsts<M>&, M g, M gsq, M& var, M* s) {
+  static void Update(const Consts<M>&, M g, M gsq, M& var, M* s) {
     for (int k = 0; k < 2; ++k) s[k] += M(k + 1) * g;
     var -= g + gsq * M(0);
   }
@@ -39,7 +38,7 @@ struct TwoOrThreeSlotRule : tfclip::RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 3;
   static int NumSlots(const HParams& hp) { return hp.amsgrad ? 3 : 2; }
   template <typename M>
-  static void Update(const StepConsts<M>&, M g, M, M& var, M* s) {
+  static void Update(const Consts<M>&, M g, M, M& var, M* s) {
     s[0] += g;
     s[1] += g * g;
     s[2] += M(1);  // unused with two slots: ApplyElem neither loads nor stores it
@@ -81,7 +80,8 @@ int main() {
   }
 
   // ApplyElem updates every slot of a multi-slot rule, and only the slots the count says.
-  const StepConsts<float> c = tfclip::MakeStepConsts<float>(HParams{});
+  // RuleBase's constants (StepBase), as both test rules take.
+  const tfclip::StepBase<float> c = tfclip::RuleBase::MakeConsts<float>(HParams{});
   float var[1] = {10.0f}, s0[1] = {0.0f}, s1[1] = {0.0f}, s2[1] = {0.0f};
   tfclip::DispatchSlots<TwoSlotRule>(2, [&](auto k) {
     tfclip::ApplyElem<TwoSlotRule, decltype(k)::value>(c, DenseGrad<float>{1.5f}, var, s0, s1,
