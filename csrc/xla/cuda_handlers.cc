@@ -1,5 +1,5 @@
-// tfclip XLA glue, CUDA: the custom-call handlers for XLA's GPU backend (typed FFI, platform
-// "CUDA"). Each makes one call of the CUDA driver (csrc/core/cuda_driver.h) on XLA's stream:
+// tfclip XLA glue, CUDA: the custom-call handlers for XLA's GPU backend (the typed FFI's C API
+// through ffi_frame.h, platform "CUDA"; handlers.h). Each makes one call of the CUDA driver (csrc/core/cuda_driver.h) on XLA's stream:
 // hyper-parameters, clip, use_norm and the step counter stay in device memory, read by the
 // finalize kernel; nothing waits on the host but nonfinite='raise'. Plain C++ (the driver's
 // header has no CUDA header); built only with TFCLIP_WITH_CUDA.
@@ -18,16 +18,19 @@
 #include "csrc/xla/cuda_handlers.h"
 #include "csrc/xla/custom_calls.h"
 #include "csrc/xla/ffi_common.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = ::xla::ffi;
+#include "csrc/xla/handlers.h"
 
 namespace tfclip {
 namespace xla_glue {
 namespace {
 
-ffi::Error CudaError(const std::string& e) {
-  return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
+FfiStatus CudaError(const std::string& e) {
+  return e.empty() ? FfiStatus::Ok() : FfiStatus::Internal(e);
+}
+
+// XLA's scratch allocator for the step's device workspace.
+CudaAllocFn ScratchOf(const FfiFrame& f) {
+  return [&f](size_t b) { return f.Allocate(b, kXlaScratchAlign); };
 }
 
 // The host tables' ring is shared by every call of the process (one lock from a step's Acquire to
@@ -69,62 +72,63 @@ std::string XlaCudaMemory::Release() {
   return e;
 }
 
-ffi::Error NormCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets, ffi::Dictionary attrs) {
+FfiStatus NormCuda(const FfiFrame& f) {
+  void* stream = nullptr;
+  TFCLIP_FFI_RETURN_IF_ERROR(f.Stream(&stream));
   std::vector<int64_t> sparse;
-  TFCLIP_FFI_RETURN_IF_ERROR(GetI64s(attrs, "sparse", &sparse));
+  TFCLIP_FFI_RETURN_IF_ERROR(f.I64s("sparse", &sparse));
   if (!sparse.empty()) {
-    return ffi::Error::Internal("tfclip_norm on CUDA: IndexedSlices are densified by the XLA kernel");
+    return FfiStatus::Internal("tfclip_norm on CUDA: IndexedSlices are densified by the XLA kernel");
   }
   int64_t f64 = 0;
-  TFCLIP_FFI_RETURN_IF_ERROR(GetI64(attrs, "f64_norm", &f64));
-  const int n = static_cast<int>(args.size());
+  TFCLIP_FFI_RETURN_IF_ERROR(f.I64("f64_norm", &f64));
+  if (f.num_rets() != 3) return FfiStatus::Internal("tfclip_norm: unexpected result count");
+  const int n = static_cast<int>(f.num_args());
   std::vector<TensorView> views(n);
-  TFCLIP_FFI_RETURN_IF_ERROR(ViewArgs(args, 0, n, "t_list", views.data()));
+  TFCLIP_FFI_RETURN_IF_ERROR(ViewArgs(f, 0, n, "t_list", views.data()));
   // The apply ops' norm call wants the fp64 norm (result 0: the groups' use_norm); the norm op
   // its Tnorm norm (result 1). The per-tensor norms (result 2) either way.
-  auto r = rets.get<ffi::AnyBuffer>(f64 ? 0 : 1);
-  auto rt = rets.get<ffi::AnyBuffer>(2);
-  if (r.has_error()) return r.error();
-  if (rt.has_error()) return rt.error();
+  FfiBuffer r, rt;
+  TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(f64 ? 0 : 1, &r));
+  TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(2, &rt));
   cuda::CudaOutputs o;
-  o.norm = (*r)->untyped_data();
-  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*r)->element_type(), &o.norm_dtype));
-  o.tensor_norms = (*rt)->untyped_data();
-  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr((*rt)->element_type(), &o.tensor_norms_dtype));
-  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); });
+  o.norm = r.data;
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(r.dtype, &o.norm_dtype));
+  o.tensor_norms = rt.data;
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(rt.dtype, &o.tensor_norms_dtype));
+  XlaCudaMemory mem(stream, ScratchOf(f));
   return CudaError(cuda::CudaGlobalNorm(views.data(), n, &mem, o, stream));
 }
 
-ffi::Error ClipCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets, ffi::Dictionary attrs) {
+FfiStatus ClipCuda(const FfiFrame& f) {
+  void* stream = nullptr;
+  TFCLIP_FFI_RETURN_IF_ERROR(f.Stream(&stream));
   ClipCall call;
-  TFCLIP_FFI_RETURN_IF_ERROR(call.Decode(args, rets, attrs));
+  TFCLIP_FFI_RETURN_IF_ERROR(call.Decode(f));
   // clip_norm and use_norm stay in device memory, as in the TF GPU kernel (a clip_norm that is
   // not finite and > 0 makes every output NaN there: the host never reads it).
   cuda::ClipOpScalars dev;
-  dev.clip_norm = call.clip_norm->untyped_data();
-  if (call.given) dev.use_norm = call.use_norm->untyped_data();
-  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(call.clip_norm->element_type(), &dev.dtype));
+  dev.clip_norm = call.clip_norm.data;
+  if (call.given) dev.use_norm = call.use_norm.data;
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(call.clip_norm.dtype, &dev.dtype));
   cuda::CudaOutputs o;
-  o.norm = call.norm->untyped_data();
-  o.tensor_norms = call.tensor_norms->untyped_data();
-  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(call.norm->element_type(), &o.norm_dtype));
+  o.norm = call.norm.data;
+  o.tensor_norms = call.tensor_norms.data;
+  TFCLIP_FFI_RETURN_IF_ERROR(ToCoreDTypeOr(call.norm.dtype, &o.norm_dtype));
   o.tensor_norms_dtype = o.norm_dtype;
-  XlaCudaMemory mem(stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); });
+  XlaCudaMemory mem(stream, ScratchOf(f));
   return CudaError(cuda::CudaClipByGlobalNorm(call.in.data(), call.out.data(), call.n, 0.0, call.given,
                                               0.0, dev, &mem, o, stream));
 }
 
-ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const ffi::RemainingArgs& args,
-                         const ffi::RemainingRets& rets, const ffi::Dictionary& attrs) {
+FfiStatus ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const FfiFrame& f) {
   ApplyCall call;
-  TFCLIP_FFI_RETURN_IF_ERROR(call.Decode(args, rets, attrs));
+  TFCLIP_FFI_RETURN_IF_ERROR(call.Decode(f));
   if (!call.sparse.empty()) {
-    return ffi::Error::Internal("tfclip_apply on CUDA: IndexedSlices are densified by the XLA kernel");
+    return FfiStatus::Internal("tfclip_apply on CUDA: IndexedSlices are densified by the XLA kernel");
   }
   std::vector<ApplyTensor> ts(static_cast<size_t>(call.n));
-  TFCLIP_FFI_RETURN_IF_ERROR(call.Tensors(args, rets, ts.data()));
+  TFCLIP_FFI_RETURN_IF_ERROR(call.Tensors(f, ts.data()));
   StepArgs a = call.step;
   a.ts = ts.data();
   a.n = call.n;
@@ -156,40 +160,23 @@ ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const ffi::Rema
   XlaCudaMemory mem(stream, alloc);
   StepResult r;
   TFCLIP_FFI_RETURN_IF_ERROR(CudaError(cuda::CudaClipApply(a, ds, &mem, o, stream, &r)));
-  if (!r.error.empty()) return ffi::Error::InvalidArgument(r.error);
-  return ffi::Error::Success();
+  if (!r.error.empty()) return FfiStatus::InvalidArgument(r.error);
+  return FfiStatus::Ok();
 }
 
-ffi::Error ApplyCuda(void* stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
-                     ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  return ApplyCudaStep(
-      stream, [&scratch](size_t b) { return scratch.Allocate(b, kXlaScratchAlign); }, args, rets, attrs);
+FfiStatus ApplyCuda(const FfiFrame& f) {
+  void* stream = nullptr;
+  TFCLIP_FFI_RETURN_IF_ERROR(f.Stream(&stream));
+  return ApplyCudaStep(stream, ScratchOf(f), f);
 }
-
-// Every CUDA handler binds the same: XLA's stream, its scratch allocator, operands, results, attributes.
-#define TFCLIP_CUDA_HANDLER(name, fn)                                                              \
-  XLA_FFI_DEFINE_HANDLER(name, fn,                                                                 \
-                         ffi::Ffi::Bind()                                                          \
-                             .Ctx<ffi::PlatformStream<void*>>()                                    \
-                             .Ctx<ffi::ScratchAllocator>()                                         \
-                             .RemainingArgs()                                                      \
-                             .RemainingRets()                                                      \
-                             .Attrs<ffi::Dictionary>())
-TFCLIP_CUDA_HANDLER(kNormCuda, NormCuda);
-TFCLIP_CUDA_HANDLER(kClipCuda, ClipCuda);
-TFCLIP_CUDA_HANDLER(kApplyCuda, ApplyCuda);
-
-#if TFCLIP_XLA_STANDALONE
-// The standalone module (_jax_ffi): registered by its loader by these names (platform "CUDA").
-TFCLIP_EXPORT_HANDLER(tfclip_norm_cuda, kNormCuda)
-TFCLIP_EXPORT_HANDLER(tfclip_clip_cuda, kClipCuda)
-TFCLIP_EXPORT_HANDLER(tfclip_apply_cuda, kApplyCuda)
-#elif !TFCLIP_XLA_EMULATED_TEST
-// (The emulated-CUDA _core runs ApplyCudaStep without XLA: emulated_entry.cc.)
-XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kNormTarget, "CUDA", kNormCuda);
-XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kClipTarget, "CUDA", kClipCuda);
-XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), kApplyTarget, "CUDA", kApplyCuda);
-#endif
 
 }  // namespace xla_glue
 }  // namespace tfclip
+
+#if !TFCLIP_XLA_EMULATED_TEST
+// The C entries (handlers.h). (The emulated-CUDA _core runs ApplyCudaStep without XLA:
+// emulated_entry.cc.)
+TFCLIP_EXPORT_HANDLER(tfclip_norm_cuda, tfclip::xla_glue::NormCuda)
+TFCLIP_EXPORT_HANDLER(tfclip_clip_cuda, tfclip::xla_glue::ClipCuda)
+TFCLIP_EXPORT_HANDLER(tfclip_apply_cuda, tfclip::xla_glue::ApplyCuda)
+#endif

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "csrc/core/cuda_driver.h"
-#include "xla/ffi/api/ffi.h"
+#include "csrc/xla/ffi_frame.h"
 
 namespace tfclip {
 namespace xla_glue {
@@ -36,11 +36,8 @@ class XlaCudaMemory : public cuda::CudaStepMemory {
   std::unique_lock<std::mutex> lock_;
 };
 
-// The CUDA apply handler's body, on a call frame's decoded buffers (custom_calls.h order).
-::xla::ffi::Error ApplyCudaStep(void* stream, const CudaAllocFn& alloc,
-                                const ::xla::ffi::RemainingArgs& args,
-                                const ::xla::ffi::RemainingRets& rets,
-                                const ::xla::ffi::Dictionary& attrs);
+// The CUDA apply handler's body, on a call frame (custom_calls.h order).
+FfiStatus ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const FfiFrame& f);
 
 }  // namespace xla_glue
 }  // namespace tfclip

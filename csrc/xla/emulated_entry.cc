@@ -12,10 +12,8 @@
 
 #include "csrc/core/cuda_workspace.h"
 #include "csrc/xla/cuda_handlers.h"
+#include "csrc/xla/ffi_frame.h"
 #include "xla/ffi/api/c_api.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = ::xla::ffi;
 
 namespace {
 
@@ -99,11 +97,20 @@ extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_
     allocated.push_back(p);
     return static_cast<char*>(p) + a;
   };
-  ffi::Error e = tfclip::xla_glue::ApplyCudaStep(stream, alloc, ffi::RemainingArgs(&a, 0),
-                                                 ffi::RemainingRets(&r, 0), ffi::Dictionary(&at));
+  // The frame as XLA passes it at the execute stage (no API table: the body reads only buffers
+  // and attributes, and returns its status).
+  XLA_FFI_CallFrame frame;
+  std::memset(&frame, 0, sizeof(frame));
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
+  frame.args = a;
+  frame.rets = r;
+  frame.attrs = at;
+  const tfclip::xla_glue::FfiStatus e =
+      tfclip::xla_glue::ApplyCudaStep(stream, alloc, tfclip::xla_glue::FfiFrame(&frame));
   tfclip::cuda::StreamSynchronize(stream);  // the workspace is freed below
   for (void* p : allocated) tfclip::cuda::DeviceFree(p);
-  if (e.success()) return 0;
+  if (e.ok()) return 0;
   std::snprintf(err, static_cast<size_t>(err_len), "%s", e.message().c_str());
   return 1;
 }

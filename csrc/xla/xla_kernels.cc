@@ -32,14 +32,12 @@
 #include "csrc/core/rule_table.h"
 #include "csrc/tf/apply_op_attrs.h"
 #include "csrc/xla/custom_calls.h"
+#include "csrc/xla/xla_builder_compat.h"
 #include "tensorflow/compiler/tf2xla/type_util.h"
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
 #include "tensorflow/compiler/tf2xla/xla_op_registry.h"
 #include "tensorflow/core/framework/kernel_def_builder.h"
 #include "tensorflow/core/framework/op_kernel.h"
-#include "xla/hlo/builder/lib/arithmetic.h"
-#include "xla/hlo/builder/lib/constants.h"
-#include "xla/hlo/builder/xla_builder.h"
 #include "xla/shape_util.h"
 
 namespace tfclip {

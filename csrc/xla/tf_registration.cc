@@ -1,0 +1,71 @@
+// tfclip XLA glue: the custom-call handlers (handlers.h) joined to TF's XLA registry when the op
+// library loads.
+//
+// TF's typed-FFI API is XLA_FFI_GetApi, the C API's entry, exported by libtensorflow_framework
+// from TF 2.20 on. TF 2.18 and 2.19 export only the C++ function xla::ffi::GetXlaFfiApi() (in
+// libtensorflow_cc), which returns the same table. Both are weak references here, so the library
+// loads on every version and uses whichever the loaded TF has (measured 2026-11-27 with nm -D:
+// 2.21 and 2.20 export both; 2.19 and 2.18 only the C++ one).
+#include <cstdio>
+#include <string>
+
+#include "csrc/xla/custom_calls.h"
+#include "csrc/xla/ffi_frame.h"
+#include "csrc/xla/handlers.h"
+
+#pragma weak XLA_FFI_GetApi
+namespace xla {
+namespace ffi {
+const XLA_FFI_Api* GetXlaFfiApi() __attribute__((weak));
+}  // namespace ffi
+}  // namespace xla
+
+namespace tfclip {
+namespace xla_glue {
+namespace {
+
+const XLA_FFI_Api* TfFfiApi() {
+  if (&XLA_FFI_GetApi != nullptr) return XLA_FFI_GetApi();
+  if (&::xla::ffi::GetXlaFfiApi != nullptr) return ::xla::ffi::GetXlaFfiApi();
+  return nullptr;
+}
+
+bool RegisterAll() {
+  struct Entry {
+    const char* target;
+    const char* platform;
+    XLA_FFI_Handler* handler;
+  };
+  static const Entry kEntries[] = {
+      {kNormTarget, "Host", tfclip_norm_host},
+      {kClipTarget, "Host", tfclip_clip_host},
+      {kApplyTarget, "Host", tfclip_apply_host},
+#if TFCLIP_WITH_CUDA
+      {kNormTarget, "CUDA", tfclip_norm_cuda},
+      {kClipTarget, "CUDA", tfclip_clip_cuda},
+      {kApplyTarget, "CUDA", tfclip_apply_cuda},
+#endif
+  };
+  const XLA_FFI_Api* api = TfFfiApi();
+  if (api == nullptr) {
+    std::fprintf(stderr, "tfclip: this TensorFlow exports no typed-FFI API (XLA_FFI_GetApi); "
+                         "tfclip's ops cannot run under jit_compile=True\n");
+    return false;
+  }
+  bool ok = true;
+  for (const Entry& e : kEntries) {
+    const std::string err = RegisterHandler(api, e.target, e.platform, e.handler);
+    if (!err.empty()) {
+      std::fprintf(stderr, "tfclip: could not register the XLA custom call %s on %s: %s\n", e.target,
+                   e.platform, err.c_str());
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+const bool kRegistered = RegisterAll();
+
+}  // namespace
+}  // namespace xla_glue
+}  // namespace tfclip
