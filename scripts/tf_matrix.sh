@@ -17,8 +17,8 @@ VERSIONS=("$@")
 # drop-ins, the Keras drop-ins and a tf.distribute run (Keras 3: not on 2.15, where
 # test_tf_versions checks that tfclip.keras names the problem), the build's version checks, and
 # XLA where built.
-KERAS3_ONLY="tests/test_keras.py tests/test_distribute.py::test_mirrored_two_replicas"
-SUBSET="${SUBSET:-tests/test_adding_a_rule.py tests/test_adaptive_clip.py tests/test_norm_clip.py tests/test_gradients.py tests/test_apply.py tests/test_compat_v1.py tests/test_keras.py tests/test_tf_versions.py tests/test_xla.py tests/test_distribute.py::test_mirrored_two_replicas}"
+KERAS3_ONLY="tests/test_keras.py tests/test_keras_xla.py tests/test_distribute.py::test_mirrored_two_replicas"
+SUBSET="${SUBSET:-tests/test_adding_a_rule.py tests/test_adaptive_clip.py tests/test_norm_clip.py tests/test_gradients.py tests/test_apply.py tests/test_compat_v1.py tests/test_keras.py tests/test_tf_versions.py tests/test_xla.py tests/test_keras_xla.py tests/test_distribute.py::test_mirrored_two_replicas}"
 ROOT="${MATRIX_DIR:-/tmp/tfclip-matrix}"
 export TFCLIP_SOURCE_DIR="$PWD"  # tests/test_tf_versions.py reads build_backend/ and CMakeLists.txt there
 mkdir -p "$ROOT"

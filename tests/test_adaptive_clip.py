@@ -16,7 +16,7 @@ SPIKES = (31, 47, 48)  # gradients x100 at these steps
 
 
 def _skip_jit_without_xla_kernels(graph):
-    """fused_clip_apply under jit_compile needs tfclip's XLA kernels (built for TF 2.20 and 2.21)."""
+    """fused_clip_apply under jit_compile needs tfclip's XLA kernels (built for TF 2.17-2.21)."""
     if graph == "jit_compile":
         from test_xla import HAVE_XLA, WHY
 

@@ -104,20 +104,26 @@ def test_fit_with_jit_compile_trains_as_without_xla(name, feature):
 
 
 def test_fit_with_jit_compile_and_mixed_float16_loss_scaling():
+    """LossScaleOptimizer around the drop-in under mixed_float16, compiled with and without XLA:
+    each run equals stock Keras Adam's run compiled the same way. (Not XLA against no XLA: the
+    model's own float16 math differs between them on TF 2.17, by 0.05 in a weight after an epoch,
+    stock Keras's too.)"""
     x, y = _data()
-    out = []
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         for jit in (False, True):
-            model = _model()
-            opt = keras.optimizers.LossScaleOptimizer(tfclip.keras.Adam(0.01, global_clipnorm=1.0))
-            model.compile(optimizer=opt, loss="mse", jit_compile=jit)
-            model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
-            out.append(model.get_weights())
+            out = []
+            for cls in (tfclip.keras.Adam, keras.optimizers.Adam):
+                model = _model()
+                opt = keras.optimizers.LossScaleOptimizer(cls(0.01, global_clipnorm=1.0))
+                model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+                model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+                out.append(model.get_weights())
+            for a, b in zip(*out):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                           rtol=1e-5, atol=1e-6, err_msg=f"jit_compile={jit}")
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    for a, b in zip(*out):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=5e-3, atol=5e-3)
 
 
 def _v1_stepper(opt, vs):

@@ -98,7 +98,8 @@ def _xla_fallback_reason(opt, grads, tvars):
         import tfclip._build_info as _build_info
 
         return (f"this build of tfclip has no XLA kernels (built against TensorFlow "
-                f"{_build_info.TF_VERSION}; its XLA glue is built for TF 2.20 and 2.21)")
+                f"{_build_info.TF_VERSION}: {_build_info.XLA_WHY_NOT or 'the build left them out'}; "
+                f"docs/xla.md, Versions)")
     # On GPU the XLA kernel densifies IndexedSlices (XLA keeps their indices on the device), which
     # cannot give lazy_sparse's rows or stock Keras's sum of a repeated row's squares.
     if (any(isinstance(g, tf.IndexedSlices) for g in grads) and any("GPU" in v.device for v in tvars)

@@ -10,16 +10,6 @@ namespace xla_glue {
 
 namespace {
 
-const char* StageName(int s) {
-  switch (s) {
-    case XLA_FFI_ExecutionStage_INSTANTIATE: return "instantiate";
-    case XLA_FFI_ExecutionStage_PREPARE: return "prepare";
-    case XLA_FFI_ExecutionStage_INITIALIZE: return "initialize";
-    case XLA_FFI_ExecutionStage_EXECUTE: return "execute";
-    default: return "unknown";
-  }
-}
-
 XLA_FFI_Error* MakeError(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const std::string& message) {
   XLA_FFI_Error_Create_Args a;
   std::memset(&a, 0, sizeof(a));
@@ -29,14 +19,13 @@ XLA_FFI_Error* MakeError(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const 
   return api->XLA_FFI_Error_Create(&a);
 }
 
-// The metadata's state type (API 0.2 on): none, tfclip's handlers are stateless. Absent in 0.1.
-template <typename M>
-auto ClearStateType(M* m, int) -> decltype(m->state_type_id, void()) {
-  m->state_type_id.type_id = 0;  // XLA_FFI_UNKNOWN_TYPE_ID
-}
-template <typename M>
-void ClearStateType(M*, long) {}
 
+// The calls some APIs lack, each asked for at compile time (the member exists in this c_api.h)
+// and at run time (the runtime's table is long enough to hold it), and called through its own
+// argument type, so this file compiles against every version's header. Without them:
+//   XLA_FFI_ThreadPool_NumThreads (from 0.1 on TF 2.19): the part count comes from the machine;
+//   XLA_FFI_ThreadPool_Schedule (from 0.1): the caller runs every part (TF 2.17: one thread);
+//   XLA_FFI_DeviceMemory_Allocate (from 0.1): no scratch (TF 2.17's CUDA handlers refuse the call).
 template <typename F>
 struct ArgsOf;
 template <typename R, typename A>
@@ -44,17 +33,16 @@ struct ArgsOf<R (*)(A*)> {
   using type = A;
 };
 
-// XLA_FFI_ThreadPool_NumThreads where the API has it (0.1 from TF 2.19, 0.2), read through the
-// function's own argument type so the code compiles where it does not (TF 2.18).
+// (Api is the template's parameter: the member is named only where the overload exists.)
+#define TFCLIP_FFI_HAS(api, fn) \
+  ((api)->struct_size >= offsetof(Api, fn) + sizeof(void*) && (api)->fn != nullptr)
+
 template <typename Api>
 auto PoolThreads(const Api* api, XLA_FFI_ExecutionContext* ctx, int64_t* n, int)
     -> decltype(api->XLA_FFI_ThreadPool_NumThreads, (XLA_FFI_Error*)nullptr) {
   using Args = typename ArgsOf<decltype(api->XLA_FFI_ThreadPool_NumThreads)>::type;
-  if (api->struct_size < offsetof(Api, XLA_FFI_ThreadPool_NumThreads) + sizeof(void*) ||
-      api->XLA_FFI_ThreadPool_NumThreads == nullptr) {
-    *n = -1;
-    return nullptr;
-  }
+  *n = -1;
+  if (!TFCLIP_FFI_HAS(api, XLA_FFI_ThreadPool_NumThreads)) return nullptr;
   Args a;
   std::memset(&a, 0, sizeof(a));
   a.struct_size = sizeof(Args);
@@ -67,6 +55,78 @@ XLA_FFI_Error* PoolThreads(const Api*, XLA_FFI_ExecutionContext*, int64_t* n, lo
   *n = -1;
   return nullptr;
 }
+
+// (false, nullptr): no such call; (false, error): the runtime refused.
+template <typename Api>
+auto PoolSchedule(const Api* api, XLA_FFI_ExecutionContext* ctx, FfiTask task, void* data,
+                  XLA_FFI_Error** err, int) -> decltype(api->XLA_FFI_ThreadPool_Schedule, bool()) {
+  using Args = typename ArgsOf<decltype(api->XLA_FFI_ThreadPool_Schedule)>::type;
+  *err = nullptr;
+  if (!TFCLIP_FFI_HAS(api, XLA_FFI_ThreadPool_Schedule)) return false;
+  Args a;
+  std::memset(&a, 0, sizeof(a));
+  a.struct_size = sizeof(Args);
+  a.ctx = ctx;
+  a.task = task;
+  a.data = data;
+  *err = api->XLA_FFI_ThreadPool_Schedule(&a);
+  return *err == nullptr;
+}
+template <typename Api>
+bool PoolSchedule(const Api*, XLA_FFI_ExecutionContext*, FfiTask, void*, XLA_FFI_Error** err, long) {
+  *err = nullptr;
+  return false;
+}
+
+template <typename Api>
+auto DeviceAllocate(const Api* api, XLA_FFI_ExecutionContext* ctx, size_t bytes, size_t alignment,
+                    void** out, XLA_FFI_Error** err, int)
+    -> decltype(api->XLA_FFI_DeviceMemory_Allocate, bool()) {
+  using Args = typename ArgsOf<decltype(api->XLA_FFI_DeviceMemory_Allocate)>::type;
+  *err = nullptr;
+  if (!TFCLIP_FFI_HAS(api, XLA_FFI_DeviceMemory_Allocate)) return false;
+  Args a;
+  std::memset(&a, 0, sizeof(a));
+  a.struct_size = sizeof(Args);
+  a.ctx = ctx;
+  a.size = bytes;
+  a.alignment = alignment;
+  *err = api->XLA_FFI_DeviceMemory_Allocate(&a);
+  *out = a.data;
+  return *err == nullptr;
+}
+template <typename Api>
+bool DeviceAllocate(const Api*, XLA_FFI_ExecutionContext*, size_t, size_t, void**, XLA_FFI_Error** err, long) {
+  *err = nullptr;
+  return false;
+}
+
+// XLA's metadata query (API 0.1 on): a call frame whose first extension asks the handler which
+// API version it was built against. Answered with the c_api.h compiled against, no traits, no
+// state. 0.0 (TF 2.17) has no extensions.
+#if XLA_FFI_API_MAJOR > 0 || XLA_FFI_API_MINOR >= 1
+// The metadata's state type (API 0.2 on): none, tfclip's handlers are stateless. Absent in 0.1.
+template <typename M>
+auto ClearStateType(M* m, int) -> decltype(m->state_type_id, void()) {
+  m->state_type_id.type_id = 0;  // XLA_FFI_UNKNOWN_TYPE_ID
+}
+template <typename M>
+void ClearStateType(M*, long) {}
+
+bool AnswerMetadataQuery(XLA_FFI_CallFrame* f) {
+  if (f->extension_start == nullptr || f->extension_start->type != XLA_FFI_Extension_Metadata) return false;
+  XLA_FFI_Metadata* m = reinterpret_cast<XLA_FFI_Metadata_Extension*>(f->extension_start)->metadata;
+  m->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  m->api_version.extension_start = nullptr;
+  m->api_version.major_version = XLA_FFI_API_MAJOR;
+  m->api_version.minor_version = XLA_FFI_API_MINOR;
+  m->traits = 0;
+  ClearStateType(m, 0);
+  return true;
+}
+#else
+bool AnswerMetadataQuery(XLA_FFI_CallFrame*) { return false; }
+#endif
 
 FfiBuffer ToBuffer(void* p) {
   const auto* b = static_cast<const XLA_FFI_Buffer*>(p);
@@ -156,18 +216,11 @@ FfiStatus FfiFrame::Stream(void** out) const {
 }
 
 std::optional<void*> FfiFrame::Allocate(size_t bytes, size_t alignment) const {
-  XLA_FFI_DeviceMemory_Allocate_Args a;
-  std::memset(&a, 0, sizeof(a));
-  a.struct_size = XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE;
-  a.ctx = f_->ctx;
-  a.size = bytes;
-  a.alignment = alignment;
-  XLA_FFI_Error* e = f_->api->XLA_FFI_DeviceMemory_Allocate(&a);
-  if (e != nullptr) {
-    Drop(e);
-    return std::nullopt;
-  }
-  return a.data;
+  void* p = nullptr;
+  XLA_FFI_Error* e = nullptr;
+  if (DeviceAllocate(f_->api, f_->ctx, bytes, alignment, &p, &e, 0)) return p;
+  Drop(e);
+  return std::nullopt;
 }
 
 int64_t FfiFrame::NumThreads() const {
@@ -180,15 +233,9 @@ int64_t FfiFrame::NumThreads() const {
   return n;
 }
 
-bool FfiFrame::Schedule(XLA_FFI_Task* task, void* data) const {
-  XLA_FFI_ThreadPool_Schedule_Args a;
-  std::memset(&a, 0, sizeof(a));
-  a.struct_size = XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE;
-  a.ctx = f_->ctx;
-  a.task = task;
-  a.data = data;
-  XLA_FFI_Error* e = f_->api->XLA_FFI_ThreadPool_Schedule(&a);
-  if (e == nullptr) return true;
+bool FfiFrame::Schedule(FfiTask task, void* data) const {
+  XLA_FFI_Error* e = nullptr;
+  if (PoolSchedule(f_->api, f_->ctx, task, data, &e, 0)) return true;
   Drop(e);
   return false;
 }
@@ -198,21 +245,11 @@ XLA_FFI_Error* RunHandler(XLA_FFI_CallFrame* f, FfiBody body) {
     return MakeError(f->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
                      "tfclip custom call: XLA's call frame is older than the FFI tfclip was built against");
   }
-  if (f->extension_start != nullptr && f->extension_start->type == XLA_FFI_Extension_Metadata) {
-    auto* ext = reinterpret_cast<XLA_FFI_Metadata_Extension*>(f->extension_start);
-    XLA_FFI_Metadata* m = ext->metadata;
-    m->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
-    m->api_version.extension_start = nullptr;
-    m->api_version.major_version = XLA_FFI_API_MAJOR;
-    m->api_version.minor_version = XLA_FFI_API_MINOR;
-    m->traits = 0;
-    ClearStateType(m, 0);
-    return nullptr;
-  }
+  if (AnswerMetadataQuery(f)) return nullptr;
   if (f->stage != XLA_FFI_ExecutionStage_EXECUTE) {
     return MakeError(f->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
-                     std::string("tfclip custom call: called at the ") + StageName(f->stage) +
-                         " stage; it has only an execute stage");
+                     "tfclip custom call: called at stage " + std::to_string(static_cast<int>(f->stage)) +
+                         "; it has only an execute stage");
   }
   const FfiStatus s = body(FfiFrame(f));
   return s.ok() ? nullptr : MakeError(f->api, s.code(), s.message());

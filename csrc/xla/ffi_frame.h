@@ -61,6 +61,9 @@ struct FfiBuffer {
   }
 };
 
+// A task for XLA:CPU's thread pool (XLA_FFI_Task, which API 0.0 lacks).
+using FfiTask = void (*)(void* data);
+
 // One call of a handler: what XLA passes, and what the call's context offers.
 class FfiFrame {
  public:
@@ -82,7 +85,7 @@ class FfiFrame {
   // XLA_FFI_ThreadPool_NumThreads); and a task scheduled on it, false when there is no pool
   // (the caller then runs the work itself).
   int64_t NumThreads() const;
-  bool Schedule(XLA_FFI_Task* task, void* data) const;
+  bool Schedule(FfiTask task, void* data) const;
 
  private:
   FfiStatus Attr(const char* name, XLA_FFI_AttrType type, void** out) const;
