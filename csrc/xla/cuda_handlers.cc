@@ -28,8 +28,9 @@ FfiStatus CudaError(const std::string& e) {
   return e.empty() ? FfiStatus::Ok() : FfiStatus::Internal(e);
 }
 
-// XLA's scratch allocator for the step's device workspace.
+// XLA's scratch allocator for the step's device workspace; none where the API has none.
 CudaAllocFn ScratchOf(const FfiFrame& f) {
+  if (!f.HasAllocator()) return CudaAllocFn();
   return [&f](size_t b) { return f.Allocate(b, kXlaScratchAlign); };
 }
 
@@ -46,11 +47,15 @@ cuda::OwnedWorkspace& TableRing() {
 std::string XlaCudaMemory::Acquire(size_t host_bytes, size_t device_bytes, void** host, void** device) {
   lock_ = std::unique_lock<std::mutex>(g_table_mu);
   void* unused = nullptr;
-  std::string e = TableRing().Acquire(host_bytes, 0, stream_, host, &unused);
+  // Without XLA's allocator the ring holds the device workspace too (cudaMalloc'd, so aligned to
+  // 256 = cuda::kWorkspaceAlign).
+  std::string e = TableRing().Acquire(host_bytes, alloc_ ? 0 : device_bytes, stream_, host,
+                                      alloc_ ? &unused : device);
   if (!e.empty()) {
     lock_.unlock();
     return e;
   }
+  if (!alloc_) return "";
   // The driver's workspace is aligned to cuda::kWorkspaceAlign; XLA grants kXlaScratchAlign.
   static_assert(kXlaScratchAlign <= 16, "XLA's FFI scratch allocator refuses an alignment above 16");
   constexpr size_t kAlign = cuda::kWorkspaceAlign;

@@ -20,7 +20,9 @@ namespace xla_glue {
 // may ask (XLA's XLA_FFI_DeviceMemory_Allocate refuses an alignment above 16, its kMaxAlignment,
 // xla/ffi/ffi_api.cc). Found on an H200 under JAX (2026-11-27): asking 256, then 64, failed every
 // step ("could not allocate the step's device workspace"). XlaCudaMemory aligns the workspace
-// itself.
+// itself. An empty function: the runtime has no scratch allocator (FFI API 0.0, TF 2.17), and
+// the workspace comes from the ring's own device buffers, reused once the stream has passed
+// their step (as the tensor tables).
 using CudaAllocFn = std::function<std::optional<void*>(size_t)>;
 inline constexpr size_t kXlaScratchAlign = 16;
 

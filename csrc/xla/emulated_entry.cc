@@ -49,7 +49,8 @@ struct Buffers {
 extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_test(
     void* stream, int nargs, const int32_t* arg_dtypes, void* const* arg_data, const int64_t* arg_ranks,
     const int64_t* arg_dims, int nrets, const int32_t* ret_dtypes, void* const* ret_data,
-    const int64_t* ret_ranks, const int64_t* ret_dims, const int64_t* attr_values, char* err, int err_len) {
+    const int64_t* ret_ranks, const int64_t* ret_dims, const int64_t* attr_values, int xla_scratch,
+    char* err, int err_len) {
   Buffers args, rets;
   args.Build(nargs, arg_dtypes, arg_data, arg_ranks, arg_dims);
   rets.Build(nrets, ret_dtypes, ret_data, ret_ranks, ret_dims);
@@ -90,7 +91,9 @@ extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_
   // As XLA's scratch allocator: memory aligned to kXlaScratchAlign and no more (here exactly
   // that, off any larger boundary), so the handler's own alignment of its workspace runs.
   std::vector<void*> allocated;
-  tfclip::xla_glue::CudaAllocFn alloc = [&allocated](size_t bytes) -> std::optional<void*> {
+  // xla_scratch 0: a runtime without a scratch allocator (FFI API 0.0, TF 2.17).
+  tfclip::xla_glue::CudaAllocFn alloc;
+  if (xla_scratch) alloc = [&allocated](size_t bytes) -> std::optional<void*> {
     void* p = nullptr;
     const size_t a = tfclip::xla_glue::kXlaScratchAlign;
     if (!tfclip::cuda::DeviceAlloc(&p, bytes + a).empty()) return std::nullopt;

@@ -25,7 +25,8 @@ XLA_FFI_Error* MakeError(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const 
 // argument type, so this file compiles against every version's header. Without them:
 //   XLA_FFI_ThreadPool_NumThreads (from 0.1 on TF 2.19): the part count comes from the machine;
 //   XLA_FFI_ThreadPool_Schedule (from 0.1): the caller runs every part (TF 2.17: one thread);
-//   XLA_FFI_DeviceMemory_Allocate (from 0.1): no scratch (TF 2.17's CUDA handlers refuse the call).
+//   XLA_FFI_DeviceMemory_Allocate (from 0.1): no scratch (TF 2.17: the CUDA handlers keep their
+//   own device buffers, cuda_handlers.cc).
 template <typename F>
 struct ArgsOf;
 template <typename R, typename A>
@@ -75,6 +76,15 @@ auto PoolSchedule(const Api* api, XLA_FFI_ExecutionContext* ctx, FfiTask task, v
 template <typename Api>
 bool PoolSchedule(const Api*, XLA_FFI_ExecutionContext*, FfiTask, void*, XLA_FFI_Error** err, long) {
   *err = nullptr;
+  return false;
+}
+
+template <typename Api>
+auto CanAllocate(const Api* api, int) -> decltype(api->XLA_FFI_DeviceMemory_Allocate, bool()) {
+  return TFCLIP_FFI_HAS(api, XLA_FFI_DeviceMemory_Allocate);
+}
+template <typename Api>
+bool CanAllocate(const Api*, long) {
   return false;
 }
 
@@ -214,6 +224,8 @@ FfiStatus FfiFrame::Stream(void** out) const {
   *out = a.stream;
   return FfiStatus::Ok();
 }
+
+bool FfiFrame::HasAllocator() const { return CanAllocate(f_->api, 0); }
 
 std::optional<void*> FfiFrame::Allocate(size_t bytes, size_t alignment) const {
   void* p = nullptr;

@@ -80,6 +80,8 @@ class FfiFrame {
   // The platform stream (CUDA: the cudaStream_t XLA runs the call on).
   FfiStatus Stream(void** out) const;
   // Device memory from XLA's allocator for the call's duration; nullopt when XLA refuses.
+  // HasAllocator: false where the API has none (0.0, TF 2.17).
+  bool HasAllocator() const;
   std::optional<void*> Allocate(size_t bytes, size_t alignment) const;
   // XLA:CPU's thread pool: its size, or -1 where the API cannot say (TF 2.18's 0.1 has no
   // XLA_FFI_ThreadPool_NumThreads); and a task scheduled on it, false when there is no pool

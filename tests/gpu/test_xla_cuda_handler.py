@@ -49,9 +49,11 @@ def _frame(bufs):
 
 
 def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_dt, grad_dt,
-                 mode, policy, agc_eps=1e-3, clipped_out=None):
+                 mode, policy, agc_eps=1e-3, clipped_out=None, scratch="xla"):
     """One tfclip_apply call as XLA makes it; returns (error or None, applied, norm,
-    tensor_norms, counter after). clipped_out: a list given the clipped_units result."""
+    tensor_norms, counter after). clipped_out: a list given the clipped_units result. scratch:
+    "xla", the workspace from an allocator as XLA's; "own", a runtime with none (the typed FFI's
+    API 0.0, TF 2.17), where the handler keeps its own device buffers."""
     n = len(vars_d)
     scal = to_dev(np.asarray(scalars, np.float64))
     cnt_in = to_dev(np.asarray(counter, np.int64).reshape(()))
@@ -70,7 +72,8 @@ def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_d
     attrs = [list(core.rule_table()).index(rule), 0, MODES[mode], POLICIES[policy], 1, 0, 0,
              len(slots_d), 1, int(np.float64(agc_eps).view(np.int64))]
     err = ctypes.create_string_buffer(4096)
-    rc = _entry()(None, *_frame(args), *_frame(rets), (ctypes.c_int64 * 10)(*attrs), err, 4096)
+    rc = _entry()(None, *_frame(args), *_frame(rets), (ctypes.c_int64 * 10)(*attrs),
+                  int(scratch == "xla"), err, 4096)
     if clipped_out is not None:
         clipped_out.append(to_host(clipped, np.int64).reshape(-1))
     if rc:
@@ -110,9 +113,10 @@ def _same_bits(got, want):
 RULES = list(core.rule_table())
 
 
+@pytest.mark.parametrize("scratch", ["xla", "own"])
 @pytest.mark.parametrize("mode", ["none", "global_norm", "value", "norm"])
 @pytest.mark.parametrize("rule", RULES)
-def test_handler_matches_cpu_driver(rng, rule, mode):
+def test_handler_matches_cpu_driver(rng, rule, mode, scratch):
     shapes = [(5,), (3, 4), (), (1000,)]
     var_dt, grad_dt = np.float32, np.float32
     vars_, grads, slots, values, hp = _problem(rng, rule, shapes, var_dt, grad_dt)
@@ -125,7 +129,8 @@ def test_handler_matches_cpu_driver(rng, rule, mode):
     clipped = []
     err, applied, norm, tn, counter = call_handler(rule, vars_d, slots_d, grads_d,
                                                    values + [clip, use_norm], 4, shapes, var_dt,
-                                                   grad_dt, mode, "skip", clipped_out=clipped)
+                                                   grad_dt, mode, "skip", clipped_out=clipped,
+                                                   scratch=scratch)
     assert err is None, err
     _same_bits(clipped[0], np.zeros(len(shapes), np.int64))  # no AGC: every count 0
     # The CPU driver, given the same counter (t = iterations + step).
@@ -160,8 +165,9 @@ def test_handler_mixed_dtypes(rng):
             _same_bits(to_host(d, var_dt), want)
 
 
+@pytest.mark.parametrize("scratch", ["xla", "own"])
 @pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_handler_nonfinite_writes_nothing(rng, policy):
+def test_handler_nonfinite_writes_nothing(rng, policy, scratch):
     shapes = [(5,), (3,)]
     vars_, grads, slots, values, hp = _problem(rng, "adam", shapes, np.float32, np.float32)
     vars_d = [to_dev(v) for v in vars_]
@@ -169,7 +175,8 @@ def test_handler_nonfinite_writes_nothing(rng, policy):
     grads_d = [to_dev(g) for g in grads]
     err, applied, norm, _, counter = call_handler("adam", vars_d, slots_d, grads_d,
                                                   values + [1.0, float("nan")], 2, shapes,
-                                                  np.float32, np.float32, "global_norm", policy)
+                                                  np.float32, np.float32, "global_norm", policy,
+                                                  scratch=scratch)
     if policy == "raise":
         assert err is not None and "non-finite" in err and "nonfinite='raise'" in err, err
     else:
