@@ -123,6 +123,8 @@ def compile_times(args, rng):
     methods = [("tfclip fused_clip_apply, XLA", tfclip_xla),
                ("tfclip.keras.Adam, XLA", keras_step(tfclip.keras.Adam)),
                ("Keras Adam(global_clipnorm), XLA", keras_step(keras.optimizers.Adam))]
+    if args.no_stock_compile:
+        methods = methods[:2]
     for name, mk in methods:
         print(f"  {name:<34} {first_call(mk):>7.1f} s")
 
@@ -133,6 +135,8 @@ def main():
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--compile-vars", type=int, default=4000)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-stock-compile", action="store_true",
+                   help="leave stock Keras out of the first-call table (minutes at 4,000 variables)")
     args = p.parse_args()
     print(f"TF {tf.__version__}, keras {keras.__version__}, {os.cpu_count()} CPUs")
     rng = np.random.default_rng(0)

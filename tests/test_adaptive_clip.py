@@ -21,7 +21,7 @@ def _skip_jit_without_xla_kernels(graph):
         from test_xla import HAVE_XLA, WHY
 
         if not HAVE_XLA:
-            pytest.skip(f"tfclip was built without its XLA kernels (TF 2.20 and 2.21 only): {WHY}")
+            pytest.skip(f"tfclip was built without its XLA kernels (TF 2.17 to 2.21): {WHY}")
 
 
 def _grads(steps, shapes, seed=0, spikes=SPIKES, nan_at=()):
