@@ -38,18 +38,35 @@ struct ArgsOf<R (*)(A*)> {
 #define TFCLIP_FFI_HAS(api, fn) \
   ((api)->struct_size >= offsetof(Api, fn) + sizeof(void*) && (api)->fn != nullptr)
 
-template <typename Api>
-auto PoolThreads(const Api* api, XLA_FFI_ExecutionContext* ctx, int64_t* n, int)
-    -> decltype(api->XLA_FFI_ThreadPool_NumThreads, (XLA_FFI_Error*)nullptr) {
-  using Args = typename ArgsOf<decltype(api->XLA_FFI_ThreadPool_NumThreads)>::type;
-  *n = -1;
-  if (!TFCLIP_FFI_HAS(api, XLA_FFI_ThreadPool_NumThreads)) return nullptr;
+// One call of api->fn through its own argument struct: zeroed, sized, filled by `fill`, and read
+// back by `out` (generic lambdas: they name the struct's members only where the call exists).
+template <typename Fn, typename Fill, typename Out>
+XLA_FFI_Error* CallWith(Fn* fn, Fill fill, Out out) {
+  using Args = typename ArgsOf<Fn*>::type;
   Args a;
   std::memset(&a, 0, sizeof(a));
   a.struct_size = sizeof(Args);
-  a.ctx = ctx;
-  a.num_threads = n;
-  return api->XLA_FFI_ThreadPool_NumThreads(&a);
+  fill(a);
+  XLA_FFI_Error* e = fn(&a);
+  out(a);
+  return e;
+}
+template <typename Fn, typename Fill>
+XLA_FFI_Error* CallWith(Fn* fn, Fill fill) {
+  return CallWith(fn, fill, [](auto&) {});
+}
+
+// Each call below: an overload taking `int` where the API has it, and one taking `long` (picked
+// where it does not) that says so. nullptr: no error (or no such call).
+template <typename Api>
+auto PoolThreads(const Api* api, XLA_FFI_ExecutionContext* ctx, int64_t* n, int)
+    -> decltype(api->XLA_FFI_ThreadPool_NumThreads, (XLA_FFI_Error*)nullptr) {
+  *n = -1;
+  if (!TFCLIP_FFI_HAS(api, XLA_FFI_ThreadPool_NumThreads)) return nullptr;
+  return CallWith(api->XLA_FFI_ThreadPool_NumThreads, [&](auto& a) {
+    a.ctx = ctx;
+    a.num_threads = n;
+  });
 }
 template <typename Api>
 XLA_FFI_Error* PoolThreads(const Api*, XLA_FFI_ExecutionContext*, int64_t* n, long) {
@@ -57,20 +74,17 @@ XLA_FFI_Error* PoolThreads(const Api*, XLA_FFI_ExecutionContext*, int64_t* n, lo
   return nullptr;
 }
 
-// (false, nullptr): no such call; (false, error): the runtime refused.
+// false with *err == nullptr: no such call.
 template <typename Api>
 auto PoolSchedule(const Api* api, XLA_FFI_ExecutionContext* ctx, FfiTask task, void* data,
                   XLA_FFI_Error** err, int) -> decltype(api->XLA_FFI_ThreadPool_Schedule, bool()) {
-  using Args = typename ArgsOf<decltype(api->XLA_FFI_ThreadPool_Schedule)>::type;
   *err = nullptr;
   if (!TFCLIP_FFI_HAS(api, XLA_FFI_ThreadPool_Schedule)) return false;
-  Args a;
-  std::memset(&a, 0, sizeof(a));
-  a.struct_size = sizeof(Args);
-  a.ctx = ctx;
-  a.task = task;
-  a.data = data;
-  *err = api->XLA_FFI_ThreadPool_Schedule(&a);
+  *err = CallWith(api->XLA_FFI_ThreadPool_Schedule, [&](auto& a) {
+    a.ctx = ctx;
+    a.task = task;
+    a.data = data;
+  });
   return *err == nullptr;
 }
 template <typename Api>
@@ -92,17 +106,16 @@ template <typename Api>
 auto DeviceAllocate(const Api* api, XLA_FFI_ExecutionContext* ctx, size_t bytes, size_t alignment,
                     void** out, XLA_FFI_Error** err, int)
     -> decltype(api->XLA_FFI_DeviceMemory_Allocate, bool()) {
-  using Args = typename ArgsOf<decltype(api->XLA_FFI_DeviceMemory_Allocate)>::type;
   *err = nullptr;
   if (!TFCLIP_FFI_HAS(api, XLA_FFI_DeviceMemory_Allocate)) return false;
-  Args a;
-  std::memset(&a, 0, sizeof(a));
-  a.struct_size = sizeof(Args);
-  a.ctx = ctx;
-  a.size = bytes;
-  a.alignment = alignment;
-  *err = api->XLA_FFI_DeviceMemory_Allocate(&a);
-  *out = a.data;
+  *err = CallWith(
+      api->XLA_FFI_DeviceMemory_Allocate,
+      [&](auto& a) {
+        a.ctx = ctx;
+        a.size = bytes;
+        a.alignment = alignment;
+      },
+      [&](auto& a) { *out = a.data; });
   return *err == nullptr;
 }
 template <typename Api>
@@ -110,7 +123,6 @@ bool DeviceAllocate(const Api*, XLA_FFI_ExecutionContext*, size_t, size_t, void*
   *err = nullptr;
   return false;
 }
-
 // XLA's metadata query (API 0.1 on): a call frame whose first extension asks the handler which
 // API version it was built against. Answered with the c_api.h compiled against, no traits, no
 // state. 0.0 (TF 2.17) has no extensions.
