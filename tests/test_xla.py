@@ -543,6 +543,29 @@ def test_import_after_first_xla_compilation_gets_the_kernels(tmp_path):
     assert "OK [0.5, 1.5]" in out.stdout
 
 
+def test_the_handlers_joined_tfs_xla_registry():
+    """The op library registered its custom-call handlers with TF's typed FFI when it loaded
+    (csrc/xla/tf_registration.cc, through XLA_FFI_GetApi or, on TF 2.17-2.19,
+    xla::ffi::GetXlaFfiApi)."""
+    from tfclip import _loader
+
+    assert _loader._xla_handlers_registered()
+
+
+def test_handlers_not_registered_means_no_xla_kernels(monkeypatch):
+    """Kernels whose handlers could not join XLA's registry would compile calls nothing can run:
+    such a build counts as having no XLA kernels, so the Keras drop-ins take the warned stock
+    step instead of failing at run time."""
+    from tfclip import _loader
+
+    monkeypatch.setattr(_loader, "_XLA", None)
+    monkeypatch.setattr(_loader, "_xla_handlers_registered", lambda: False)
+    assert not _loader.xla_kernels()
+    monkeypatch.setattr(_loader, "_XLA", None)
+    monkeypatch.undo()
+    assert _loader.xla_kernels()
+
+
 # ---------------------------------------------------------------- the Keras drop-ins
 # tfclip.keras runs the stock Keras ops in an XLA context only in a build without these kernels
 # (tests/test_keras_xla.py tests the drop-ins as users run them). With the detection off, its own

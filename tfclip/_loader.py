@@ -81,8 +81,17 @@ def xla_kernels():
 
         ops()  # registers them, if built
         found = kernels.get_registered_kernels_for_op("TfclipGlobalNorm").kernel
-        _XLA = any(k.device_type == "XLA_CPU_JIT" for k in found)
+        _XLA = any(k.device_type == "XLA_CPU_JIT" for k in found) and _xla_handlers_registered()
     return _XLA
+
+
+def _xla_handlers_registered():
+    """Whether the op library's custom-call handlers joined TF's XLA registry when it loaded
+    (csrc/xla/tf_registration.cc; a TF whose typed FFI they cannot join prints why)."""
+    import ctypes
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(__file__), "_tfclip_ops.so"))  # (already loaded)
+    return bool(getattr(lib, "tfclip_xla_handlers_registered", lambda: 0)())
 
 
 def ops():

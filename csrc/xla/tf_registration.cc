@@ -69,3 +69,9 @@ const bool kRegistered = RegisterAll();
 }  // namespace
 }  // namespace xla_glue
 }  // namespace tfclip
+
+// Whether every handler joined TF's registry (tfclip/_loader.py: without them the XLA kernels
+// would compile calls nothing can run, so the front doors take the stock fallback instead).
+extern "C" __attribute__((visibility("default"))) int tfclip_xla_handlers_registered() {
+  return tfclip::xla_glue::kRegistered ? 1 : 0;
+}
