@@ -38,9 +38,11 @@ pytestmark = pytest.mark.skipif(
 
 
 # The error a bad input raises from inside a compiled step: XLA passes the handler's code on
-# (INVALID_ARGUMENT) from TF 2.18 on; TF 2.17's XLA:CPU reports any custom call's failure as
-# INTERNAL ("CustomCall failed: " + tfclip's message). The message is tfclip's on every version.
-BAD_INPUT = tf.errors.InternalError if tf.__version__.startswith("2.17.") else tf.errors.InvalidArgumentError
+# (INVALID_ARGUMENT) from TF 2.18 on; TF 2.17's and 2.16's XLA:CPU report any custom call's
+# failure as INTERNAL ("CustomCall failed: " + tfclip's message). The message is tfclip's on every
+# version.
+BAD_INPUT = (tf.errors.InternalError if tf.__version__.startswith(("2.16.", "2.17."))
+             else tf.errors.InvalidArgumentError)
 
 
 def assert_same_bits(a, b, what):
@@ -546,7 +548,7 @@ def test_import_after_first_xla_compilation_gets_the_kernels(tmp_path):
 def test_the_handlers_joined_tfs_xla_registry():
     """The op library registered its custom-call handlers with TF's typed FFI when it loaded
     (csrc/xla/tf_registration.cc, through XLA_FFI_GetApi or, on TF 2.17-2.19,
-    xla::ffi::GetXlaFfiApi)."""
+    xla::ffi::GetXlaFfiApi; on TF 2.16, legacy entries in XLA's custom-call target registry)."""
     from tfclip import _loader
 
     assert _loader._xla_handlers_registered()

@@ -19,6 +19,7 @@
 #include "csrc/xla/custom_calls.h"
 #include "csrc/xla/ffi_common.h"
 #include "csrc/xla/handlers.h"
+#include "csrc/xla/legacy_call.h"
 
 namespace tfclip {
 namespace xla_glue {
@@ -181,7 +182,13 @@ FfiStatus ApplyCuda(const FfiFrame& f) {
 #if !TFCLIP_XLA_EMULATED_TEST
 // The C entries (handlers.h). (The emulated-CUDA _core runs ApplyCudaStep without XLA:
 // emulated_entry.cc.)
+#if TFCLIP_XLA_TYPED_FFI
 TFCLIP_EXPORT_HANDLER(tfclip_norm_cuda, tfclip::xla_glue::NormCuda)
 TFCLIP_EXPORT_HANDLER(tfclip_clip_cuda, tfclip::xla_glue::ClipCuda)
 TFCLIP_EXPORT_HANDLER(tfclip_apply_cuda, tfclip::xla_glue::ApplyCuda)
+#else
+TFCLIP_EXPORT_LEGACY_CUDA_HANDLER(tfclip_norm_cuda_legacy, tfclip::xla_glue::NormCuda)
+TFCLIP_EXPORT_LEGACY_CUDA_HANDLER(tfclip_clip_cuda_legacy, tfclip::xla_glue::ClipCuda)
+TFCLIP_EXPORT_LEGACY_CUDA_HANDLER(tfclip_apply_cuda_legacy, tfclip::xla_glue::ApplyCuda)
+#endif
 #endif

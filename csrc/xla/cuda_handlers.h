@@ -40,6 +40,8 @@ class XlaCudaMemory : public cuda::CudaStepMemory {
 
 // The CUDA apply handler's body, on a call frame (custom_calls.h order).
 FfiStatus ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const FfiFrame& f);
+// The same with the frame's stream and scratch allocator (what the handler's entries run).
+FfiStatus ApplyCuda(const FfiFrame& f);
 
 }  // namespace xla_glue
 }  // namespace tfclip

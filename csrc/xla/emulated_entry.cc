@@ -3,9 +3,12 @@
 // with dtype and dims, results after arguments, attributes sorted by name), so the handler is
 // exercised without XLA and without a GPU: on the emulated-CUDA build of _core
 // (-DTFCLIP_CUDA_EMULATION=ON), from tests/gpu/test_xla_cuda_handler.py through ctypes. The
-// workspace comes from cudaMalloc here (XLA's scratch allocator in the real handler).
+// workspace comes from cudaMalloc here (XLA's scratch allocator in the real handler). Or, as TF
+// 2.16's XLA calls it, a legacy call (legacy_call.h): the buffers' addresses, operands then
+// results, and the opaque string the XLA kernel writes, through the legacy entries' own runner.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -13,7 +16,19 @@
 #include "csrc/core/cuda_workspace.h"
 #include "csrc/xla/cuda_handlers.h"
 #include "csrc/xla/ffi_frame.h"
+#include "csrc/xla/legacy_call.h"
 #include "xla/ffi/api/c_api.h"
+
+// XLA's status object as this test sees it (XLA's own, in TF 2.16, is not linked in here).
+struct XlaCustomCallStatus_ {
+  bool failed = false;
+  std::string message;
+};
+
+void tfclip::xla_glue::SetLegacyFailure(XlaCustomCallStatus_* status, const std::string& message) {
+  status->failed = true;
+  status->message = message;
+}
 
 namespace {
 
@@ -41,11 +56,45 @@ struct Buffers {
   }
 };
 
+const char* const kAttrNames[] = {"rule", "flags", "mode", "policy", "has_use_norm", "lazy",
+                                  "sum_of_squares", "nslots", "has_iterations", "agc_eps_bits"};
+
+// A legacy call of the handler (TF 2.16's XLA): its descriptor string as the XLA kernel writes it
+// (EncodeLegacyCall), the buffers' addresses, operands then results.
+int LegacyApply(void* stream, const Buffers& args, const Buffers& rets, const int64_t* attr_values,
+                const char* const* names, char* err, int err_len) {
+  using tfclip::xla_glue::LegacyAttr;
+  using tfclip::xla_glue::LegacyShape;
+  std::vector<LegacyShape> a, r;
+  for (const auto* in : {&args, &rets}) {
+    for (const XLA_FFI_Buffer& b : in->bufs) {
+      (in == &args ? a : r).push_back(LegacyShape{static_cast<int64_t>(b.dtype),
+                                                  std::vector<int64_t>(b.dims, b.dims + b.rank)});
+    }
+  }
+  std::vector<LegacyAttr> attrs;
+  for (int k = 0; k < 10; ++k) attrs.push_back(LegacyAttr{names[k], false, {attr_values[k]}});
+  attrs.push_back(LegacyAttr{"sparse", true, {}});
+  const std::string opaque = tfclip::xla_glue::EncodeLegacyCall(a, r, attrs);
+  std::vector<void*> buffers;
+  for (const XLA_FFI_Buffer& b : args.bufs) buffers.push_back(b.data);
+  for (const XLA_FFI_Buffer& b : rets.bufs) buffers.push_back(b.data);
+  XlaCustomCallStatus_ status;
+  tfclip::xla_glue::RunLegacyCuda(stream, buffers.data(), opaque.data(), opaque.size(), &status,
+                                  &tfclip::xla_glue::ApplyCuda);
+  tfclip::cuda::StreamSynchronize(stream);
+  if (!status.failed) return 0;
+  std::snprintf(err, static_cast<size_t>(err_len), "%s", status.message.c_str());
+  return 1;
+}
+
 }  // namespace
 
 // attrs: rule, flags, mode, policy, has_use_norm, lazy, sum_of_squares, nslots, has_iterations,
 // agc_eps_bits (the double's bits; read only with mode agc).
-// dtypes are XLA_FFI_DataType values. Returns 0, or 1 with the handler's message in err.
+// dtypes are XLA_FFI_DataType values. xla_scratch: 1, XLA's scratch allocator; 0, a runtime
+// without one (FFI API 0.0, TF 2.17); 2, a legacy call (TF 2.16). Returns 0, or 1 with the
+// handler's message in err.
 extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_test(
     void* stream, int nargs, const int32_t* arg_dtypes, void* const* arg_data, const int64_t* arg_ranks,
     const int64_t* arg_dims, int nrets, const int32_t* ret_dtypes, void* const* ret_data,
@@ -54,21 +103,20 @@ extern "C" __attribute__((visibility("default"))) int tfclip_xla_cuda_apply_for_
   Buffers args, rets;
   args.Build(nargs, arg_dtypes, arg_data, arg_ranks, arg_dims);
   rets.Build(nrets, ret_dtypes, ret_data, ret_ranks, ret_dims);
+  if (xla_scratch == 2) return LegacyApply(stream, args, rets, attr_values, kAttrNames, err, err_len);
   std::vector<XLA_FFI_ArgType> arg_types(nargs, XLA_FFI_ArgType_BUFFER);
   std::vector<XLA_FFI_RetType> ret_types(nrets, XLA_FFI_RetType_BUFFER);
   XLA_FFI_Args a{XLA_FFI_Args_STRUCT_SIZE, nullptr, nargs, arg_types.data(), args.ptrs.data()};
   XLA_FFI_Rets r{XLA_FFI_Rets_STRUCT_SIZE, nullptr, nrets, ret_types.data(), rets.ptrs.data()};
 
   // The attributes, as XLA decodes the backend config: sorted by name.
-  static const char* kNames[] = {"rule", "flags", "mode", "policy", "has_use_norm", "lazy",
-                                 "sum_of_squares", "nslots", "has_iterations", "agc_eps_bits"};
   struct Attr {
     std::string name;
     XLA_FFI_AttrType type;
     int64_t value;
   };
   std::vector<Attr> list;
-  for (int k = 0; k < 10; ++k) list.push_back({kNames[k], XLA_FFI_AttrType_SCALAR, attr_values[k]});
+  for (int k = 0; k < 10; ++k) list.push_back({kAttrNames[k], XLA_FFI_AttrType_SCALAR, attr_values[k]});
   list.push_back({"sparse", XLA_FFI_AttrType_ARRAY, 0});
   std::sort(list.begin(), list.end(), [](const Attr& x, const Attr& y) { return x.name < y.name; });
   std::vector<XLA_FFI_ByteSpan> spans(list.size());

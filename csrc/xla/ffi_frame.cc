@@ -2,12 +2,30 @@
 #include "csrc/xla/ffi_frame.h"
 
 #include <cstring>
+#include "csrc/xla/legacy_call.h"
 #include <thread>
 #include <type_traits>
 
 namespace tfclip {
 namespace xla_glue {
 
+// A legacy call (legacy_call.h) answers from its decoded descriptor and has no context; a
+// typed-FFI frame, from XLA's call frame and API table.
+size_t FfiFrame::num_args() const {
+#if TFCLIP_XLA_TYPED_FFI
+  if (legacy_ == nullptr) return static_cast<size_t>(f_->args.size);
+#endif
+  return legacy_->num_args();
+}
+
+size_t FfiFrame::num_rets() const {
+#if TFCLIP_XLA_TYPED_FFI
+  if (legacy_ == nullptr) return static_cast<size_t>(f_->rets.size);
+#endif
+  return legacy_->num_rets();
+}
+
+#if TFCLIP_XLA_TYPED_FFI
 namespace {
 
 XLA_FFI_Error* MakeError(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const std::string& message) {
@@ -94,6 +112,15 @@ bool PoolSchedule(const Api*, XLA_FFI_ExecutionContext*, FfiTask, void*, XLA_FFI
 }
 
 template <typename Api>
+auto CanSchedule(const Api* api, int) -> decltype(api->XLA_FFI_ThreadPool_Schedule, bool()) {
+  return TFCLIP_FFI_HAS(api, XLA_FFI_ThreadPool_Schedule);
+}
+template <typename Api>
+bool CanSchedule(const Api*, long) {
+  return false;
+}
+
+template <typename Api>
 auto CanAllocate(const Api* api, int) -> decltype(api->XLA_FFI_DeviceMemory_Allocate, bool()) {
   return TFCLIP_FFI_HAS(api, XLA_FFI_DeviceMemory_Allocate);
 }
@@ -163,6 +190,7 @@ FfiBuffer ToBuffer(void* p) {
 }  // namespace
 
 FfiStatus FfiFrame::Arg(size_t i, FfiBuffer* out) const {
+  if (legacy_ != nullptr) return legacy_->Arg(i, out);
   if (i >= num_args() || f_->args.types[i] != XLA_FFI_ArgType_BUFFER) {
     return FfiStatus::Internal("tfclip custom call: operand " + std::to_string(i) + " is not a buffer");
   }
@@ -171,6 +199,7 @@ FfiStatus FfiFrame::Arg(size_t i, FfiBuffer* out) const {
 }
 
 FfiStatus FfiFrame::Ret(size_t i, FfiBuffer* out) const {
+  if (legacy_ != nullptr) return legacy_->Ret(i, out);
   if (i >= num_rets() || f_->rets.types[i] != XLA_FFI_RetType_BUFFER) {
     return FfiStatus::Internal("tfclip custom call: result " + std::to_string(i) + " is not a buffer");
   }
@@ -192,6 +221,7 @@ FfiStatus FfiFrame::Attr(const char* name, XLA_FFI_AttrType type, void** out) co
 }
 
 FfiStatus FfiFrame::I64(const char* name, int64_t* out) const {
+  if (legacy_ != nullptr) return legacy_->I64(name, out);
   void* p = nullptr;
   TFCLIP_FFI_RETURN_IF_ERROR(Attr(name, XLA_FFI_AttrType_SCALAR, &p));
   const auto* s = static_cast<const XLA_FFI_Scalar*>(p);
@@ -203,6 +233,7 @@ FfiStatus FfiFrame::I64(const char* name, int64_t* out) const {
 }
 
 FfiStatus FfiFrame::I64s(const char* name, std::vector<int64_t>* out) const {
+  if (legacy_ != nullptr) return legacy_->I64s(name, out);
   void* p = nullptr;
   TFCLIP_FFI_RETURN_IF_ERROR(Attr(name, XLA_FFI_AttrType_ARRAY, &p));
   const auto* a = static_cast<const XLA_FFI_Array*>(p);
@@ -224,6 +255,10 @@ void FfiFrame::Drop(XLA_FFI_Error* e) const {
 }
 
 FfiStatus FfiFrame::Stream(void** out) const {
+  if (legacy_ != nullptr) {
+    *out = legacy_->stream;
+    return FfiStatus::Ok();
+  }
   XLA_FFI_Stream_Get_Args a;
   std::memset(&a, 0, sizeof(a));
   a.struct_size = XLA_FFI_Stream_Get_Args_STRUCT_SIZE;
@@ -237,9 +272,10 @@ FfiStatus FfiFrame::Stream(void** out) const {
   return FfiStatus::Ok();
 }
 
-bool FfiFrame::HasAllocator() const { return CanAllocate(f_->api, 0); }
+bool FfiFrame::HasAllocator() const { return legacy_ == nullptr && CanAllocate(f_->api, 0); }
 
 std::optional<void*> FfiFrame::Allocate(size_t bytes, size_t alignment) const {
+  if (legacy_ != nullptr) return std::nullopt;
   void* p = nullptr;
   XLA_FFI_Error* e = nullptr;
   if (DeviceAllocate(f_->api, f_->ctx, bytes, alignment, &p, &e, 0)) return p;
@@ -248,6 +284,7 @@ std::optional<void*> FfiFrame::Allocate(size_t bytes, size_t alignment) const {
 }
 
 int64_t FfiFrame::NumThreads() const {
+  if (legacy_ != nullptr || !CanSchedule(f_->api, 0)) return 0;  // no pool: the caller runs the work
   int64_t n = -1;
   XLA_FFI_Error* e = PoolThreads(f_->api, f_->ctx, &n, 0);
   if (e != nullptr) {  // (no pool in this context)
@@ -258,6 +295,7 @@ int64_t FfiFrame::NumThreads() const {
 }
 
 bool FfiFrame::Schedule(FfiTask task, void* data) const {
+  if (legacy_ != nullptr) return false;
   XLA_FFI_Error* e = nullptr;
   if (PoolSchedule(f_->api, f_->ctx, task, data, &e, 0)) return true;
   Drop(e);
@@ -303,6 +341,23 @@ std::string RegisterHandler(const XLA_FFI_Api* api, const char* name, const char
   api->XLA_FFI_Error_Destroy(&d);
   return msg;
 }
+
+#else  // !TFCLIP_XLA_TYPED_FFI: legacy calls only (TF 2.16)
+
+FfiStatus FfiFrame::Arg(size_t i, FfiBuffer* out) const { return legacy_->Arg(i, out); }
+FfiStatus FfiFrame::Ret(size_t i, FfiBuffer* out) const { return legacy_->Ret(i, out); }
+FfiStatus FfiFrame::I64(const char* name, int64_t* out) const { return legacy_->I64(name, out); }
+FfiStatus FfiFrame::I64s(const char* name, std::vector<int64_t>* out) const { return legacy_->I64s(name, out); }
+FfiStatus FfiFrame::Stream(void** out) const {
+  *out = legacy_->stream;
+  return FfiStatus::Ok();
+}
+bool FfiFrame::HasAllocator() const { return false; }
+std::optional<void*> FfiFrame::Allocate(size_t, size_t) const { return std::nullopt; }
+int64_t FfiFrame::NumThreads() const { return 0; }
+bool FfiFrame::Schedule(FfiTask, void*) const { return false; }
+
+#endif  // TFCLIP_XLA_TYPED_FFI
 
 }  // namespace xla_glue
 }  // namespace tfclip

@@ -3,10 +3,11 @@
 // and thread pool, and handler registration.
 //
 // Why not XLA's C++ layer (xla/ffi/api/ffi.h): TF ships it only from 2.20 on, and it must match
-// its c_api.h exactly. c_api.h is the stable contract, and every TF from 2.18 ships it (API 0.1
-// on 2.18-2.20, 0.2 on 2.21 and JAX 0.10). This file compiles against any of them. Where an API
-// lacks a call (2.18 has no XLA_FFI_ThreadPool_NumThreads), the code asks at compile time and says
-// what it does instead. No TF header, no XLA C++ header.
+// its c_api.h exactly. c_api.h is the stable contract, and every TF from 2.17 ships it (API 0.0
+// on 2.17, 0.1 on 2.18-2.20, 0.2 on 2.21 and JAX 0.10). This file compiles against any of them.
+// Where an API lacks a call (2.18 has no XLA_FFI_ThreadPool_NumThreads), the code asks at compile
+// time and says what it does instead. TF 2.16's XLA has no typed-FFI runtime: there the same
+// frame is built on a legacy call (legacy_call.h). No TF header, no XLA C++ header.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +17,13 @@
 #include <vector>
 
 #include "xla/ffi/api/c_api.h"
+
+// Whether this c_api.h has typed-FFI results and array attributes, which the handlers' typed
+// entries need: from API 0.0 as TF 2.17 ships it on. TF 2.16's 0.0 has neither; the build
+// (CMakeLists.txt) sets 0 there and the handlers get legacy entries alone (legacy_call.h).
+#ifndef TFCLIP_XLA_TYPED_FFI
+#define TFCLIP_XLA_TYPED_FFI 1
+#endif
 
 namespace tfclip {
 namespace xla_glue {
@@ -64,13 +72,18 @@ struct FfiBuffer {
 // A task for XLA:CPU's thread pool (XLA_FFI_Task, which API 0.0 lacks).
 using FfiTask = void (*)(void* data);
 
-// One call of a handler: what XLA passes, and what the call's context offers.
+class LegacyCall;  // legacy_call.h
+
+// One call of a handler: what XLA passes, and what the call's context offers. Built on a typed-FFI
+// call frame, or on a legacy call (TF 2.16: legacy_call.h), which has buffers and attributes but
+// no context: no stream but its own (CUDA), no allocator, no thread pool.
 class FfiFrame {
  public:
   explicit FfiFrame(XLA_FFI_CallFrame* f) : f_(f) {}
+  explicit FfiFrame(const LegacyCall* l) : legacy_(l) {}
 
-  size_t num_args() const { return static_cast<size_t>(f_->args.size); }
-  size_t num_rets() const { return static_cast<size_t>(f_->rets.size); }
+  size_t num_args() const;
+  size_t num_rets() const;
   FfiStatus Arg(size_t i, FfiBuffer* out) const;
   FfiStatus Ret(size_t i, FfiBuffer* out) const;
   // Attributes: i64 scalars and i64 arrays (custom_calls.h); an internal error names a missing one.
@@ -83,20 +96,22 @@ class FfiFrame {
   // HasAllocator: false where the API has none (0.0, TF 2.17).
   bool HasAllocator() const;
   std::optional<void*> Allocate(size_t bytes, size_t alignment) const;
-  // XLA:CPU's thread pool: its size, or -1 where the API cannot say (TF 2.18's 0.1 has no
-  // XLA_FFI_ThreadPool_NumThreads); and a task scheduled on it, false when there is no pool
-  // (the caller then runs the work itself).
+  // XLA:CPU's thread pool: its size, 0 where there is none (TF 2.17's API 0.0, a legacy call),
+  // or -1 where the API cannot say (TF 2.18's 0.1 has no XLA_FFI_ThreadPool_NumThreads); and a
+  // task scheduled on it, false when there is no pool (the caller then runs the work itself).
   int64_t NumThreads() const;
   bool Schedule(FfiTask task, void* data) const;
 
  private:
   FfiStatus Attr(const char* name, XLA_FFI_AttrType type, void** out) const;
   void Drop(XLA_FFI_Error* e) const;  // destroys an error a context call returned
-  XLA_FFI_CallFrame* f_;
+  XLA_FFI_CallFrame* f_ = nullptr;
+  const LegacyCall* legacy_ = nullptr;
 };
 
 using FfiBody = FfiStatus (*)(const FfiFrame&);
 
+#if TFCLIP_XLA_TYPED_FFI
 // Every tfclip handler's body runs through this: it answers XLA's metadata query (the API version
 // the handler was compiled against; XLA asks once at registration), refuses any stage but execute,
 // and turns the body's status into XLA's error.
@@ -105,10 +120,12 @@ XLA_FFI_Error* RunHandler(XLA_FFI_CallFrame* f, FfiBody body);
 // Registers an execute-stage handler with a runtime's registry: "" or what went wrong.
 std::string RegisterHandler(const XLA_FFI_Api* api, const char* name, const char* platform,
                             XLA_FFI_Handler* handler);
+#endif
 
 }  // namespace xla_glue
 }  // namespace tfclip
 
+#if TFCLIP_XLA_TYPED_FFI
 // Defines the C entry XLA calls for a handler body.
 #define TFCLIP_FFI_HANDLER(sym, body) \
   XLA_FFI_Error* sym(XLA_FFI_CallFrame* f) { return ::tfclip::xla_glue::RunHandler(f, body); }
@@ -119,3 +136,4 @@ std::string RegisterHandler(const XLA_FFI_Api* api, const char* name, const char
   extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* sym(XLA_FFI_CallFrame* f) { \
     return ::tfclip::xla_glue::RunHandler(f, body);                                            \
   }
+#endif

@@ -18,6 +18,7 @@
 #include "csrc/xla/custom_calls.h"
 #include "csrc/xla/ffi_common.h"
 #include "csrc/xla/handlers.h"
+#include "csrc/xla/legacy_call.h"
 
 namespace tfclip {
 namespace xla_glue {
@@ -210,6 +211,12 @@ FfiStatus ApplyHost(const FfiFrame& f) {
 }  // namespace tfclip
 
 // The C entries (handlers.h).
+#if TFCLIP_XLA_TYPED_FFI
 TFCLIP_EXPORT_HANDLER(tfclip_norm_host, tfclip::xla_glue::NormHost)
 TFCLIP_EXPORT_HANDLER(tfclip_clip_host, tfclip::xla_glue::ClipHost)
 TFCLIP_EXPORT_HANDLER(tfclip_apply_host, tfclip::xla_glue::ApplyHost)
+#else
+TFCLIP_EXPORT_LEGACY_HOST_HANDLER(tfclip_norm_host_legacy, tfclip::xla_glue::NormHost)
+TFCLIP_EXPORT_LEGACY_HOST_HANDLER(tfclip_clip_host_legacy, tfclip::xla_glue::ClipHost)
+TFCLIP_EXPORT_LEGACY_HOST_HANDLER(tfclip_apply_host_legacy, tfclip::xla_glue::ApplyHost)
+#endif

@@ -5,13 +5,19 @@
 // from TF 2.20 on. TF 2.18 and 2.19 export only the C++ function xla::ffi::GetXlaFfiApi() (in
 // libtensorflow_cc), which returns the same table. Both are weak references here, so the library
 // loads on every version and uses whichever the loaded TF has (measured 2026-11-27 with nm -D:
-// 2.21 and 2.20 export both; 2.19 and 2.18 only the C++ one).
+// 2.21 and 2.20 export both; 2.19, 2.18 and 2.17 only the C++ one). TF 2.16's XLA runs no typed-FFI
+// call: the legacy entries join its custom-call target registry instead (legacy_call.h).
 #include <cstdio>
 #include <string>
 
 #include "csrc/xla/custom_calls.h"
 #include "csrc/xla/ffi_frame.h"
 #include "csrc/xla/handlers.h"
+#include "csrc/xla/legacy_call.h"
+#if !TFCLIP_XLA_TYPED_FFI
+#include "xla/service/custom_call_status_internal.h"
+#include "xla/service/custom_call_target_registry.h"
+#endif
 
 #pragma weak XLA_FFI_GetApi
 namespace xla {
@@ -24,6 +30,7 @@ namespace tfclip {
 namespace xla_glue {
 namespace {
 
+#if TFCLIP_XLA_TYPED_FFI
 const XLA_FFI_Api* TfFfiApi() {
   if (&XLA_FFI_GetApi != nullptr) return XLA_FFI_GetApi();
   if (&::xla::ffi::GetXlaFfiApi != nullptr) return ::xla::ffi::GetXlaFfiApi();
@@ -64,9 +71,34 @@ bool RegisterAll() {
   return ok;
 }
 
+#else
+// TF 2.16: XLA's custom-call target registry (legacy_call.h); its Register cannot fail.
+bool RegisterAll() {
+  auto* r = ::xla::CustomCallTargetRegistry::Global();
+  r->Register(kNormTarget, reinterpret_cast<void*>(&tfclip_norm_host_legacy), "Host");
+  r->Register(kClipTarget, reinterpret_cast<void*>(&tfclip_clip_host_legacy), "Host");
+  r->Register(kApplyTarget, reinterpret_cast<void*>(&tfclip_apply_host_legacy), "Host");
+#if TFCLIP_WITH_CUDA
+  r->Register(kNormTarget, reinterpret_cast<void*>(&tfclip_norm_cuda_legacy), "CUDA");
+  r->Register(kClipTarget, reinterpret_cast<void*>(&tfclip_clip_cuda_legacy), "CUDA");
+  r->Register(kApplyTarget, reinterpret_cast<void*>(&tfclip_apply_cuda_legacy), "CUDA");
+#endif
+  return true;
+}
+#endif
+
 const bool kRegistered = RegisterAll();
 
 }  // namespace
+
+#if !TFCLIP_XLA_TYPED_FFI
+// What XLA's XlaCustomCallStatusSetFailure does (TF 2.16 exports no such symbol): a message present
+// means failure. XLA then fails the executable's run with "CustomCall failed: <message>".
+void SetLegacyFailure(XlaCustomCallStatus_* status, const std::string& message) {
+  status->message = message;
+}
+#endif
+
 }  // namespace xla_glue
 }  // namespace tfclip
 

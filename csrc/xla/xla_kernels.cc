@@ -1,8 +1,9 @@
 // tfclip XLA glue: the XLA kernels (XlaOpKernel) of every tfclip op, for the XLA CPU and GPU JIT
 // devices. Each validates what the graph shows (shapes, dtypes, variables), reads the
-// variables, emits typed-FFI custom calls into the core drivers (ffi_handlers.cc; operand order
-// in custom_calls.h) with each variable operand aliased to its result (updated in place: no
-// copy), and writes the variables back. The apply ops are registered from the rule table.
+// variables, emits typed-FFI custom calls (legacy ones on TF 2.16: legacy_call.h) into the core
+// drivers (ffi_handlers.cc; operand order in custom_calls.h) with each variable operand aliased
+// to its result (updated in place: no copy), and writes the variables back. The apply ops are
+// registered from the rule table.
 //
 // The kernels are registered for the JIT device types directly (not with REGISTER_XLA_OP, whose
 // registry is read once, at the first XLA compilation in the process: a library loaded after it
@@ -32,6 +33,7 @@
 #include "csrc/core/rule_table.h"
 #include "csrc/tf/apply_op_attrs.h"
 #include "csrc/xla/custom_calls.h"
+#include "csrc/xla/legacy_call.h"
 #include "csrc/xla/xla_builder_compat.h"
 #include "tensorflow/compiler/tf2xla/type_util.h"
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
@@ -48,12 +50,14 @@ using tf::XlaOpKernel;
 using tf::XlaOpKernelContext;
 using xla_glue::kGroupVars;
 
-// The backend config of a typed-FFI call: an MLIR dictionary of i64 scalars and arrays.
+// A call's attributes: i64 scalars and arrays. For a typed-FFI call, the backend config: an MLIR
+// dictionary; for a legacy one (TF 2.16), tokens of the opaque string (legacy_call.h).
 class Attrs {
  public:
   Attrs& I64(const char* name, int64_t v) {
     Sep();
     s_ += std::string(name) + " = " + std::to_string(v) + " : i64";
+    legacy_.push_back({name, /*array=*/false, {v}});
     return *this;
   }
   Attrs& I64s(const char* name, const std::vector<int64_t>& v) {
@@ -61,24 +65,50 @@ class Attrs {
     s_ += std::string(name) + " = array<i64";
     for (size_t k = 0; k < v.size(); ++k) s_ += (k == 0 ? ": " : ", ") + std::to_string(v[k]);
     s_ += ">";
+    legacy_.push_back({name, /*array=*/true, v});
     return *this;
   }
   std::string str() const { return "{" + s_ + "}"; }
+  const std::vector<xla_glue::LegacyAttr>& legacy() const { return legacy_; }
 
  private:
   void Sep() {
     if (!s_.empty()) s_ += ", ";
   }
   std::string s_;
+  std::vector<xla_glue::LegacyAttr> legacy_;
 };
+
+#if !TFCLIP_XLA_TYPED_FFI
+xla_glue::LegacyShape ToLegacy(const xla::Shape& s) {
+  xla_glue::LegacyShape out;
+  out.dtype = static_cast<int64_t>(s.element_type());
+  out.dims.assign(s.dimensions().begin(), s.dimensions().end());
+  return out;
+}
+#endif
 
 xla::XlaOp FfiCall(xla::XlaBuilder* b, const char* target, const std::vector<xla::XlaOp>& operands,
                    const xla::Shape& shape, const Attrs& attrs, bool side_effect,
                    const std::vector<std::pair<xla::ShapeIndex, std::pair<int64_t, xla::ShapeIndex>>>&
                        aliasing = {}) {
+#if TFCLIP_XLA_TYPED_FFI
   return xla::CustomCall(b, target, operands, shape, attrs.str(), side_effect, aliasing,
                          /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
                          xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+#else
+  // TF 2.16: the legacy API, every shape and attribute in the opaque string (legacy_call.h).
+  std::vector<xla_glue::LegacyShape> args, rets;
+  for (const xla::XlaOp& op : operands) {
+    absl::StatusOr<xla::Shape> s = b->GetShape(op);
+    if (!s.ok()) return b->ReportError(s.status());
+    args.push_back(ToLegacy(*s));
+  }
+  for (const xla::Shape& e : shape.tuple_shapes()) rets.push_back(ToLegacy(e));
+  return xla::CustomCall(b, target, operands, shape, xla_glue::EncodeLegacyCall(args, rets, attrs.legacy()),
+                         side_effect, aliasing, /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
+                         xla::CustomCallApiVersion::API_VERSION_STATUS_RETURNING_UNIFIED);
+#endif
 }
 
 absl::Status NormPrimitive(tf::OpKernelConstruction* c, xla::PrimitiveType* out) {

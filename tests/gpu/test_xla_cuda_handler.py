@@ -53,7 +53,9 @@ def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_d
     """One tfclip_apply call as XLA makes it; returns (error or None, applied, norm,
     tensor_norms, counter after). clipped_out: a list given the clipped_units result. scratch:
     "xla", the workspace from an allocator as XLA's; "own", a runtime with none (the typed FFI's
-    API 0.0, TF 2.17), where the handler keeps its own device buffers."""
+    API 0.0, TF 2.17), where the handler keeps its own device buffers; "legacy", a legacy custom
+    call as TF 2.16's XLA makes it (csrc/xla/legacy_call.h: raw buffers, the shapes and
+    attributes in the opaque string, no allocator)."""
     n = len(vars_d)
     scal = to_dev(np.asarray(scalars, np.float64))
     cnt_in = to_dev(np.asarray(counter, np.int64).reshape(()))
@@ -73,7 +75,7 @@ def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_d
              len(slots_d), 1, int(np.float64(agc_eps).view(np.int64))]
     err = ctypes.create_string_buffer(4096)
     rc = _entry()(None, *_frame(args), *_frame(rets), (ctypes.c_int64 * 10)(*attrs),
-                  int(scratch == "xla"), err, 4096)
+                  {"own": 0, "xla": 1, "legacy": 2}[scratch], err, 4096)
     if clipped_out is not None:
         clipped_out.append(to_host(clipped, np.int64).reshape(-1))
     if rc:
@@ -113,7 +115,7 @@ def _same_bits(got, want):
 RULES = list(core.rule_table())
 
 
-@pytest.mark.parametrize("scratch", ["xla", "own"])
+@pytest.mark.parametrize("scratch", ["xla", "own", "legacy"])
 @pytest.mark.parametrize("mode", ["none", "global_norm", "value", "norm"])
 @pytest.mark.parametrize("rule", RULES)
 def test_handler_matches_cpu_driver(rng, rule, mode, scratch):
@@ -165,7 +167,7 @@ def test_handler_mixed_dtypes(rng):
             _same_bits(to_host(d, var_dt), want)
 
 
-@pytest.mark.parametrize("scratch", ["xla", "own"])
+@pytest.mark.parametrize("scratch", ["xla", "own", "legacy"])
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_handler_nonfinite_writes_nothing(rng, policy, scratch):
     shapes = [(5,), (3,)]
