@@ -21,12 +21,46 @@ def _pack_handles(handles):
     return tf.raw_ops.Pack(values=handles, axis=0)
 
 
+STATE_DTYPES = (None, "bfloat16")
+
+
+def check_state_dtype(state_dtype, owner):
+    """`state_dtype` as a name (None: the stock layout), or a ValueError naming what is wrong.
+    owner: the rule or optimizer class (its `low_precision_state` says whether it takes one)."""
+    if state_dtype is not None:
+        try:
+            name = tf.as_dtype(state_dtype).name
+        except TypeError:
+            name = state_dtype
+        if name == "float32":  # the stock layout, said explicitly
+            return None
+        if name not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be None (the stock layout) or 'bfloat16', got {state_dtype!r}")
+        if not getattr(owner, "low_precision_state", False):
+            raise ValueError(f"{owner.__name__} keeps its state as the stock class does: state_dtype="
+                             f"{state_dtype!r} is for the moment-keeping rules (tfclip.rules says which)")
+        return name
+    return None
+
+
+def state_slot_dtype(state_dtype, var_dtype):
+    """A slot's dtype for a variable of var_dtype: bfloat16 for a float32 variable under
+    state_dtype 'bfloat16', else the variable's (the core stores no other pair)."""
+    var_dtype = tf.as_dtype(var_dtype)
+    if state_dtype == "bfloat16" and var_dtype == tf.float32:
+        return tf.bfloat16
+    return var_dtype
+
+
 class Rule:
     """Base class: see the module docstring. A rule is declared by its `binding` (data,
     tfclip/_step.py's `Binding`): its row of the core's rule table (`tfclip._core.rule_table()`),
     its slots by name and its hyper-parameters and flags by the attributes that hold them."""
 
     binding = None
+    # Whether `state_dtype="bfloat16"` may keep this rule's slots in bfloat16 (the moment-keeping
+    # element-wise rules; tfclip/rules.py says which and why).
+    low_precision_state = False
 
     @property
     def kind(self):
@@ -38,10 +72,11 @@ class Rule:
         """The names of the slots (`slots(var)`), in the table's order."""
         return tuple(stock for _, stock in self.binding.slot_names(self))
 
-    def __init__(self, learning_rate, weight_decay=0.0, name=None):
+    def __init__(self, learning_rate, weight_decay=0.0, name=None, state_dtype=None):
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.name = name or type(self).__name__
+        self.state_dtype = check_state_dtype(state_dtype, type(self))
         self._slots = {}
         self._iterations = None
         self._handle_cache = None  # see _handles
@@ -119,13 +154,19 @@ class Rule:
         return 0.0
 
     def _slot_initial_value(self, name, var):
-        """A slot's initial tensor for `var`: `_slot_initial(name)` everywhere by default."""
+        """A slot's initial tensor for `var`: `_slot_initial(name)` everywhere by default, in the
+        slot's dtype (`slot_dtype`)."""
         init = self._slot_initial(name)
         # A Python number straight to the variable's dtype (tf.cast would first round it to
         # float32: a float64 slot would start 1e-8 off the stock class's).
         init = (tf.constant(init, var.dtype) if isinstance(init, numbers.Real) and not isinstance(init, bool)
                 else tf.cast(init, var.dtype))
-        return tf.fill(var.shape, init)
+        return tf.cast(tf.fill(var.shape, init), self.slot_dtype(var))
+
+    def slot_dtype(self, var):
+        """The dtype of `var`'s slots: bfloat16 for a float32 variable under
+        `state_dtype="bfloat16"`, else the variable's."""
+        return state_slot_dtype(self.state_dtype, var.dtype)
 
     # -- hyper-parameters ---------------------------------------------------------------
     def current_learning_rate(self):

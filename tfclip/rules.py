@@ -46,6 +46,14 @@ IndexedSlices gradients are densified by default (every row gets the l1/l2 shrin
 `lazy_sparse=True` gives TF1's sparse kernels' update (the touched rows only).
 
 `weight_decay` on any other rule is Keras's decoupled decay: `var -= var * weight_decay * lr` first.
+
+`state_dtype="bfloat16"` (SGD with momentum, Momentum, Adam, AdamW, Adagrad, RMSprop, Adadelta,
+Adamax, Lion, Nadam, Lamb) keeps the slots of float32 variables as bfloat16: half the optimizer
+state's bytes. Each slot is read to float32, updated exactly as a float32 slot would be, and
+rounded to the nearest bfloat16 when stored (docs/low-precision-state.md). Slots of float16,
+bfloat16 and float64 variables keep their variable's dtype. The default, `None`, is the stock
+layout. Ftrl, ScheduleFreeAdamW and the TF1 proximal rules keep their state as it is: their slots
+are weights or sums the update cannot lose precision in (`state_dtype` there is an error).
 """
 import numbers
 
@@ -82,10 +90,13 @@ class SGD(Rule):
                       slots=(("accum", "momentum", _has_momentum),), hparams=(("momentum", "momentum", _has_momentum),),
                       flags=(("use_nesterov", "nesterov", _has_momentum),))
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=0.0, name=None):
+    low_precision_state = True
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=0.0, name=None,
+                 state_dtype=None):
         self.momentum = momentum
         self.nesterov = bool(nesterov)
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _check_stock_ranges(self):
         _check_range("momentum", self.momentum, 0.0, 1.0)  # keras.optimizers.SGD's
@@ -105,10 +116,13 @@ class Momentum(Rule):
     binding = Binding("momentum", slots=(("accum", "momentum"),), hparams=(("momentum", "momentum"),),
                       flags=(("use_nesterov", "use_nesterov"),))
 
-    def __init__(self, learning_rate, momentum, use_nesterov=False, weight_decay=0.0, name=None):
+    low_precision_state = True
+
+    def __init__(self, learning_rate, momentum, use_nesterov=False, weight_decay=0.0, name=None,
+                 state_dtype=None):
         self.momentum = momentum
         self.use_nesterov = bool(use_nesterov)
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "momentum": self.momentum,
@@ -122,11 +136,13 @@ class Adam(Rule):
     binding = Binding("adam", slots=(("m", "m"), ("v", "v"), ("vhat", "vhat", "amsgrad")), hparams=_BETAS_EPSILON_STEP,
                       flags=(("amsgrad", "amsgrad"),))
 
+    low_precision_state = True
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 amsgrad=False, weight_decay=0.0, name=None):
+                 amsgrad=False, weight_decay=0.0, name=None, state_dtype=None):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.amsgrad = bool(amsgrad)
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1,
@@ -137,8 +153,8 @@ class AdamW(Adam):
     """Keras AdamW: Adam with decoupled weight decay (default 0.004, as Keras)."""
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999,
-                 epsilon=1e-7, amsgrad=False, name=None):
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, name)
+                 epsilon=1e-7, amsgrad=False, name=None, state_dtype=None):
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, name, state_dtype)
 
 
 class Adagrad(Rule):
@@ -147,11 +163,13 @@ class Adagrad(Rule):
 
     binding = Binding("adagrad", slots=(("accumulator", "accumulator"),), hparams=(("epsilon", "epsilon"),))
 
+    low_precision_state = True
+
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
-                 weight_decay=0.0, name=None):
+                 weight_decay=0.0, name=None, state_dtype=None):
         self.initial_accumulator_value = initial_accumulator_value
         self.epsilon = epsilon
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "epsilon": self.epsilon,
@@ -171,11 +189,13 @@ class RMSprop(Rule):
                       hparams=(("rho", "rho"), ("momentum", "momentum"), ("epsilon", "epsilon")),
                       flags=(("centered", "centered"), ("has_momentum", _has_momentum)))
 
+    low_precision_state = True
+
     def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False,
-                 weight_decay=0.0, name=None):
+                 weight_decay=0.0, name=None, state_dtype=None):
         self.rho, self.momentum, self.epsilon = rho, momentum, epsilon
         self.centered = bool(centered)
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _has_momentum(self):
         # As Keras: a momentum slot only for momentum > 0 (a number <= 0 is no momentum).
@@ -193,9 +213,12 @@ class Adadelta(Rule):
                                          ("accumulated_delta_var", "accumulated_delta_var")),
                       hparams=(("rho", "rho"), ("epsilon", "epsilon")))
 
-    def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, weight_decay=0.0, name=None):
+    low_precision_state = True
+
+    def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, weight_decay=0.0, name=None,
+                 state_dtype=None):
         self.rho, self.epsilon = rho, epsilon
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "rho": self.rho, "epsilon": self.epsilon,
@@ -206,9 +229,9 @@ class _BetasEpsilonStep(Rule):
     """A rule taking beta_1, beta_2 and epsilon, its bias correction from `iterations + 1`."""
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 weight_decay=0.0, name=None):
+                 weight_decay=0.0, name=None, state_dtype=None):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
@@ -219,6 +242,7 @@ class Adamax(_BetasEpsilonStep):
     """Keras Adamax, bias correction from `iterations + 1`. Slots `m`, `u`."""
 
     binding = Binding("adamax", slots=(("m", "m"), ("u", "u")), hparams=_BETAS_EPSILON_STEP)
+    low_precision_state = True
 
 class Lion(Rule):
     """Keras Lion: `var -= lr * sign(m*beta_1 + g*(1 - beta_1)); m = m*beta_2 + g*(1 - beta_2)`.
@@ -226,9 +250,12 @@ class Lion(Rule):
 
     binding = Binding("lion", slots=(("m", "m"),), hparams=(("beta_1", "beta_1"), ("beta_2", "beta_2")))
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, weight_decay=0.0, name=None):
+    low_precision_state = True
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, weight_decay=0.0, name=None,
+                 state_dtype=None):
         self.beta_1, self.beta_2 = beta_1, beta_2
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _check_stock_ranges(self):
         _check_range("beta_1", self.beta_1, 0.0, 1.0, lo_open=True)  # keras.optimizers.Lion's
@@ -245,12 +272,14 @@ class Nadam(Rule):
     binding = Binding("nadam", slots=(("m", "m"), ("v", "v")),
                       hparams=_BETAS_EPSILON_STEP + (("u_product", lambda r, _: r._advanced_u_product()),))
 
+    low_precision_state = True
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 weight_decay=0.0, name=None):
+                 weight_decay=0.0, name=None, state_dtype=None):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.u_product = None  # made on the first step
         self._next_u_product = None
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, state_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
@@ -335,6 +364,7 @@ class Lamb(_BetasEpsilonStep):
     `v`. The ratio needs every update before a variable moves: a third pass over memory."""
 
     binding = Binding("lamb", slots=(("m", "m"), ("v", "v")), hparams=_BETAS_EPSILON_STEP)
+    low_precision_state = True
 
 class ScheduleFreeAdamW(_BetasEpsilonStep):
     """Keras ScheduleFreeAdamW (Defazio et al. 2024) as stock Keras runs it on TensorFlow: the

@@ -52,29 +52,31 @@ struct ElemNorms {
 };
 
 // var[i] and slot k's s_k[i] (k < kSlots; the others are never touched and may be null), in
-// storage type V, updated in place. A trust-ratio rule (rules.h) updates the slots only, and
-// returns the element's w and u: its variable is written by TrustElem, a pass later.
-template <typename Rule, int kSlots, typename V, typename Grads>
+// storage types V and S (S: V, or bfloat16 for a float variable's bf16 state, SlotStorage),
+// updated in place. A trust-ratio rule (rules.h) updates the slots only, and returns the
+// element's w and u: its variable is written by TrustElem, a pass later.
+template <typename Rule, int kSlots, typename V, typename Grads, typename S>
 TFCLIP_HD ElemNorms<typename Elem<V>::Math> ApplyElem(const ConstsOf<Rule, V>& c,
-                                                      const Grads& grads, V* var, V* s0, V* s1,
-                                                      V* s2, int64_t i) {
+                                                      const Grads& grads, V* var, S* s0, S* s1,
+                                                      S* s2, int64_t i) {
   using M = typename Elem<V>::Math;
   static_assert(kSlots >= Rule::kMinSlots && kSlots <= Rule::kMaxSlots, "slot count of the rule");
+  static_assert(std::is_same<typename Elem<S>::Math, M>::value, "slots in the variable's math type");
   M s[kMaxSlots] = {M(0), M(0), M(0)};
-  if (kSlots > 0) s[0] = Elem<V>::Load(s0[i]);
-  if (kSlots > 1) s[1] = Elem<V>::Load(s1[i]);
-  if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
+  if (kSlots > 0) s[0] = Elem<S>::Load(s0[i]);
+  if (kSlots > 1) s[1] = Elem<S>::Load(s1[i]);
+  if (kSlots > 2) s[2] = Elem<S>::Load(s2[i]);
   M v = DecayVar(c, Elem<V>::Load(var[i]));
   grads.template Feed<Rule>(c, RuleStep<Rule, M>{c, v, s});
   if constexpr (!Rule::kTrustRatio) var[i] = Elem<V>::Store(v);
-  if (kSlots > 0) s0[i] = Elem<V>::Store(s[0]);
-  if (kSlots > 1) s1[i] = Elem<V>::Store(s[1]);
-  if (kSlots > 2) s2[i] = Elem<V>::Store(s[2]);
+  if (kSlots > 0) s0[i] = Elem<S>::Store(s[0]);
+  if (kSlots > 1) s1[i] = Elem<S>::Store(s[1]);
+  if (kSlots > 2) s2[i] = Elem<S>::Store(s[2]);
   if constexpr (Rule::kTrustRatio) {
-    // u from the slots as stored (rounded to V), as TrustElem reads them back: the sums and
+    // u from the slots as stored (rounded to S), as TrustElem reads them back: the sums and
     // the step see the same u, as in keras, whose update is computed from the slot variables.
     M sr[kMaxSlots] = {M(0), M(0), M(0)};
-    for (int k = 0; k < kSlots; ++k) sr[k] = Elem<V>::Load(Elem<V>::Store(s[k]));
+    for (int k = 0; k < kSlots; ++k) sr[k] = Elem<S>::Load(Elem<S>::Store(s[k]));
     return ElemNorms<M>{v, Rule::Direction(c, sr)};
   } else {
     return ElemNorms<M>{M(0), M(0)};
@@ -92,15 +94,15 @@ TFCLIP_HD M TrustRatioLr(const StepBase<M>& c, double w2, double u2) {
 }
 
 // The last pass of a trust-ratio rule: var[i] after weight decay, stepped by ratio_lr * u.
-template <typename Rule, int kSlots, typename V>
+template <typename Rule, int kSlots, typename V, typename S>
 TFCLIP_HD void TrustElem(const ConstsOf<Rule, V>& c,
-                         typename Elem<V>::Math ratio_lr, V* var, const V* s0, const V* s1,
-                         const V* s2, int64_t i) {
+                         typename Elem<V>::Math ratio_lr, V* var, const S* s0, const S* s1,
+                         const S* s2, int64_t i) {
   using M = typename Elem<V>::Math;
   M s[kMaxSlots] = {M(0), M(0), M(0)};
-  if (kSlots > 0) s[0] = Elem<V>::Load(s0[i]);
-  if (kSlots > 1) s[1] = Elem<V>::Load(s1[i]);
-  if (kSlots > 2) s[2] = Elem<V>::Load(s2[i]);
+  if (kSlots > 0) s[0] = Elem<S>::Load(s0[i]);
+  if (kSlots > 1) s[1] = Elem<S>::Load(s1[i]);
+  if (kSlots > 2) s[2] = Elem<S>::Load(s2[i]);
   M v = DecayVar(c, Elem<V>::Load(var[i]));
   Rule::Trust(c, ratio_lr, v, s);
   var[i] = Elem<V>::Store(v);
@@ -129,6 +131,14 @@ TFCLIP_HD bool DispatchSlots(int nslots, Fn&& fn) {
   one(std::integral_constant<int, 3>{});
   static_assert(kMaxSlots == 3, "DispatchSlots lists every count up to kMaxSlots");
   return done;
+}
+
+// Calls fn(V{}, S{}) for a variable's dtype and its slots' storage type: S = V, or bfloat16 for
+// a float variable's bf16 state (bf16_slots; tensors.h, SlotStorage). Host and device.
+template <typename Fn>
+TFCLIP_HD void DispatchState(DType var, bool bf16_slots, Fn&& fn) {
+  if (bf16_slots) return fn(float{}, bfloat16{});
+  DispatchDType(var, [&](auto vtag) { fn(vtag, vtag); });
 }
 
 // Calls fn(V{}, G{}) for a (variable, gradient) dtype pair: G is the gradient's storage type for

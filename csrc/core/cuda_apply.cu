@@ -19,7 +19,10 @@ namespace {
 // that (issue 43). The constants and the clip factor come as pointers into the workspace, read
 // once into registers here (a by-value or by-reference argument went through a 900-byte stack
 // frame in the kernel, with spills; this way the kernel keeps no frame).
-template <typename Rule, typename V, typename G, int kSlots>
+//
+// S: the slots' storage type, V or, for a float variable's bf16 state, bfloat16 (with G AnyGrad:
+// one copy per rule and slot count, element by element).
+template <typename Rule, typename V, typename G, int kSlots, typename S = V>
 TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__ cp,
                                            const DevTensor& t, const ClipFactor* __restrict__ fp,
                                            int64_t b, int64_t e, Crew crew) {
@@ -29,14 +32,14 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__
   constexpr int kV = 4;
   TrustAcc acc;
   V* var = static_cast<V*>(t.var);
-  V* s0 = static_cast<V*>(t.slots[0]);
-  V* s1 = static_cast<V*>(t.slots[1]);
-  V* s2 = static_cast<V*>(t.slots[2]);
+  S* s0 = static_cast<S*>(t.slots[0]);
+  S* s1 = static_cast<S*>(t.slots[1]);
+  S* s2 = static_cast<S*>(t.slots[2]);
   const GradReader<V, G> grad(t.grad, static_cast<DType>(t.grad_dtype), f);
   const int64_t nvec = (e - b) / kV;
   int64_t i0 = b;
   bool grouped = false;
-  if constexpr (!std::is_same<G, AnyGrad>::value) {
+  if constexpr (!std::is_same<G, AnyGrad>::value && std::is_same<S, V>::value) {
     V* sp[kMaxSlots] = {s0, s1, s2};
     const G* graw = static_cast<const G*>(t.grad);
     bool aligned = reinterpret_cast<uintptr_t>(var + b) % (sizeof(V) * kV) == 0 &&
@@ -90,16 +93,16 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__
 // gradient's dtype, cast to the variable's: CastClipGradAt, as the CPU's ApplyChunkAgc), a
 // thread per element in crew order. The unit walks with the thread: one modulo per range, then
 // a step of crew.size % units with one compare per element.
-template <typename Rule, typename V, int kSlots>
+template <typename Rule, typename V, int kSlots, typename S = V>
 TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRangeAgc(const ConstsOf<Rule, V>* __restrict__ cp,
                                               const DevTensor& t, int64_t b, int64_t e, Crew crew) {
   using M = typename Elem<V>::Math;
   const ConstsOf<Rule, V> c = *cp;
   TrustAcc acc;
   V* var = static_cast<V*>(t.var);
-  V* s0 = static_cast<V*>(t.slots[0]);
-  V* s1 = static_cast<V*>(t.slots[1]);
-  V* s2 = static_cast<V*>(t.slots[2]);
+  S* s0 = static_cast<S*>(t.slots[0]);
+  S* s1 = static_cast<S*>(t.slots[1]);
+  S* s2 = static_cast<S*>(t.slots[2]);
   const int64_t units = t.units;
   const int64_t step = crew.size % units;
 #ifdef TFCLIP_PLANT_AGC_UNIT
@@ -134,7 +137,13 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
       return;
     }
     TrustAcc acc;
-    if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
+    if (ten.bf16_slots) {  // a float variable with bfloat16 slots (any gradient, any clip)
+      const auto* cf = &ConstsFor<float>(*consts);
+      acc = ten.unit_scale != nullptr
+                ? ApplyRangeAgc<Rule, float, kSlots, bfloat16>(cf, ten, ch.begin, ch.end, crew)
+                : ApplyRange<Rule, float, AnyGrad, kSlots, bfloat16>(cf, ten, &t.factors[ch.tensor],
+                                                                     ch.begin, ch.end, crew);
+    } else if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
       DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
         using V = decltype(vtag);
         acc = ApplyRangeAgc<Rule, V, kSlots>(&ConstsFor<V>(*consts), ten, ch.begin,
@@ -187,14 +196,15 @@ __global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, i
   if constexpr (Rule::kTrustRatio) {
     const RuleConsts<Rule> consts = *t.consts->template As<Rule>();
     auto range = [&](const DevTensor& ten, int tensor, int64_t b, int64_t e, Crew crew) {
-      DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
+      DispatchState(static_cast<DType>(ten.var_dtype), ten.bf16_slots != 0, [&](auto vtag, auto stag) {
         using V = decltype(vtag);
+        using S = decltype(stag);
         const auto& c = ConstsFor<V>(consts);
         const auto ratio_lr = TrustRatioLr(c, t.trust_sums[2 * tensor], t.trust_sums[2 * tensor + 1]);
         V* var = static_cast<V*>(ten.var);
-        const V* s0 = static_cast<const V*>(ten.slots[0]);
-        const V* s1 = static_cast<const V*>(ten.slots[1]);
-        const V* s2 = static_cast<const V*>(ten.slots[2]);
+        const S* s0 = static_cast<const S*>(ten.slots[0]);
+        const S* s1 = static_cast<const S*>(ten.slots[1]);
+        const S* s2 = static_cast<const S*>(ten.slots[2]);
         for (int64_t i = b + crew.rank; i < e; i += crew.size) {
           TrustElem<Rule, kSlots>(c, ratio_lr, var, s0, s1, s2, i);
         }

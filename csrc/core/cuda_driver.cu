@@ -191,6 +191,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       dt.sparse = ts[i].sparse ? 1 : 0;
       dt.var_dtype = static_cast<int32_t>(ts[i].var_dtype);
       dt.grad_dtype = static_cast<int32_t>(ts[i].grad_dtype);
+      dt.bf16_slots = ts[i].slot_storage == SlotStorage::kBFloat16 ? 1 : 0;
     }
     ChunkRanges(p, dts.data());
     DevAgc dagc{};

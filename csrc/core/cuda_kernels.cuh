@@ -74,7 +74,7 @@ struct DevTensor {
   int32_t var_dtype;
   int32_t grad_dtype;
   int32_t sparse;     // 1: applied by the sparse kernel; its chunks are the norm's only
-  int32_t pad;
+  int32_t bf16_slots;  // 1: a float variable's slots are bfloat16 (SlotStorage::kBFloat16)
   int64_t first_unit;  // sparse: its units of the sparse plan (consecutive)
   int64_t num_units;
   // AGC (csrc/core/agc.h): its units' scales in the workspace (null in the other modes), and

@@ -11,16 +11,17 @@ namespace {
 // One block per unit of the sparse plan; a thread per (row, column) element. In an all-rows
 // unit a row finds its slices by binary search over the unit's touched rows (once per row a
 // thread visits, not per element).
-template <typename Rule, typename V, typename G, int kSlots>
+// S: the slots' storage type (V, or bfloat16 for a float variable's bf16 state).
+template <typename Rule, typename V, typename G, int kSlots, typename S = V>
 __device__ TrustAcc SparseUnitDev(const ConstsOf<Rule, V>& c, const DevTensor& ten,
                                   const ClipFactor& f, const DevSparse& sp, const SparseUnit& u) {
   using M = typename Elem<V>::Math;
   TrustAcc acc;
   V* var = static_cast<V*>(ten.var);
   const GradReader<V, G> grad(ten.grad, static_cast<DType>(ten.grad_dtype), f);
-  V* s0 = static_cast<V*>(ten.slots[0]);
-  V* s1 = static_cast<V*>(ten.slots[1]);
-  V* s2 = static_cast<V*>(ten.slots[2]);
+  S* s0 = static_cast<S*>(ten.slots[0]);
+  S* s1 = static_cast<S*>(ten.slots[1]);
+  S* s2 = static_cast<S*>(ten.slots[2]);
   const int64_t w = ten.width;
   const int64_t total = (u.end - u.begin) * w;
   if (total == 0) return acc;
@@ -86,12 +87,16 @@ __global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse
   const DevTensor& ten = t.tensors[u.tensor];
   const ClipFactor f = t.factors[u.tensor];
   TrustAcc acc;
-  DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
-               [&](auto vtag, auto gtag) {
-                 using V = decltype(vtag);
-                 acc = SparseUnitDev<Rule, V, decltype(gtag), kSlots>(
-                     ConstsFor<V>(consts), ten, f, sp, u);
-               });
+  if (ten.bf16_slots) {  // a float variable with bfloat16 slots: any gradient
+    acc = SparseUnitDev<Rule, float, AnyGrad, kSlots, bfloat16>(ConstsFor<float>(consts), ten, f, sp, u);
+  } else {
+    DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
+                 [&](auto vtag, auto gtag) {
+                   using V = decltype(vtag);
+                   acc = SparseUnitDev<Rule, V, decltype(gtag), kSlots>(
+                       ConstsFor<V>(consts), ten, f, sp, u);
+                 });
+  }
   if constexpr (Rule::kTrustRatio) {
     const double w = BlockSum<kThreads>(acc.w);
     const double uu = BlockSum<kThreads>(acc.u);

@@ -15,13 +15,34 @@ struct TensorView {
   DType dtype = DType::kFloat;
 };
 
+// How a variable's slots are stored: in the variable's dtype (the stock layout), or as bfloat16
+// for a float32 variable (state_dtype="bfloat16": half the optimizer-state bytes; each slot is
+// loaded to float, updated in float as in the stock layout, and rounded to nearest even when
+// stored).
+enum class SlotStorage : int { kVariable = 0, kBFloat16 = 1 };
+
+// Whether slots of dtype `slot` may serve a variable of dtype `var`, and how they are stored.
+inline bool SlotStorageOf(DType var, DType slot, SlotStorage* out) {
+  if (slot == var) {
+    *out = SlotStorage::kVariable;
+    return true;
+  }
+  if (var == DType::kFloat && slot == DType::kBFloat16) {
+    *out = SlotStorage::kBFloat16;
+    return true;
+  }
+  return false;
+}
+
 struct ApplyTensor {
   void* var = nullptr;
   const void* grad = nullptr;
   void* slots[kMaxSlots] = {nullptr, nullptr, nullptr};
   int64_t size = 0;  // elements of the variable (and of a dense gradient)
-  DType var_dtype = DType::kFloat;  // slots share the variable's dtype
+  DType var_dtype = DType::kFloat;
   DType grad_dtype = DType::kFloat;
+  SlotStorage slot_storage = SlotStorage::kVariable;  // every slot of the variable alike
+  DType slot_dtype() const { return slot_storage == SlotStorage::kBFloat16 ? DType::kBFloat16 : var_dtype; }
   // An IndexedSlices gradient: `grad` holds nnz slices of `width` elements, slice j for row
   // indices[j] of the variable seen as a rows x width matrix. Indices are in host memory.
   bool sparse = false;

@@ -239,7 +239,16 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
     t.units = v.shape.size() >= 2 ? v.shape.back() : 1;  // AGC's units (csrc/core/agc.h)
     for (int k = 0; k < nslots; ++k) {
       const Array& s = slots[k][i];
-      if (s.dtype != v.dtype || s.shape != v.shape) Fail(s.name + " must have the dtype and shape of " + v.name);
+      SlotStorage storage;
+      if (!SlotStorageOf(v.dtype, s.dtype, &storage) || s.shape != v.shape) {
+        Fail(s.name + " must have the shape of " + v.name + " and its dtype (or bfloat16 for a float32 "
+             "variable's state)");
+      }
+      if (k > 0 && storage != t.slot_storage) {
+        Fail(s.name + " is " + DTypeName(s.dtype) + " but " + slots[0][i].name + " is " +
+             DTypeName(slots[0][i].dtype) + "; a variable's slots share one dtype");
+      }
+      t.slot_storage = storage;
       claim(s);
       t.slots[k] = s.data;
     }

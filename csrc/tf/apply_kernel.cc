@@ -332,16 +332,27 @@ class ClipApplyOp : public OpKernel {
       if (vr.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, vr.var, gpu_stream));
       ts[i].var = const_cast<char*>(vr.tensor()->tensor_data().data());
       ts[i].grad = grads[i].tensor_data().data();
+      ts[i].slot_storage = SlotStorage::kVariable;
       for (int k = 0; k < nslots_; ++k) {
         const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
         if (!s.initialized()) return tf::errors::FailedPrecondition(s.name(), " is not initialized");
         const Tensor& st = *s.tensor();
-        if (st.dtype() != vt.dtype() || st.shape() != vt.shape()) {
+        DType sdt = DType::kFloat;
+        SlotStorage storage = SlotStorage::kVariable;
+        if (!ToCoreDType(st.dtype(), &sdt) || !SlotStorageOf(ts[i].var_dtype, sdt, &storage) ||
+            st.shape() != vt.shape()) {
           return tf::errors::InvalidArgument(
               s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ",
               vr.name(), " is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
-              "; a slot must match its variable");
+              "; a slot must match its variable (its shape, and its dtype or bfloat16 for a float "
+              "variable's state)");
         }
+        if (k > 0 && storage != ts[i].slot_storage) {
+          return tf::errors::InvalidArgument(s.name(), " is ", tf::DataTypeString(st.dtype()),
+                                             " but the other slots of ", vr.name(),
+                                             " are not; a variable's slots share one dtype");
+        }
+        ts[i].slot_storage = storage;
         if (s.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, s.var, gpu_stream));
         ts[i].slots[k] = const_cast<char*>(s.tensor()->tensor_data().data());
       }

@@ -171,6 +171,14 @@ FfiStatus ApplyCall::Tensors(const FfiFrame& f, ApplyTensor* ts) const {
     for (int k = 0; k < nslots; ++k) {
       FfiBuffer s;
       TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>((k + 1) * n + i), &s));
+      DType sdt;
+      SlotStorage storage;
+      if (!ToCoreDType(s.dtype, &sdt) || !SlotStorageOf(t.var_dtype, sdt, &storage) ||
+          (k > 0 && storage != t.slot_storage)) {
+        return FfiStatus::InvalidArgument("slots of vars[" + std::to_string(i) +
+                                          "] have a dtype their variable cannot take");
+      }
+      t.slot_storage = storage;
       t.slots[k] = s.data;
     }
   }

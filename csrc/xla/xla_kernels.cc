@@ -238,12 +238,18 @@ class ClipApplyXla : public XlaOpKernel {
       const size_t first = index.size();
       OP_REQUIRES_OK(ctx, ReadList(ctx, s.c_str(), s.c_str(), &index, &types, &shapes, &values));
       for (int i = 0; i < n_; ++i) {
-        OP_REQUIRES(ctx, types[first + i] == types[i] && shapes[first + i] == shapes[i],
+        // Its variable's dtype, or bfloat16 for a float variable's state (SlotStorage), as every
+        // slot of that variable (the handler checks the storage against the variable's dtype).
+        const tf::DataType st = types[first + i];
+        const bool bf16_state = types[i] == tf::DT_FLOAT && st == tf::DT_BFLOAT16;
+        OP_REQUIRES(ctx, (st == types[i] || bf16_state) && shapes[first + i] == shapes[i] &&
+                             (first == static_cast<size_t>(n_) || st == types[n_ + i]),
                     tf::errors::InvalidArgument(
-                        s, "[", i, "] is ", tf::DataTypeString(types[first + i]),
+                        s, "[", i, "] is ", tf::DataTypeString(st),
                         shapes[first + i].DebugString(), " but vars[", i, "] is ",
                         tf::DataTypeString(types[i]), shapes[i].DebugString(),
-                        "; a slot must match its variable"));
+                        "; a slot must match its variable (its shape, and its dtype or bfloat16 "
+                        "for a float variable's state, the same for all its slots)"));
       }
       ++used;
     }

@@ -315,6 +315,61 @@ def test_apply_parity(rng, rule, mode, var_dtype, grad_dtype):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+# Low-precision state (issue 47): a float32 variable's slots as bfloat16 (SlotStorage::kBFloat16).
+BF16_STATE_RULES = ["momentum", "keras_momentum", "adam", "amsgrad", "adagrad", "rmsprop", "adadelta",
+                    "adamax", "lion", "nadam", "tf_rmsprop", "lamb"]
+
+
+@pytest.mark.parametrize("rule", BF16_STATE_RULES)
+@pytest.mark.parametrize("mode,clip", [("none", 0.0), ("value", 0.01), ("global_norm", 1.0), ("agc", 0.05)])
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_bf16_state_parity(rng, rule, mode, clip, grad_dtype, sparse):
+    """bfloat16 slots of float32 variables: the device kernels (dense, AGC, sparse, Lamb's trust
+    pass) against the CPU driver, which tests/test_state_dtype.py checks against the float32
+    step rounded. Bits where the CPU and the device take the same order (tolerances as
+    test_apply_parity's otherwise); slots, rounded to bf16, then to 2 bf16 ulps."""
+    slot_names, hp = RULES[rule]
+    gd = DTYPES[grad_dtype]
+    shapes = [(3 * CHUNK + 5,), (33, 17), (7,), ()]
+    indices = None
+    if sparse:
+        shapes[1] = (40, 17)
+        indices = [None, np.array([3, 0, 3, 39], np.int64), None, None]
+    vars_c = [rand(rng, s, np.float32) for s in shapes]
+    slots_c = [[np.zeros(s, BF16) if name in ("average_gradient", "mg") else small_pos(rng, s, BF16)
+                for s in shapes] for name in slot_names]
+    vars_g = [to_dev(v) for v in vars_c]
+    slots_g = [[to_dev(s) for s in sl] for sl in slots_c]
+    for step in range(2):
+        grads = [rand(rng, (4, 17) if indices is not None and indices[i] is not None else s, gd)
+                 for i, s in enumerate(shapes)]
+        h = dict(hp)
+        if core_rule(rule) in TAKES_STEP:
+            h["step"] = step + 1
+        nc, ac = core.clip_apply(core_rule(rule), vars_c, grads, slots_c, h, mode, clip, None, "skip",
+                                 indices=indices)
+        ng, ag = core.cuda_clip_apply(core_rule(rule), vars_g, [to_dev(g) for g in grads], slots_g, h, mode,
+                                      clip, None, "skip", indices=indices)
+        assert ac and ag
+        np.testing.assert_allclose(ng, nc, rtol=1e-12)
+    exact = mode in ("none", "value") and rule != "lamb"
+    for got, want in zip(vars_g, vars_c):
+        g = to_host(got, np.float32)
+        if exact:
+            same_bits(g, want)
+        else:
+            close_ulps(g, want, "float32", ulps=4)
+    for sg, sc in zip(slots_g, slots_c):
+        for got, want in zip(sg, sc):
+            g = to_host(got, BF16)
+            assert g.dtype == BF16
+            if exact:
+                same_bits(g, want)
+            else:
+                close_ulps(g, want, "bfloat16", ulps=2)
+
+
 def test_misaligned_views_take_the_scalar_paths(rng):
     """Views that start one element into their buffer (x[1:]): the norm's scalar head and the
     apply kernel's scalar loop, which aligned allocations never reach."""

@@ -1,0 +1,224 @@
+"""Low-precision optimizer state, bfloat16 (issue 47): a float32 variable's slots stored as bfloat16.
+
+The definition the core follows (csrc/core/tensors.h, SlotStorage): each slot is loaded to float32
+(exact), the rule's update runs in float32 exactly as with float32 slots, and each slot is rounded
+to the nearest bfloat16 (ties to even) when stored. So the reference is independent of the bf16
+code path: the float32-state step (itself checked against the stock optimizers elsewhere) started
+from the same bf16-representable slots, its new slots then rounded by ml_dtypes (round to nearest
+even). Variables and slots must match it bit for bit, step after step. Lamb, whose update reads the
+slots back as stored, is checked against NumPy's float64 Lamb on the stored slots."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tfclip import _core
+
+BF16 = ml_dtypes.bfloat16
+SHAPES = [(3000,), (7, 5), (1,), (33, 64)]
+
+# rule -> (hyper-parameters and flags, slot count)
+RULES = {
+    "momentum": ({"lr": 0.1, "momentum": 0.9, "use_nesterov": True}, 1),
+    "keras_momentum": ({"lr": 0.1, "momentum": 0.9, "use_nesterov": True}, 1),
+    "adam": ({"lr": 0.01, "step": 3.0}, 2),
+    "adam_amsgrad": ({"lr": 0.01, "step": 3.0, "amsgrad": True, "weight_decay": 0.01}, 3),
+    "adagrad": ({"lr": 0.1}, 1),
+    "rmsprop": ({"lr": 0.01, "momentum": 0.9, "centered": True, "has_momentum": True}, 3),
+    "adadelta": ({"lr": 1.0}, 2),
+    "adamax": ({"lr": 0.01, "step": 2.0}, 2),
+    "lion": ({"lr": 0.01, "weight_decay": 0.1}, 1),
+    "nadam": ({"lr": 0.01, "step": 2.0, "u_product": 0.9}, 2),
+    "tf_rmsprop": ({"lr": 0.01, "momentum": 0.9, "centered": True}, 3),
+}
+MODES = [("global_norm", 0.5), ("norm", 0.3), ("value", 0.01), ("agc", 0.05), ("none", 0.0)]
+
+
+def _rule_name(rule):
+    return "adam" if rule == "adam_amsgrad" else rule
+
+
+def _problem(rng, nslots, grad_dtype):
+    vars_ = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    grads = [rng.normal(size=s).astype(grad_dtype) for s in SHAPES]
+    # Positive (second moments) and bf16-representable: both paths start from the same values.
+    slots = [[(np.abs(rng.normal(size=s)) * 0.1 + 0.01).astype(BF16) for s in SHAPES] for _ in range(nslots)]
+    return vars_, grads, slots
+
+
+def _step(rule, vars_, grads, slots, mode, clip, **kw):
+    hp, _ = RULES[rule]
+    return _core.clip_apply(_rule_name(rule), vars_, grads, slots, hp, clip_mode=mode, clip=clip, **kw)
+
+
+def _reference_steps(rule, vars_, grads, slots, mode, clip, steps, **kw):
+    """The float32-state step from the bf16 slots, its slots rounded to bf16 after each step."""
+    rv = [v.copy() for v in vars_]
+    rs = [[s.copy() for s in lst] for lst in slots]
+    for _ in range(steps):
+        fs = [[s.astype(np.float32) for s in lst] for lst in rs]
+        _step(rule, rv, grads, fs, mode, clip, **kw)
+        rs = [[s.astype(BF16) for s in lst] for lst in fs]
+    return rv, rs
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes(), np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("mode,clip", MODES)
+@pytest.mark.parametrize("grad_dtype", [np.float32, BF16, np.float16])
+def test_bf16_state_is_the_float32_step_rounded(rng, rule, mode, clip, grad_dtype):
+    _, nslots = RULES[rule]
+    vars_, grads, slots = _problem(rng, nslots, grad_dtype)
+    rv, rs = _reference_steps(rule, vars_, grads, slots, mode, clip, steps=3)
+    for _ in range(3):
+        _, applied = _step(rule, vars_, grads, slots, mode, clip)
+        assert applied
+    for a, b in zip(vars_, rv):
+        _same_bits(a, b)
+    for la, lb in zip(slots, rs):
+        for a, b in zip(la, lb):
+            _same_bits(a, b)
+
+
+@pytest.mark.parametrize("rule", ["adam", "momentum", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_bf16_state_sparse(rng, rule, lazy):
+    """IndexedSlices gradients (duplicates summed; lazy: only touched rows) with bf16 slots."""
+    _, nslots = RULES[rule]
+    vars_ = [rng.normal(size=(50, 8)).astype(np.float32), rng.normal(size=(40,)).astype(np.float32)]
+    idx = np.array([3, 7, 3, 49, 0], np.int64)
+    grads = [rng.normal(size=(5, 8)).astype(np.float32), rng.normal(size=(40,)).astype(np.float32)]
+    slots = [[(np.abs(rng.normal(size=v.shape)) * 0.1 + 0.01).astype(BF16) for v in vars_]
+             for _ in range(nslots)]
+    kw = {"indices": [idx, None], "lazy": lazy}
+    rv, rs = _reference_steps(rule, vars_, grads, slots, "global_norm", 0.5, steps=2, **kw)
+    for _ in range(2):
+        _step(rule, vars_, grads, slots, "global_norm", 0.5, **kw)
+    for a, b in zip(vars_, rv):
+        _same_bits(a, b)
+    for la, lb in zip(slots, rs):
+        for a, b in zip(la, lb):
+            _same_bits(a, b)
+
+
+def test_bf16_state_lamb_against_float64(rng):
+    """Lamb's update reads its slots back as stored (bf16 here): m and v as the float32 step
+    rounded; the variable as NumPy float64's Lamb on those stored slots (Keras's formula), to
+    float32 rounding of the trust ratio (its norms are fp64 sums in another order)."""
+    lr, b1, b2, eps, step = 0.01, 0.9, 0.999, 1e-7, 1.0
+    vars_ = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
+    grads = [rng.normal(size=v.shape).astype(np.float32) for v in vars_]
+    slots = [[np.zeros(v.shape, BF16) for v in vars_] for _ in range(2)]
+    w0 = [v.astype(np.float64) for v in vars_]
+    _core.clip_apply("lamb", vars_, grads, slots, {"lr": lr, "step": step})
+    for i, g in enumerate(grads):
+        g = g.astype(np.float32)
+        m_want = (np.float32(1 - b1) * g).astype(BF16)
+        v_want = (np.float32(1 - b2) * g * g).astype(BF16)
+        _same_bits(slots[0][i], m_want)
+        _same_bits(slots[1][i], v_want)
+        m = slots[0][i].astype(np.float64) / (1 - b1 ** step)
+        v = slots[1][i].astype(np.float64) / (1 - b2 ** step)
+        u = m / (np.sqrt(v) + eps)
+        ratio = np.linalg.norm(w0[i]) / np.linalg.norm(u)
+        np.testing.assert_allclose(vars_[i], w0[i] - lr * ratio * u, rtol=2e-6, atol=1e-7)
+
+
+def test_bf16_state_errors(rng):
+    v = [np.ones(4, np.float64)]
+    g = [np.ones(4, np.float64)]
+    with pytest.raises(ValueError, match="bfloat16 for a float32"):
+        _core.clip_apply("momentum", v, g, [[np.zeros(4, BF16)]], {"lr": 0.1, "momentum": 0.9})
+    v = [np.ones(4, np.float32)]
+    g = [np.ones(4, np.float32)]
+    with pytest.raises(ValueError, match="bfloat16 for a float32"):
+        _core.clip_apply("momentum", v, g, [[np.zeros(4, np.float16)]], {"lr": 0.1, "momentum": 0.9})
+    with pytest.raises(ValueError, match="share one dtype"):
+        _core.clip_apply("adam", v, g, [[np.zeros(4, BF16)], [np.zeros(4, np.float32)]], {"lr": 0.1, "step": 1.0})
+    assert v[0].tolist() == [1.0] * 4  # nothing was written
+
+
+# ---------------------------------------------------------------- the TF front door
+import tensorflow as tf  # noqa: E402
+
+import tfclip  # noqa: E402
+from tfclip import _loader  # noqa: E402
+
+TF_RULES = {
+    "adam": (lambda sd: tfclip.rules.Adam(0.01, amsgrad=True, state_dtype=sd), "adam",
+             {"lr": 0.01, "amsgrad": True}, ["m", "v", "vhat"]),
+    "sgd_momentum": (lambda sd: tfclip.rules.SGD(0.1, momentum=0.9, nesterov=True, state_dtype=sd),
+                     "keras_momentum", {"lr": 0.1, "momentum": 0.9, "use_nesterov": True}, ["momentum"]),
+    "rmsprop": (lambda sd: tfclip.rules.RMSprop(0.01, momentum=0.5, centered=True, state_dtype=sd), "rmsprop",
+                {"lr": 0.01, "momentum": 0.5, "centered": True, "has_momentum": True},
+                ["velocity", "momentum", "average_gradient"]),
+    "lion": (lambda sd: tfclip.rules.Lion(0.01, state_dtype=sd), "lion", {"lr": 0.01, "beta_1": 0.9, "beta_2": 0.99},
+             ["m"]),
+    "lamb": (lambda sd: tfclip.rules.Lamb(0.01, state_dtype=sd), "lamb", {"lr": 0.01}, ["m", "v"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TF_RULES))
+@pytest.mark.parametrize("how", ["eager", "function", "xla"])
+def test_rules_state_dtype_through_the_op(rng, name, how):
+    """tfclip.rules.X(state_dtype='bfloat16'): bfloat16 slot variables for float32 variables
+    (float64 ones keep theirs), and the op's step is the core's (checked above) bit for bit,
+    eagerly, in a tf.function and under XLA."""
+    if how == "xla" and not _loader.xla_kernels():
+        from tfclip import _build_info
+
+        pytest.skip(f"this build has no XLA kernels: {_build_info.XLA_WHY_NOT}")
+    make, core_rule, hp, slot_names = TF_RULES[name]
+    rule = make("bfloat16")
+    shapes = [(300,), (20, 30), ()]
+    var0 = [rng.normal(size=s).astype(np.float32) for s in shapes] + [rng.normal(size=(5,))]
+    grads = [rng.normal(size=v.shape).astype(v.dtype) for v in var0]
+    tvars = [tf.Variable(v) for v in var0]
+
+    def step():
+        return tfclip.fused_clip_apply([(tf.constant(g), v) for g, v in zip(grads, tvars)], rule,
+                                       global_clipnorm=1.0)
+
+    run = {"eager": step, "function": tf.function(step), "xla": tf.function(step, jit_compile=True)}[how]
+    for _ in range(2):
+        run()
+    for v in tvars:
+        want = tf.bfloat16 if v.dtype == tf.float32 else v.dtype
+        assert all(s.dtype == want for s in rule.slots(v).values())
+    # The core on NumPy: float32 variables with bf16 slots, the float64 one with float64 slots.
+    cvars = [v.copy() for v in var0]
+    cslots = [[np.zeros(v.shape, BF16 if v.dtype == np.float32 else v.dtype) for v in var0] for _ in slot_names]
+    for k in range(2):
+        h = dict(hp, step=float(k + 1)) if core_rule in ("adam", "lamb") else hp
+        _core.clip_apply(core_rule, cvars, grads, cslots, h, clip_mode="global_norm", clip=1.0)
+    for a, v in zip(cvars, tvars):
+        _same_bits(v.numpy(), a)
+    for k, s in enumerate(slot_names):
+        for a, v in zip(cslots[k], tvars):
+            got = rule.slots(v)[s].numpy()
+            _same_bits(got, a)
+
+
+def test_rules_refuse_state_dtype_where_it_does_not_apply():
+    # The rules whose state must stay as it is take no state_dtype at all.
+    for cls in (tfclip.rules.ScheduleFreeAdamW, tfclip.rules.Ftrl, tfclip.rules.ProximalAdagrad):
+        with pytest.raises(TypeError, match="state_dtype"):
+            cls(learning_rate=0.1, state_dtype="bfloat16")
+    with pytest.raises(ValueError, match="state_dtype must be None"):
+        tfclip.rules.Adam(state_dtype="int4")
+    assert tfclip.rules.Adam(state_dtype="float32").state_dtype is None
+    assert tfclip.rules.Adam(state_dtype=tf.bfloat16).state_dtype == "bfloat16"
+
+
+def test_op_refuses_mismatched_slots():
+    """A slot of another dtype than its variable's (other than bf16 state of a float32 one) is
+    an error naming it, and nothing is written."""
+    v = tf.Variable(tf.ones([4], tf.float64))
+    rule = tfclip.rules.SGD(0.1, momentum=0.9)
+    rule._slots[v.ref()] = {"momentum": tf.Variable(tf.zeros([4], tf.bfloat16))}
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a slot must match its variable"):
+        tfclip.fused_clip_apply([(tf.ones([4], tf.float64), v)], rule)
+    assert v.numpy().tolist() == [1.0] * 4
