@@ -222,3 +222,130 @@ def test_op_refuses_mismatched_slots():
     with pytest.raises(tf.errors.InvalidArgumentError, match="a slot must match its variable"):
         tfclip.fused_clip_apply([(tf.ones([4], tf.float64), v)], rule)
     assert v.numpy().tolist() == [1.0] * 4
+
+
+# ---------------------------------------------------------------- the Keras 3 drop-ins
+keras = pytest.importorskip("keras", minversion="3", reason="tfclip.keras needs Keras 3")
+
+KERAS_OPTS = {
+    "SGD": dict(learning_rate=0.1, momentum=0.9, nesterov=True),
+    "Adam": dict(learning_rate=0.01, amsgrad=True),
+    "AdamW": dict(learning_rate=0.01, weight_decay=0.1),
+    "RMSprop": dict(learning_rate=0.01, momentum=0.5, centered=True),
+    "Adagrad": dict(learning_rate=0.1),
+    "Adadelta": dict(learning_rate=1.0),
+    "Adamax": dict(learning_rate=0.01),
+    "Nadam": dict(learning_rate=0.01),
+    "Lion": dict(learning_rate=0.01),
+    "Lamb": dict(learning_rate=0.01),
+}
+
+
+def _keras_vars(rng):
+    return [keras.Variable(rng.normal(size=s).astype(np.float32), name=f"w{i}")
+            for i, s in enumerate([(300,), (20, 30), ()])] + [
+        keras.Variable(rng.normal(size=(5,)), dtype="float64", name="w64")]
+
+
+def _slots(opt):
+    """The optimizer's slot variables, by path (Keras names a slot `<variable>_<slot>`; the
+    variables here are w0, w1, ...)."""
+    return {_leaf(v): v for v in opt.variables if _leaf(v).startswith("w")}
+
+
+def _leaf(v):
+    """A variable's path without the optimizer's name (two optimizers of one class differ there)."""
+    return v.path.split("/", 1)[-1]
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_OPTS))
+def test_keras_state_dtype_is_the_float32_step_rounded(rng, name):
+    """tfclip.keras.X(state_dtype='bfloat16') against the same class with float32 state whose
+    slots are rounded to bfloat16 after every step (ml_dtypes: to nearest even): the same
+    variables and slots, bit for bit (Lamb: its update reads the stored slots, so the float32
+    run's variables differ; its slots still match)."""
+    cls = getattr(tfclip.keras, name)
+    kw = dict(KERAS_OPTS[name], global_clipnorm=1.0)
+    a_vars, b_vars = _keras_vars(rng), None
+    b_vars = [keras.Variable(v.numpy(), dtype=v.dtype, name=v.name) for v in a_vars]
+    a, b = cls(state_dtype="bfloat16", **kw), cls(**kw)
+    a.build(a_vars)
+    b.build(b_vars)
+    sa, sb = _slots(a), _slots(b)
+    assert sa.keys() == sb.keys() and sa
+    for path, v in sa.items():
+        want = "float64" if "w64" in path else "bfloat16"
+        assert v.dtype == want, path
+    for _ in range(3):
+        # The reference: float32 slots rounded to bf16 before each step (Adagrad's start, 0.1,
+        # is not a bfloat16 number: both start from its rounding).
+        for path, v in sb.items():
+            if v.dtype == "float32":
+                v.assign(v.numpy().astype(BF16).astype(np.float32))
+        grads = [rng.normal(size=v.shape).astype(v.dtype) for v in a_vars]
+        a.apply([tf.constant(g) for g in grads], a_vars)
+        b.apply([tf.constant(g) for g in grads], b_vars)
+    for path in sa:
+        got = sa[path].numpy()
+        _same_bits(got, sb[path].numpy().astype(got.dtype))
+    for va, vb in zip(a_vars, b_vars):
+        if name == "Lamb" and va.dtype == "float32":
+            # Its trust ratio reads the stored slots: bf16 ones here, float32 ones there (the
+            # core's Lamb is checked exactly against float64 above): 3 steps of ~0.01 agree
+            # within 5e-4, bf16's relative precision (2^-9) on each.
+            np.testing.assert_allclose(va.numpy(), vb.numpy(), rtol=0, atol=5e-4)
+        else:
+            _same_bits(va.numpy(), vb.numpy())
+
+
+def test_keras_state_dtype_config_ema_accumulation_and_checkpoints(rng, tmp_path):
+    opt = tfclip.keras.Adam(0.01, state_dtype="bfloat16", use_ema=True, gradient_accumulation_steps=2)
+    assert opt.get_config()["state_dtype"] == "bfloat16"
+    assert tfclip.keras.Adam.from_config(opt.get_config()).state_dtype == "bfloat16"
+    assert "state_dtype" not in tfclip.keras.Adam(0.01).get_config()  # the stock config by default
+    vars_ = _keras_vars(rng)[:2]
+    opt.build(vars_)
+    for v in opt.variables:
+        leaf = v.path.split("/")[-1]
+        if leaf.endswith("_average") or leaf.endswith("_gradient_accumulator"):
+            assert v.dtype == "float32", v.path  # stock code updates these in the variable's dtype
+        elif leaf.endswith("_momentum") or leaf.endswith("_velocity"):
+            assert v.dtype == "bfloat16", v.path
+    # A checkpoint of bf16 state restores into the same layout.
+    for _ in range(2):
+        opt.apply([tf.ones_like(v) for v in vars_], vars_)
+    ckpt = tf.train.Checkpoint(opt=opt)
+    path = ckpt.save(str(tmp_path / "c"))
+    saved = {_leaf(v): v.numpy() for v in opt.variables}
+    opt2 = tfclip.keras.Adam(0.01, state_dtype="bfloat16", use_ema=True, gradient_accumulation_steps=2)
+    opt2.build(vars_)
+    tf.train.Checkpoint(opt=opt2).restore(path).assert_existing_objects_matched()
+    for v in opt2.variables:
+        _same_bits(v.numpy(), saved[_leaf(v)])
+
+
+def test_keras_state_dtype_refused_where_the_state_must_stay():
+    with pytest.raises(ValueError, match="Ftrl keeps its state"):
+        tfclip.keras.Ftrl(state_dtype="bfloat16")
+    if hasattr(tfclip.keras, "ScheduleFreeAdamW"):
+        with pytest.raises(ValueError, match="ScheduleFreeAdamW keeps its state"):
+            tfclip.keras.ScheduleFreeAdamW(state_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_keras_state_dtype_model_fit(rng, jit):
+    """model.fit with bf16 state, eagerly compiled and under XLA: it trains, the slots are bf16,
+    and the step is tfclip's (under XLA: the compiled module runs tfclip's custom calls)."""
+    if jit and not _loader.xla_kernels():
+        pytest.skip("this build has no XLA kernels (tests/test_xla.py says why)")
+    keras.utils.set_random_seed(3)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 1))).astype(np.float32)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    opt = tfclip.keras.Adam(0.01, global_clipnorm=1.0, state_dtype="bfloat16")
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+    hist = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert hist.history["loss"][-1] < 0.5 * hist.history["loss"][0]
+    slots = [v for v in opt.variables if v.path.endswith(("_momentum", "_velocity"))]
+    assert len(slots) == 8 and {v.dtype for v in slots} == {"bfloat16"}
+    assert int(opt.iterations.numpy()) == 24

@@ -35,6 +35,11 @@ tfclip. `GradientNormLogger` writes them to TensorBoard. Differences, on purpose
 - **Threads**: one optimizer stepped eagerly by several threads builds once and runs one step
   at a time (stock Keras builds in each thread that finds it unbuilt).
 
+Extra, off by default: `state_dtype="bfloat16"` (SGD with momentum, Adam, AdamW, RMSprop, Adagrad,
+Adadelta, Adamax, Nadam, Lion, Lamb) makes the slot variables of float32 variables bfloat16, half
+the optimizer state's bytes: each slot is read to float32, updated as a float32 slot, and rounded
+to the nearest bfloat16 when stored (docs/low-precision-state.md).
+
 Inside an XLA-compiled function (`jit_compile=True`, Keras 3's default wherever a GPU is
 visible) the fused op compiles to tfclip's own XLA custom calls (csrc/xla): the same kernels, the
 same bits. A build without them (a TensorFlow other than the one the XLA glue is built for) warns
@@ -56,7 +61,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.python.ops import control_flow_util
 
-from tfclip import _loader, _mixup, _opcall, _optstate, _step
+from tfclip import _loader, _mixup, _opcall, _optstate, _rule, _step
 from tfclip import clipping as _clipping
 from tfclip._keras_logger import GradientNormLogger  # noqa: F401  (tfclip.keras.GradientNormLogger)
 from tfclip._step import STEP, Binding
@@ -158,6 +163,8 @@ class _FusedMixin(_optstate.NormState):
 
     _tfclip_library = "keras"  # (tfclip/_mixup.py)
     _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
+    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
+    low_precision_state = True
 
     def __init__(self, *args, clip=None, **kwargs):
         # `clip`: an adaptive clip (tfclip.clipping), taken here for every class; the stock
@@ -170,11 +177,13 @@ class _FusedMixin(_optstate.NormState):
         """The adaptive clip (a tfclip.clipping object), or None."""
         return self._tfclip_clip
 
-    def _tfclip_init(self, nonfinite, lazy_sparse):
+    def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype=None):
         # A tf_keras (Keras 2) program handing this optimizer to its model: the error names
         # tfclip.tf_keras.<Class> (tfclip/_mixup.py; only where tf_keras is loaded already).
         _mixup.install()
         _opcall.check_policy(nonfinite)
+        # Before the stock build makes any slot (object.__setattr__: not a tracked attribute).
+        object.__setattr__(self, "state_dtype", _rule.check_state_dtype(state_dtype, type(self)))
         # The learning rate and weight decay as numbers (a schedule or callable: per step, by
         # the op): finite, the one refusal of tfclip's own (docs/differences.md).
         lr = getattr(self, "_learning_rate", None)
@@ -201,6 +210,26 @@ class _FusedMixin(_optstate.NormState):
                 object.__setattr__(self, attr, _state_variable(value, name, dtype))
         object.__setattr__(self, "_tensor_norms", None)  # made by build (one per variable)
         object.__setattr__(self, "_clipped_units", None)  # made by build with an AGC clip
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        # The stock build makes every slot here, in its variable's dtype; with
+        # state_dtype="bfloat16" a float32 variable's slots are bfloat16 (add_variable below).
+        # Not the base class's own: use_ema's averages and gradient_accumulation_steps's sums
+        # stay in the variable's dtype (stock code updates them, in that dtype).
+        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
+        if dtype == tf.as_dtype(reference_variable.dtype) or name in ("average", "gradient_accumulator"):
+            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        object.__setattr__(self, "_tfclip_slot_dtype", dtype.name)
+        try:
+            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        finally:
+            object.__setattr__(self, "_tfclip_slot_dtype", None)
+
+    def add_variable(self, *args, **kwargs):
+        slot_dtype = getattr(self, "_tfclip_slot_dtype", None)
+        if slot_dtype is not None:  # (a slot made by add_variable_from_reference above)
+            kwargs["dtype"] = slot_dtype
+        return super().add_variable(*args, **kwargs)
 
     def build(self, var_list):
         super().build(var_list)
@@ -237,6 +266,8 @@ class _FusedMixin(_optstate.NormState):
             config["lazy_sparse"] = True
         if self._tfclip_clip is not None:
             config["clip"] = _clipping.serialize(self._tfclip_clip)
+        if self.state_dtype is not None:
+            config["state_dtype"] = self.state_dtype
         return config
 
     def apply(self, grads, trainable_variables=None):
@@ -331,6 +362,10 @@ class _FusedMixin(_optstate.NormState):
 
     # -- the XLA fallback: stock Keras ops, clipping after the all-reduce -------------------
     def _stock_update_step(self, grads, keras_vars, tvars, learning_rate):
+        if self.state_dtype is not None:
+            raise ValueError(f"state_dtype={self.state_dtype!r} needs tfclip's fused op, which this build "
+                             "cannot compile inside an XLA-compiled function (jit_compile=True); compile "
+                             "the model with jit_compile=False, or leave state_dtype at None")
         if self.nonfinite == "raise":
             raise ValueError("nonfinite='raise' needs tfclip's fused op, which cannot run inside an "
                              "XLA-compiled function (jit_compile=True); use 'skip' or 'propagate', "
@@ -408,10 +443,10 @@ class SGD(_FusedMixin, keras.optimizers.SGD):
                               flags=(("use_nesterov", "nesterov", _momentum),))
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, *, nonfinite="skip",
-                 lazy_sparse=False, **kwargs):
+                 lazy_sparse=False, state_dtype=None, **kwargs):
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs)
         _check_betas(self, ("momentum",))
-        self._tfclip_init(nonfinite, lazy_sparse)
+        self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
 
 class Adam(_FusedMixin, keras.optimizers.Adam):
@@ -420,11 +455,11 @@ class Adam(_FusedMixin, keras.optimizers.Adam):
     _tfclip_binding = _ADAM
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False, *,
-                 nonfinite="skip", lazy_sparse=False, **kwargs):
+                 nonfinite="skip", lazy_sparse=False, state_dtype=None, **kwargs):
         super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
                          amsgrad=amsgrad, **kwargs)
         _check_betas(self)
-        self._tfclip_init(nonfinite, lazy_sparse)
+        self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
 
 class AdamW(_FusedMixin, keras.optimizers.AdamW):
@@ -433,11 +468,11 @@ class AdamW(_FusedMixin, keras.optimizers.AdamW):
     _tfclip_binding = _ADAM
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 amsgrad=False, *, nonfinite="skip", lazy_sparse=False, **kwargs):
+                 amsgrad=False, *, nonfinite="skip", lazy_sparse=False, state_dtype=None, **kwargs):
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1,
                          beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad, **kwargs)
         _check_betas(self)
-        self._tfclip_init(nonfinite, lazy_sparse)
+        self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
 
 class _Generic(_FusedMixin):
@@ -447,10 +482,10 @@ class _Generic(_FusedMixin):
 
     _checked = ()
 
-    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, **kwargs):
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, state_dtype=None, **kwargs):
         super().__init__(*args, **kwargs)
         _check_betas(self, self._checked)
-        self._tfclip_init(nonfinite, lazy_sparse)
+        self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
 
 class RMSprop(_Generic, keras.optimizers.RMSprop):
@@ -533,6 +568,7 @@ class Ftrl(_Generic, keras.optimizers.Ftrl):
                                        ("l2_shrinkage", "l2_shrinkage_regularization_strength"), ("beta", "beta")))
     _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
                 "l2_shrinkage_regularization_strength", "beta", "initial_accumulator_value")
+    low_precision_state = False  # (its linear slot is a weight: tfclip.rules says why)
 
 
 class Lamb(_Generic, keras.optimizers.Lamb):
@@ -558,6 +594,7 @@ if _StockScheduleFree is not None:
                                   hparams=_BETAS_STEP + (("warmup_steps", lambda o, _: float(o.warmup_steps)),))
 
         _checked = ("beta_1", "beta_2", "epsilon")
+        low_precision_state = False  # (its momentum slot is the iterate z: tfclip.rules says why)
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
