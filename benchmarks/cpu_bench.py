@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead]
+                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -21,7 +21,9 @@ global clip's fused step, the floor, and the same clipping written with stock TF
 (tf.linalg.global_norm, the threshold, tf.clip_by_global_norm, Keras Adam), and AGC against its
 floor (36 B/param: the variable's read in the norm pass) and the unit norms in stock TF ops; float16/bfloat16 gradients for float32 variables, per parameter,
 against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
-`tf.function`. Machines are shared and noisy: compare ratios within one run.
+`tf.function`; bfloat16 optimizer state (`state_dtype="bfloat16"`) against float32 state, for
+fused_clip_apply and the Keras drop-in (whole calls), each against its own floor, with the
+optimizer's bytes per parameter. Machines are shared and noisy: compare ratios within one run.
 """
 import argparse
 import os
@@ -37,6 +39,7 @@ import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tfclip  # noqa: E402
+import tfclip.keras  # noqa: E402,F401  (the state_dtype table's drop-in)
 from tfclip import _core  # noqa: E402,F401  (tfclip._core.cpu_isa)
 
 BYTES_PER_PARAM = 32
@@ -448,6 +451,92 @@ def grad_dtypes_table(args, rng):
         print(f"{label:<10} {t * 1e3:8.2f} {t / n * 1e9:9.3f} {t / results['float32']:10.2f}")
 
 
+# label: (rule maker, slots). Bytes per parameter of a clip(global) + apply step with float32
+# variables and gradients and `slots` slot arrays of `b` bytes an element: the norm reads the
+# gradient (4), the apply reads gradient and variable (8) and the slots, and writes the variable
+# (4) and the slots.
+STATE_RULES = {
+    "Adam": (lambda sd: tfclip.rules.Adam(1e-9, state_dtype=sd), 2),
+    "Momentum": (lambda sd: tfclip.rules.SGD(1e-9, momentum=0.9, state_dtype=sd), 1),
+    "Lion": (lambda sd: tfclip.rules.Lion(1e-9, state_dtype=sd), 1),
+    "RMSprop mom+centered": (lambda sd: tfclip.rules.RMSprop(1e-9, momentum=0.9, centered=True,
+                                                             state_dtype=sd), 3),
+}
+
+
+def _state_bytes(slots, b):
+    return 4 + 8 + 4 + 2 * b * slots
+
+
+def state_dtype_table(args, rng):
+    """bfloat16 optimizer state against float32 state on the BERT-base set (float32 variables and
+    gradients): each rule's step through fused_clip_apply in tf.function, and Adam through the
+    Keras drop-in's apply_gradients in tf.function (the whole call as model.fit makes it), each
+    against its own floor (the 32 B/param copy scaled to its bytes); the optimizer state's bytes
+    per parameter, counted from the slot variables."""
+    shapes, variables, grads = make_set("bert_base", rng)
+    n = sum(int(np.prod(s)) for s in shapes)
+    print(f"\nbert_base ({n / 1e6:.1f}M params), float32 variables: optimizer state in float32 against "
+          f"bfloat16 (state_dtype='bfloat16'), whole tf.function calls")
+    print(f"{'step':<34} {'state':<9} {'state B/p':>9} {'B/param':>7} {'ms/call':>8} {'net ms':>8} "
+          f"{'x floor':>8} {'x fp32':>7}")
+    only = set(args.rules.split(",")) if args.rules else None
+    for label, (make_rule, slots) in STATE_RULES.items():
+        if only and label not in only:
+            continue
+        fns, rules = {}, {}
+        for sd in ("float32", "bfloat16"):
+            rule = rules[sd] = make_rule(None if sd == "float32" else sd)
+
+            def make(rule=rule):
+                @tf.function
+                def f():
+                    return tfclip.fused_clip_apply(zip(grads, variables), rule, global_clipnorm=1.0).applied
+                return f
+            fns[sd] = make()
+            fns[sd]()  # the slots, so the harness captures them
+        state_vars = rules["float32"].variables[1:] + rules["bfloat16"].variables[1:]
+
+        @tf.function
+        def harness():
+            return consume([v.handle for v in list(variables) + state_vars] + list(grads))
+
+        r = interleaved_medians({**fns, "harness": harness, "floor": floor_copy(n)}, args.repeats)
+        for sd in ("float32", "bfloat16"):
+            b = 4 if sd == "float32" else 2
+            nbytes = _state_bytes(slots, b)
+            state_bytes = sum(int(np.prod(v.shape)) * v.dtype.size for v in rules[sd].variables[1:]) / n
+            net = r[sd] - r["harness"]
+            floor = r["floor"] * nbytes / BYTES_PER_PARAM
+            print(f"{'fused_clip_apply ' + label:<34} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
+                  f"{net * 1e3:8.2f} {net / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
+        del fns, rules, harness, state_vars
+    # The Keras drop-in, Adam: the step as model.fit runs it.
+    opts = {sd: tfclip.keras.Adam(1e-9, global_clipnorm=1.0, state_dtype=None if sd == "float32" else sd)
+            for sd in ("float32", "bfloat16")}
+    fns = {}
+    for sd, opt in opts.items():
+        opt.build(variables)
+
+        def make(opt=opt):
+            @tf.function
+            def f():
+                opt.apply_gradients(zip(grads, variables))
+            return f
+        fns[sd] = make()
+    r = interleaved_medians({**fns, "floor": floor_copy(n)}, args.repeats)
+    for sd, opt in opts.items():
+        b = 4 if sd == "float32" else 2
+        nbytes = _state_bytes(2, b)
+        slots = [v for v in opt.variables if v.path.endswith(("_momentum", "_velocity"))]
+        state_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in slots) / n
+        floor = r["floor"] * nbytes / BYTES_PER_PARAM
+        print(f"{'tfclip.keras.Adam apply_gradients':<34} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
+              f"{'':>8} {r[sd] / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
+    print("(x floor: net time over the floor for fused_clip_apply; the whole call's for Keras, which has "
+          "no harness row)")
+
+
 def overhead_table(args, rng):
     """The fixed cost of one call with 200 variables of 4 elements (kernel time ~0).
 
@@ -568,8 +657,8 @@ def main(argv=None):
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
-    p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead",
-                   help="comma list of rules, tf1, adaptive, grad_dtypes, overhead (or empty)")
+    p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype",
+                   help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype (or empty)")
     args = p.parse_args(argv)
 
     isa = tfclip._core.cpu_isa()
@@ -589,6 +678,8 @@ def main(argv=None):
         grad_dtypes_table(args, rng)
     if "overhead" in extras:
         overhead_table(args, rng)
+    if "state_dtype" in extras:
+        state_dtype_table(args, rng)
 
 
 if __name__ == "__main__":
