@@ -349,3 +349,56 @@ def test_keras_state_dtype_model_fit(rng, jit):
     slots = [v for v in opt.variables if v.path.endswith(("_momentum", "_velocity"))]
     assert len(slots) == 8 and {v.dtype for v in slots} == {"bfloat16"}
     assert int(opt.iterations.numpy()) == 24
+
+
+# ---------------------------------------------------------------- tfclip.compat.v1
+V1_OPTS = {
+    "Momentum": (lambda **kw: tfclip.compat.v1.MomentumOptimizer(0.1, 0.9, use_nesterov=True, **kw), ["momentum"]),
+    "Adam": (lambda **kw: tfclip.compat.v1.AdamOptimizer(0.01, **kw), ["m", "v"]),
+    "RMSProp": (lambda **kw: tfclip.compat.v1.RMSPropOptimizer(0.01, momentum=0.5, centered=True, **kw),
+                ["rms", "mg", "momentum"]),
+    "Adagrad": (lambda **kw: tfclip.compat.v1.AdagradOptimizer(0.1, **kw), ["accumulator"]),
+    "Adadelta": (lambda **kw: tfclip.compat.v1.AdadeltaOptimizer(1.0, **kw), ["accum", "accum_update"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(V1_OPTS))
+@pytest.mark.parametrize("use_resource", [True, False])
+def test_compat_v1_state_dtype(rng, name, use_resource):
+    """tfclip.compat.v1 optimizers with state_dtype='bfloat16', in a TF1 graph with a Session, on
+    resource and ref variables: bfloat16 slots for float32 variables, and the same variables and
+    slots, bit for bit, as the float32-state optimizer whose slots are rounded to bfloat16
+    before each step."""
+    make, slot_names = V1_OPTS[name]
+    init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
+    grads = [[rng.normal(size=v.shape).astype(np.float32) for v in init] for _ in range(3)]
+    with tf.Graph().as_default():
+        va = [tf.compat.v1.Variable(v, use_resource=use_resource) for v in init]
+        vb = [tf.compat.v1.Variable(v, use_resource=use_resource) for v in init]
+        gph = [tf.compat.v1.placeholder(tf.float32, v.shape) for v in init]
+        a, b = make(global_clipnorm=1.0, state_dtype="bfloat16"), make(global_clipnorm=1.0)
+        step_a = a.apply_gradients(list(zip(gph, va)))
+        step_b = b.apply_gradients(list(zip(gph, vb)))
+        slots_a = [a.get_slot(v, s) for v in va for s in slot_names]
+        slots_b = [b.get_slot(v, s) for v in vb for s in slot_names]
+        assert all(s.dtype.base_dtype == tf.bfloat16 for s in slots_a)
+        rounded = [tf.compat.v1.placeholder(tf.float32, s.shape) for s in slots_b]
+        round_b = [s.assign(r) for s, r in zip(slots_b, rounded)]
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for g in grads:
+                sess.run(round_b, {r: v.astype(BF16).astype(np.float32)
+                                   for r, v in zip(rounded, sess.run(slots_b))})
+                feed = dict(zip(gph, g))
+                sess.run(step_a, feed)
+                sess.run(step_b, feed)
+            got_v, want_v, got_s, want_s = sess.run([va, vb, slots_a, slots_b])
+    for x, y in zip(got_v, want_v):
+        _same_bits(x, y)
+    for x, y in zip(got_s, want_s):
+        _same_bits(x, y.astype(BF16))
+
+
+def test_compat_v1_state_dtype_refused_where_the_state_must_stay():
+    with pytest.raises(TypeError, match="state_dtype"):
+        tfclip.compat.v1.FtrlOptimizer(0.1, state_dtype="bfloat16")

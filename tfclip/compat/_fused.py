@@ -6,7 +6,7 @@ import numbers
 
 import tensorflow as tf
 
-from tfclip import _opcall, _step
+from tfclip import _opcall, _rule, _step
 from tfclip import clipping as _clipping
 
 
@@ -38,9 +38,13 @@ class _Fused(tf.compat.v1.train.Optimizer):
     # variable and the optimizer only (w/RMSProp, w/RMSProp_1, ...), so the order is the name.
     _slot_names = ()
     _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
+    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
+    low_precision_state = False
 
-    def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip=None):
+    def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip=None,
+                 state_dtype=None):
         super().__init__(use_locking, name)
+        self._state_dtype = _rule.check_state_dtype(state_dtype, type(self))
         self._clip_mode, self._clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
         # An adaptive clip (tfclip.clipping): its state is made with the slots, on the first
         # apply_gradients, as graph variables (global variables: Saver saves them).
@@ -75,14 +79,16 @@ class _Fused(tf.compat.v1.train.Optimizer):
 
     def _create_slots(self, var_list):
         for v in var_list:
+            # The variable's dtype, as the stock class; bfloat16 for a float32 variable under
+            # state_dtype="bfloat16" (docs/low-precision-state.md).
+            dtype = _rule.state_slot_dtype(self._state_dtype, v.dtype.base_dtype)
             for s in self._slot_names:
                 init = self._slot_initial(s)
-                if init == 0.0:
+                if init == 0.0 and dtype == v.dtype.base_dtype:
                     self._zeros_slot(v, s, self._name)
                 else:
                     self._get_or_make_slot_with_initializer(
-                        v, tf.compat.v1.constant_initializer(init, dtype=v.dtype.base_dtype), v.shape,
-                        v.dtype.base_dtype, s, self._name)
+                        v, tf.compat.v1.constant_initializer(init, dtype=dtype), v.shape, dtype, s, self._name)
 
     def _slot_initial(self, name):
         return 0.0

@@ -54,6 +54,10 @@ construction, a tensor when the step runs, before anything is written). With flo
 Python-number hyper-parameters work (the stock proximal classes pass them to their ops as
 float32, which fails).
 
+`state_dtype="bfloat16"` (Momentum, Adam, RMSProp, Adagrad, Adadelta; keyword-only) makes the
+slots of float32 variables bfloat16, as `tfclip.rules` does (docs/low-precision-state.md); the
+default is the stock layout. Such a checkpoint restores only into the same layout.
+
 RMSProp runs TF's own kernel order (the core rule `tf_rmsprop`; keras's RMSprop rounds
 differently, which a centered RMSProp with a small epsilon shows). Adagrad runs the Keras rule
 with epsilon 0: TF's kernel computes `g * lr * rsqrt(accum)` where it computes
@@ -107,6 +111,7 @@ class GradientDescentOptimizer(_Fused):
 class MomentumOptimizer(_Fused):
     """tf.compat.v1.train.MomentumOptimizer (slot `momentum`) with fused clipping."""
 
+    low_precision_state = True
     _tfclip_binding = Binding("momentum", slots=(("accum", "momentum"),),
                               hparams=(("lr", "_learning_rate"), ("momentum", "_momentum")),
                               flags=(("use_nesterov", "_use_nesterov"),))
@@ -115,8 +120,9 @@ class MomentumOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyMomentum updates only the touched rows
 
     def __init__(self, learning_rate, momentum, use_locking=False, name="Momentum", use_nesterov=False, *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 state_dtype=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
         self._check_numbers(learning_rate=learning_rate, momentum=momentum)
         self._learning_rate, self._momentum, self._use_nesterov = learning_rate, momentum, use_nesterov
 
@@ -124,6 +130,7 @@ class MomentumOptimizer(_Fused):
 class AdamOptimizer(_Fused):
     """tf.compat.v1.train.AdamOptimizer (slots `m`, `v`) with fused clipping."""
 
+    low_precision_state = True
     _tfclip_binding = Binding("adam", slots=(("m", "m"), ("v", "v")),
                               hparams=(("lr", "_lr"), ("beta_1", "_beta1"), ("beta_2", "_beta2"),
                                        ("epsilon", "_epsilon"), ("step", lambda o, _: 1.0),
@@ -134,8 +141,9 @@ class AdamOptimizer(_Fused):
     _slot_names = ("m", "v")
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, use_locking=False,
-                 name="Adam", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+                 name="Adam", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 state_dtype=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
         self._check_numbers(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
         self._lr, self._beta1, self._beta2, self._epsilon = learning_rate, beta1, beta2, epsilon
 
@@ -171,6 +179,7 @@ class RMSPropOptimizer(_Fused):
     """tf.compat.v1.train.RMSPropOptimizer (slots `rms` starting at 1, `momentum`, and `mg` when
     centered) with fused clipping."""
 
+    low_precision_state = True
     _tfclip_binding = Binding("tf_rmsprop", slots=(("rms", "rms"), ("mom", "momentum"), ("mg", "mg", "_centered")),
                               hparams=(("lr", "_learning_rate"), ("rho", "_decay"), ("momentum", "_momentum"),
                                        ("epsilon", "_epsilon")),
@@ -179,8 +188,9 @@ class RMSPropOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyRMSProp updates only the touched rows
 
     def __init__(self, learning_rate, decay=0.9, momentum=0.0, epsilon=1e-10, use_locking=False, centered=False,
-                 name="RMSProp", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+                 name="RMSProp", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 state_dtype=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
         self._check_numbers(learning_rate=learning_rate, decay=decay, momentum=momentum, epsilon=epsilon)
         self._learning_rate, self._decay, self._momentum = learning_rate, decay, momentum
         self._epsilon, self._centered = epsilon, centered
@@ -194,6 +204,7 @@ class AdagradOptimizer(_Fused):
     """tf.compat.v1.train.AdagradOptimizer (slot `accumulator`, starting at
     `initial_accumulator_value`) with fused clipping."""
 
+    low_precision_state = True
     _tfclip_binding = Binding("adagrad", slots=(("accumulator", "accumulator"),),
                               hparams=(("lr", "_learning_rate"), ("epsilon", lambda o, _: 0.0)))
 
@@ -201,10 +212,11 @@ class AdagradOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyAdagrad updates only the touched rows
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, use_locking=False, name="Adagrad", *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 state_dtype=None):
         if initial_accumulator_value <= 0.0:
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
         self._check_numbers(learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value)
         self._learning_rate, self._initial = learning_rate, initial_accumulator_value
 
@@ -218,6 +230,7 @@ class AdadeltaOptimizer(_Fused):
     `sqrt(accum_update + eps) * rsqrt(accum + eps) * g`, computed as a quotient of square roots:
     float rounding apart (an ulp or two a step)."""
 
+    low_precision_state = True
     _tfclip_binding = Binding("adadelta", slots=(("accumulated_grad", "accum"), ("accumulated_delta_var", "accum_update")),
                               hparams=(("lr", "_learning_rate"), ("rho", "_rho"), ("epsilon", "_epsilon")))
 
@@ -225,8 +238,9 @@ class AdadeltaOptimizer(_Fused):
     _lazy_sparse = True  # ResourceSparseApplyAdadelta updates only the touched rows
 
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-8, use_locking=False, name="Adadelta", *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 state_dtype=None):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
         self._check_numbers(learning_rate=learning_rate, rho=rho, epsilon=epsilon)
         self._learning_rate, self._rho, self._epsilon = learning_rate, rho, epsilon
 
