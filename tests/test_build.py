@@ -128,10 +128,11 @@ def test_each_variant_vectorizes_the_adam_step(path):
     def apply_code(ns):
         # The dense pass, Apply, and its chunk and loop templates for Adam, wherever the compiler
         # left them (inlined into Apply, or out of line once Apply grew: the AVX2 variant's
-        # ApplyChunk<AdamRule, ...> since Lamb's instantiations).
+        # ApplyChunk<AdamRule, ...> since Lamb's instantiations; ApplyLoopInPlace<AdamRule, ...>,
+        # the in-place loop that ApplyChunk and the bf16-state chunk share).
+        adam = ("ApplyChunk<tfclip::AdamRule", "ApplyLoop<tfclip::AdamRule", "ApplyLoopInPlace<tfclip::AdamRule")
         return "\n".join("\n".join(body) for name, body in funcs.items()
-                         if f"{ns}Apply(" in name
-                         or (ns in name and ("ApplyChunk<tfclip::AdamRule" in name or "ApplyLoop<tfclip::AdamRule" in name)))
+                         if f"{ns}Apply(" in name or (ns in name and any(a in name for a in adam)))
 
     # Adam's sqrt, packed at each variant's width: SSE xmm, AVX2 ymm. The AVX-512 variant has
     # no apply pass of its own (csrc/core/isa/avx512.cc: it runs AVX2's).
