@@ -41,6 +41,7 @@ else:
             raise ImportError(_KERAS_PROBLEM)
         raise AttributeError(f"module 'tfclip' has no attribute {name!r}")
 
+    from tfclip.checkpoint import convert_checkpoint
     from tfclip.ops import (
         ClipApplyResult,
         fused_clip_apply,
@@ -51,6 +52,7 @@ else:
     __all__ = [
         "ClipApplyResult",
         "clipping",
+        "convert_checkpoint",
         "fused_clip_apply",
         "fused_clip_by_global_norm",
         "compat",

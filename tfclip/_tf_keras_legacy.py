@@ -7,11 +7,11 @@ import warnings
 
 import tensorflow as tf
 
-from tfclip import _opcall, _step
+from tfclip import _opcall, _rule, _step
 from tfclip import clipping as _clipping
 from tfclip._step import Binding
-from tfclip._tf_keras_step import (_FusedMixin, _in_xla_context, _optimizer_utils,
-                                   _outer_graph, _state_variable, _tf_keras, _xla_kernels)
+from tfclip._tf_keras_step import (_FusedMixin, _in_xla_context, _optimizer_utils, _outer_graph,
+                                   _refuse_stock_step, _slots_as, _state_variable, _tf_keras, _xla_kernels)
 
 _legacy_stock = _tf_keras.optimizers.legacy
 _LEGACY_WARNED = set()
@@ -29,7 +29,7 @@ class _LegacyFusedMixin(_FusedMixin):
 
     _lazy_default = False
 
-    def __init__(self, *args, nonfinite="skip", lazy_sparse=None, clip=None, **kwargs):
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=None, clip=None, state_dtype=None, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         super(_FusedMixin, self).__init__(*args, **kwargs)
         if lazy_sparse is None:
@@ -40,7 +40,7 @@ class _LegacyFusedMixin(_FusedMixin):
         else:
             self._tfclip_stock_reason = None
             _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
-        self._tfclip_init(nonfinite, lazy_sparse)
+        self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
     def get_config(self):
         config = super(_FusedMixin, self).get_config()
@@ -50,7 +50,19 @@ class _LegacyFusedMixin(_FusedMixin):
             config["lazy_sparse"] = self.lazy_sparse
         if self._tfclip_clip is not None:
             config["clip"] = _clipping.serialize(self._tfclip_clip)
+        if self.state_dtype is not None:
+            config["state_dtype"] = self.state_dtype
         return config
+
+    def add_slot(self, var, slot_name, initializer="zeros", shape=None):
+        # With state_dtype="bfloat16" a float32 variable's slots are bfloat16 (also those a
+        # checkpoint restores before the first step: the initializer reads them as bfloat16).
+        true = var.dtype.base_dtype
+        dtype = _rule.state_slot_dtype(self.state_dtype, true)
+        if dtype == true:
+            return super().add_slot(var, slot_name, initializer, shape)
+        with _slots_as(dtype):
+            return super().add_slot(var, slot_name, initializer, shape)
 
     def _clip_mode(self):
         if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
@@ -135,6 +147,7 @@ class _LegacyFusedMixin(_FusedMixin):
         grads_and_vars = list(grads_and_vars)
         reason = self._stock_reason(grads_and_vars)
         if reason is not None:
+            _refuse_stock_step(self, reason)
             if (type(self).__name__, reason) not in _LEGACY_WARNED:
                 _LEGACY_WARNED.add((type(self).__name__, reason))
                 warnings.warn(f"tfclip.tf_keras.legacy.{type(self).__name__}: {reason}, so this step "
@@ -334,6 +347,8 @@ class _LegacyFtrl(_LegacyFusedMixin, _legacy_stock.Ftrl):
     shrinkage), l2 adjusted by beta / (2 lr) as stock (tfclip's `ftrl` / `ftrl_sqrt` rules; slots
     `accumulator`, `linear`), and for IndexedSlices, as stock's ResourceSparseApplyFtrl(V2), only
     the rows the gradient touches (`lazy_sparse` defaults to True)."""
+
+    low_precision_state = False  # (its linear slot is a weight: tfclip.rules says why)
 
     _tfclip_binding = Binding(("ftrl", "ftrl_sqrt"), pick=lambda o: _opcall.ftrl_variant(o._tfclip_lr_power)[0],
                               slots=(("accumulator", "accumulator"), ("linear", "linear")),

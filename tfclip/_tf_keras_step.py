@@ -3,6 +3,8 @@ what `_LegacyFusedMixin` (tfclip/_tf_keras_legacy.py, the OptimizerV2 ones) buil
 own state variables, the stock apply_gradients with its update replaced by the one fused step
 (tfclip/_step.py, one op per group of variables), and the sources a class's binding reads. The
 public classes and their docs: tfclip/tf_keras.py."""
+import contextlib
+import functools
 import warnings
 
 import tensorflow as tf
@@ -17,7 +19,7 @@ except ImportError as _e:  # pragma: no cover - the optional dependency is absen
 from tensorflow.python.ops import control_flow_util
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _loader, _opcall, _optstate, _step
+from tfclip import _loader, _opcall, _optstate, _rule, _step
 from tfclip import clipping as _clipping
 
 def _in_xla_context():
@@ -52,6 +54,36 @@ def _warn_xla_fallback():
                       "jit_compile=False for tfclip's fused kernels.", stacklevel=3)
 
 
+@contextlib.contextmanager
+def _slots_as(dtype):
+    """The variables made inside get `dtype` (state_dtype's slots, made by the stock code that
+    gives them their variable's dtype): as a variable creator, so the strategy's own creators
+    (MirroredStrategy's copies, its colocation) still run below it. An initializer called with
+    a dtype (OptimizerV2.add_slot's, also when it restores a checkpoint) is called with this one;
+    any other initial value is cast."""
+    def creator(next_creator, **kwargs):
+        init = kwargs.get("initial_value")
+        if isinstance(init, functools.partial) and "dtype" in init.keywords:
+            kwargs["initial_value"] = functools.partial(init.func, *init.args, **dict(init.keywords, dtype=dtype))
+        elif callable(init):
+            kwargs["initial_value"] = lambda: tf.cast(init(), dtype)
+        elif init is not None:
+            kwargs["initial_value"] = tf.cast(init, dtype)
+        kwargs["dtype"] = dtype
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
+
+
+def _refuse_stock_step(opt, reason):
+    """A stock step cannot run on state_dtype's slots (the stock ops take slots of their
+    variable's dtype): the error, naming why the fused op is not used here."""
+    if getattr(opt, "state_dtype", None) is not None:
+        raise ValueError(f"{type(opt).__name__}(state_dtype={opt.state_dtype!r}) needs tfclip's fused op, "
+                         f"which cannot run this step ({reason}); leave state_dtype at None for it")
+
+
 def _state_variable(value, name, dtype):
     """One of tfclip's own optimizer variables: not trainable, one value for all replicas."""
     with tf.init_scope():
@@ -81,8 +113,10 @@ class _FusedMixin(_optstate.NormState):
     _tfclip_library = "tf_keras"  # (tfclip/_mixup.py)
     _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
     _checked = ()
+    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
+    low_precision_state = True
 
-    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, **kwargs):
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         super().__init__(*args, **kwargs)
         lr = getattr(self, "_learning_rate", None)
@@ -92,14 +126,15 @@ class _FusedMixin(_optstate.NormState):
         if isinstance(wd, (int, float)) and not isinstance(wd, bool):
             _step.check_number("weight_decay", float(wd))
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
-        self._tfclip_init(nonfinite, lazy_sparse)
+        self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
     @property
     def clip(self):
         """The adaptive clip (a tfclip.clipping object), or None."""
         return self._tfclip_clip
 
-    def _tfclip_init(self, nonfinite, lazy_sparse):
+    def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype):
+        object.__setattr__(self, "state_dtype", _rule.check_state_dtype(state_dtype, type(self)))
         _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
                                   clipnorm=self.clipnorm, clipvalue=self.clipvalue)
         _opcall.check_policy(nonfinite)
@@ -129,6 +164,17 @@ class _FusedMixin(_optstate.NormState):
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
             self._tfclip_make_clipped_units(len(var_list))
         self._tfclip_build_clip(self._tfclip_add_clip_variable)
+
+    def add_variable_from_reference(self, model_variable, variable_name, shape=None, initial_value=None):
+        # The stock build makes every slot here in its variable's dtype (a mixed-precision
+        # variable's true one); with state_dtype="bfloat16" a float32 variable's slots are
+        # bfloat16. use_ema's "average" stays in the variable's dtype (stock code updates it).
+        true = tf.as_dtype(getattr(model_variable, "true_dtype", model_variable.dtype))
+        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), true)
+        if dtype == true or variable_name == "average":
+            return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
+        with _slots_as(dtype):
+            return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
 
     def _tfclip_make_clipped_units(self, n):
         if isinstance(self._tfclip_clip, _clipping.AGC):  # AGC's clipped units, as tensor_norms
@@ -173,6 +219,8 @@ class _FusedMixin(_optstate.NormState):
             config["lazy_sparse"] = True
         if self._tfclip_clip is not None:
             config["clip"] = _clipping.serialize(self._tfclip_clip)
+        if self.state_dtype is not None:
+            config["state_dtype"] = self.state_dtype
         return config
 
     def _clip_mode(self):
@@ -184,6 +232,7 @@ class _FusedMixin(_optstate.NormState):
             raise NotImplementedError("tfclip.tf_keras optimizers do not run under DTensor; use the "
                                       f"stock tf_keras.optimizers.{type(self).__name__}")
         if _in_xla_context() and not _xla_kernels():
+            _refuse_stock_step(self, "this build of tfclip has no XLA kernels and the step is jit-compiled")
             _warn_xla_fallback()
             return super().apply_gradients(grads_and_vars, name=name,
                                            skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)

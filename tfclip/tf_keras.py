@@ -173,6 +173,8 @@ class Lion(_FusedMixin, _stock.Lion):
 class Ftrl(_FusedMixin, _stock.Ftrl):
     """tf_keras.optimizers.Ftrl (l1, l2, l2 shrinkage, learning_rate_power, beta) as one fused op."""
 
+    low_precision_state = False  # (its linear slot is a weight: tfclip.rules says why)
+
     _tfclip_binding = Binding(("ftrl", "ftrl_sqrt"), pick=lambda o: _opcall.ftrl_variant(o.learning_rate_power)[0],
                               slots=(("accumulator", "_accumulators"), ("linear", "_linears")),
                               hparams=(("lr_power", "learning_rate_power", _general_ftrl),
