@@ -1,0 +1,159 @@
+"""tfclip.convert_checkpoint (issue 47): a checkpoint moved between float32 and bfloat16
+optimizer state, both ways, for each kind of checkpoint users write: Keras 3 object-based, tf_keras
+legacy (slots restored when they are made), and a TF1 Saver's name-based one.
+
+The reference is independent of the converter: the stock optimizer's float32 slots rounded to
+bfloat16 by ml_dtypes (round to nearest even), and bfloat16 slots widened by NumPy."""
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfclip
+from tfclip import checkpoint as ckpt_mod
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes(), (a, b)
+
+
+keras = pytest.importorskip("keras", minversion="3", reason="tfclip.keras needs Keras 3")
+
+
+def _keras_run(rng, opt, steps=2):
+    vars_ = [keras.Variable(rng.normal(size=s).astype(np.float32), name=f"w{i}")
+             for i, s in enumerate([(40,), (6, 7)])] + [keras.Variable(rng.normal(size=(3,)), name="w64")]
+    for _ in range(steps):
+        opt.apply([tf.constant(rng.normal(size=v.shape), dtype=v.dtype) for v in vars_], vars_)
+    return vars_
+
+
+def _by_leaf(opt):
+    return {v.path.split("/", 1)[-1]: v for v in opt.variables}
+
+
+def test_keras_stock_float32_to_bfloat16_and_back(rng, tmp_path):
+    stock = keras.optimizers.Adam(0.01, amsgrad=True)
+    vars_ = _keras_run(rng, stock)
+    src = tf.train.Checkpoint(opt=stock, v=vars_).save(str(tmp_path / "fp32" / "c"))
+
+    # Into bfloat16 state: a direct restore is refused by TF (the reason for the converter) ...
+    opt = tfclip.keras.Adam(0.01, amsgrad=True, state_dtype="bfloat16")
+    opt.build(vars_)
+    target = tf.train.Checkpoint(opt=opt, v=vars_)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="dtype"):
+        target.restore(src).assert_existing_objects_matched()
+    converted = tfclip.convert_checkpoint(src, tmp_path / "bf16" / "c", like=target)
+    # ... the float32 variables' six slots (m, v, vhat) converted, nothing else.
+    assert len(converted) == 6
+    target.restore(str(tmp_path / "bf16" / "c")).assert_consumed()
+    got, want = _by_leaf(opt), _by_leaf(stock)
+    assert got.keys() == want.keys()
+    for leaf, v in got.items():
+        w = want[leaf].numpy()
+        if v.dtype == "bfloat16":
+            _same_bits(v.numpy(), np.asarray(w).astype(BF16))
+        else:
+            _same_bits(np.asarray(v.numpy()), np.asarray(w))
+    assert int(opt.iterations.numpy()) == 2
+    # It trains on from there as a bf16-state run does.
+    opt.apply([tf.ones_like(v) for v in vars_], vars_)
+
+    # And back to a stock float32 checkpoint: the bf16 values widened exactly.
+    bf_path = target.save(str(tmp_path / "bf16b" / "c"))
+    stock2 = keras.optimizers.Adam(0.01, amsgrad=True)
+    stock2.build(vars_)
+    back = tf.train.Checkpoint(opt=stock2, v=vars_)
+    assert len(tfclip.convert_checkpoint(bf_path, tmp_path / "back" / "c", like=back)) == 6
+    back.restore(str(tmp_path / "back" / "c")).assert_consumed()
+    got, want = _by_leaf(stock2), _by_leaf(opt)
+    for leaf, v in got.items():
+        w = np.asarray(want[leaf].numpy())
+        _same_bits(np.asarray(v.numpy()), w.astype(np.float32) if w.dtype == BF16 else w)
+
+
+def test_tf_keras_legacy_slots_made_after_the_restore(rng, tmp_path):
+    """tf_keras legacy (OptimizerV2) makes its slots at the first step, restoring them then from
+    the checkpoint (deferred restoration): the converted checkpoint restores that way too. The
+    layout wanted is given as a path, written once by the bf16-state optimizer."""
+    tf_keras = pytest.importorskip("tf_keras", reason="tf-keras (the optional Keras 2 package) is not installed")
+    import tfclip.tf_keras as tk
+
+    init = [rng.normal(size=(30,)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)]
+    vars_ = [tf.Variable(x) for x in init]
+    stock = tf_keras.optimizers.legacy.Adam(0.01)
+    for _ in range(2):
+        stock.apply_gradients(zip([tf.constant(rng.normal(size=x.shape).astype(np.float32)) for x in init], vars_))
+    src = tf.train.Checkpoint(opt=stock, v=vars_).save(str(tmp_path / "fp32" / "c"))
+
+    layout_vars = [tf.Variable(x) for x in init]
+    layout_opt = tk.legacy.Adam(0.01, state_dtype="bfloat16")
+    layout_opt.build(layout_vars)
+    like = tf.train.Checkpoint(opt=layout_opt, v=layout_vars).save(str(tmp_path / "layout" / "c"))
+    assert len(tfclip.convert_checkpoint(src, tmp_path / "bf16" / "c", like=like)) == 4
+
+    fresh_vars = [tf.Variable(tf.zeros_like(x)) for x in init]
+    opt = tk.legacy.Adam(0.01, state_dtype="bfloat16")
+    tf.train.Checkpoint(opt=opt, v=fresh_vars).restore(str(tmp_path / "bf16" / "c"))
+    opt.build(fresh_vars)  # the slots, made now, take the restored values
+    for v, sv in zip(fresh_vars, vars_):
+        for s in ("m", "v"):
+            got = opt.get_slot(v, s)
+            assert got.dtype == tf.bfloat16
+            _same_bits(got.numpy(), stock.get_slot(sv, s).numpy().astype(BF16))
+
+
+def test_tf1_saver_name_based(rng, tmp_path):
+    """A TF1 Saver's checkpoint of tfclip.compat.v1.AdamOptimizer, float32 state to bf16, through
+    the command line (python -m tfclip.checkpoint OLD NEW --like LAYOUT)."""
+    init = [rng.normal(size=(30,)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)]
+    grads = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+
+    def graph(state_dtype):
+        g = tf.Graph()
+        with g.as_default():
+            vs = [tf.compat.v1.Variable(x, name=f"w{i}") for i, x in enumerate(init)]
+            opt = tfclip.compat.v1.AdamOptimizer(0.01, state_dtype=state_dtype)
+            step = opt.apply_gradients([(tf.constant(gr), v) for gr, v in zip(grads, vs)])
+            slots = [opt.get_slot(v, s) for v in vs for s in ("m", "v")]
+            saver = tf.compat.v1.train.Saver()
+        return g, step, slots, saver
+
+    g, step, slots, saver = graph(None)
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(step)
+        sess.run(step)
+        src = saver.save(sess, str(tmp_path / "fp32" / "model"))
+        want = sess.run(slots)
+    g, step, slots, saver = graph("bfloat16")
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        like = saver.save(sess, str(tmp_path / "layout" / "model"))
+        ckpt_mod.main([src, str(tmp_path / "bf16" / "model"), "--like", like])
+        saver.restore(sess, str(tmp_path / "bf16" / "model"))
+        got = sess.run(slots)
+    for x, y in zip(got, want):
+        _same_bits(x, y.astype(BF16))
+
+
+def test_errors_name_what_is_wrong_and_write_nothing(rng, tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        tfclip.convert_checkpoint(tmp_path / "absent", tmp_path / "out", like=tmp_path / "absent")
+    a = tf.train.Checkpoint(x=tf.Variable(np.zeros(3, np.float32)), n=tf.Variable(1, dtype=tf.int64))
+    src = a.save(str(tmp_path / "a" / "c"))
+    b = tf.train.Checkpoint(x=tf.Variable(np.zeros(4, np.float32)), n=tf.Variable(1.0))
+    with pytest.raises(ValueError) as e:
+        tfclip.convert_checkpoint(src, tmp_path / "out" / "c", like=b)
+    assert "x/.ATTRIBUTES/VARIABLE_VALUE: shape [3]" in str(e.value)
+    assert "n/.ATTRIBUTES/VARIABLE_VALUE: int64" in str(e.value)
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(ValueError, match="share no tensor name"):
+        tfclip.convert_checkpoint(src, tmp_path / "out" / "c", like=tf.train.Checkpoint(y=tf.Variable(1.0)))
+    with pytest.raises(TypeError, match="like must be"):
+        tfclip.convert_checkpoint(src, tmp_path / "out" / "c", like=object())
