@@ -21,7 +21,9 @@ before the update, as stock tf_keras does, so they follow the stock trajectory.
 Extra keyword-only arguments, as in `tfclip.keras`: `nonfinite` ("skip" by default: a step whose
 global norm is inf/NaN writes no variable or slot and counts in `skipped_steps`, `iterations`
 still advances; "propagate": stock behaviour; "raise": the step fails, nothing written) and
-`lazy_sparse` (False by default; True updates only the rows an IndexedSlices gradient touches).
+`lazy_sparse` (False by default; True updates only the rows an IndexedSlices gradient touches),
+`clip` (adaptive clipping, tfclip.clipping) and `state_dtype` ("bfloat16": a float32 variable's
+slots stored as bfloat16, all classes but Ftrl; docs/low-precision-state.md).
 `global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and `clip_scale_sum` are tfclip's
 own variables, outside `optimizer.variables` and checkpoints.
 
