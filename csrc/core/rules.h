@@ -57,6 +57,26 @@ TFCLIP_HD M BetaPower(double given, M beta, M t) {
   return given == given ? static_cast<M>(given) : std::pow(beta, t);
 }
 
+// The moment terms of Adam and Lamb, as Keras computes them: 1 - beta as the Python float,
+// rounded once to M ((M(1) - M(beta)) would differ by an ulp, 0.1f vs 0.100000024f for beta 0.9,
+// and drift over many steps), epsilon, and the bias corrections' beta^t (TF1's accumulators when
+// given). A rule's Consts derive from it and MakeConsts fills it with MakeAdamMoments.
+template <typename M>
+struct AdamMoments {
+  M one_minus_beta_1, one_minus_beta_2, epsilon;
+  M beta_1_power, beta_2_power;  // beta^t
+};
+
+template <typename M>
+TFCLIP_HD void MakeAdamMoments(const HParams& hp, AdamMoments<M>* a) {
+  a->one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
+  a->one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
+  a->epsilon = static_cast<M>(hp.epsilon);
+  const M t = static_cast<M>(hp.step);
+  a->beta_1_power = BetaPower(hp.beta_1_power, static_cast<M>(hp.beta_1), t);
+  a->beta_2_power = BetaPower(hp.beta_2_power, static_cast<M>(hp.beta_2), t);
+}
+
 // Keras applies decoupled weight decay as `var - var * wd * lr` before the rule.
 template <typename M>
 TFCLIP_HD M DecayVar(const StepBase<M>& c, M var) {
@@ -161,24 +181,16 @@ struct AdamRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 3;
   static TFCLIP_HD int NumSlots(const HParams& hp) { return hp.amsgrad ? 3 : 2; }
   template <typename M>
-  struct Consts : StepBase<M> {
-    M one_minus_beta_1, one_minus_beta_2, epsilon, alpha;  // alpha = lr sqrt(1 - b2^t) / (1 - b1^t)
+  struct Consts : StepBase<M>, AdamMoments<M> {
+    M alpha;  // lr sqrt(1 - b2^t) / (1 - b1^t)
     bool amsgrad;
   };
   template <typename M>
   static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
     Consts<M> c;
     MakeStepBase<M>(hp, &c);
-    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
-    // Keras multiplies by the Python float `1 - beta`, rounded once to M; (M(1) - M(beta)) would
-    // differ by an ulp (0.1f vs 0.100000024f for beta 0.9) and drift over many steps.
-    c.one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
-    c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
-    c.epsilon = static_cast<M>(hp.epsilon);
-    const M t = static_cast<M>(hp.step);
-    const M b1p = BetaPower(hp.beta_1_power, b1, t);
-    const M b2p = BetaPower(hp.beta_2_power, b2, t);
-    c.alpha = c.lr * std::sqrt(M(1) - b2p) / (M(1) - b1p);
+    MakeAdamMoments<M>(hp, &c);
+    c.alpha = c.lr * std::sqrt(M(1) - c.beta_2_power) / (M(1) - c.beta_1_power);
     c.amsgrad = hp.amsgrad;
     return c;
   }
@@ -530,23 +542,16 @@ struct LambRule : RuleBase {
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
-  struct Consts : StepBase<M> {
-    M one_minus_beta_1, one_minus_beta_2, epsilon;
+  struct Consts : StepBase<M>, AdamMoments<M> {
     M one_minus_beta_1_power, one_minus_beta_2_power;  // 1 - beta^t
   };
   template <typename M>
   static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
     Consts<M> c;
     MakeStepBase<M>(hp, &c);
-    const M b1 = static_cast<M>(hp.beta_1), b2 = static_cast<M>(hp.beta_2);
-    c.one_minus_beta_1 = static_cast<M>(1.0 - hp.beta_1);
-    c.one_minus_beta_2 = static_cast<M>(1.0 - hp.beta_2);
-    c.epsilon = static_cast<M>(hp.epsilon);
-    const M t = static_cast<M>(hp.step);
-    const M b1p = BetaPower(hp.beta_1_power, b1, t);
-    const M b2p = BetaPower(hp.beta_2_power, b2, t);
-    c.one_minus_beta_1_power = M(1) - b1p;
-    c.one_minus_beta_2_power = M(1) - b2p;
+    MakeAdamMoments<M>(hp, &c);
+    c.one_minus_beta_1_power = M(1) - c.beta_1_power;
+    c.one_minus_beta_2_power = M(1) - c.beta_2_power;
     return c;
   }
   template <typename M>
