@@ -325,7 +325,7 @@ def test_keras_adam_with_an_adaptive_clip_is_stock_adam_on_the_reference_clipped
     """xla_fallback: a build without tfclip's XLA kernels, under jit_compile, takes stock Keras ops
     (with a warning), the adaptive clip computed the same way."""
     if how == "xla_fallback":
-        import tfclip.keras as tk
+        import tfclip._keras_step as tk
 
         monkeypatch.setattr(tk, "_XLA_KERNELS", False)
         monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", True)
@@ -556,7 +556,7 @@ def test_agc_in_keras_adam_is_adam_on_the_unit_clipped_gradients(how, monkeypatc
     from test_agc import agc_clip
 
     if how == "xla_fallback":
-        import tfclip.keras as tk
+        import tfclip._keras_step as tk
 
         monkeypatch.setattr(tk, "_XLA_KERNELS", False)
         monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", True)

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfclip
-import tfclip.keras as tk
+import tfclip._keras_step as tk
 
 pytestmark = pytest.mark.skipif(
     not tk._xla_kernels(), reason="this build of tfclip has no XLA kernels (TFCLIP_XLA off: a TF "

@@ -283,7 +283,7 @@ def test_keras_fit_tensor_norms_and_not_in_checkpoints(rng, tmp_path):
 def test_keras_xla_records_tensor_norms(rng, monkeypatch, fallback):
     """Inside jit_compile the step runs tfclip's XLA custom calls, or, in a build without them,
     falls back to stock ops (with a warning); either way the norms are recorded."""
-    import tfclip.keras as tk
+    import tfclip._keras_step as tk
 
     if fallback:
         monkeypatch.setattr(tk, "_XLA_KERNELS", False)

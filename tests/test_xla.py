@@ -593,7 +593,7 @@ def _keras_step(vs, opt, jit):
 @pytest.mark.parametrize("name", KERAS_OPTS, ids=KERAS_OPTS.keys())
 def test_keras_fused_step_compiles_to_the_kernels(rng, monkeypatch, name):
     import keras
-    import tfclip.keras as tk
+    import tfclip._keras_step as tk
 
     monkeypatch.setattr(tk, "_in_xla_context", lambda: False)
     shapes = {"kernel": (4, 3), "bias": (3,), "emb": (6, 2)}

@@ -1,0 +1,358 @@
+"""What the Keras 3 drop-ins (tfclip/keras.py) share: `_FusedMixin`, the stock optimizer with its
+update replaced by the one fused step (tfclip/_step.py), tfclip's own state variables, the
+bfloat16 slots of state_dtype, the XLA fallback, and the sources a class's binding reads. The
+public classes and their docs: tfclip/keras.py."""
+import contextlib
+import threading
+import warnings
+
+import keras
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from tfclip import _loader, _mixup, _opcall, _optstate, _rule, _step
+from tfclip import clipping as _clipping
+
+
+def _in_xla_context():
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _xla_kernels():
+    """Whether this build of tfclip has its XLA kernels (tfclip._loader.xla_kernels); a module
+    attribute so that tests can take them away."""
+    return _loader.xla_kernels() if _XLA_KERNELS is None else _XLA_KERNELS
+
+
+_XLA_KERNELS = None  # None: ask the build
+
+
+_XLA_FALLBACK_WARNED = False
+
+
+def _warn_xla_fallback(why):
+    global _XLA_FALLBACK_WARNED
+    if not _XLA_FALLBACK_WARNED:
+        _XLA_FALLBACK_WARNED = True
+        warnings.warn(
+            f"tfclip.keras: {why}, so inside jit_compile=True the optimizer step runs stock Keras ops "
+            "(clipping after the all-reduce, the same results). Compile the model with "
+            "jit_compile=False for tfclip's fused kernels.", stacklevel=2)
+
+
+def _xla_fallback_reason(opt, grads, tvars):
+    """Why this XLA-compiled step cannot run tfclip's kernels, or None."""
+    if not _xla_kernels():
+        import tfclip._build_info as _build_info
+
+        return (f"this build of tfclip has no XLA kernels (built against TensorFlow "
+                f"{_build_info.TF_VERSION}: {_build_info.XLA_WHY_NOT or 'the build left them out'}; "
+                f"docs/xla.md, Versions)")
+    # On GPU the XLA kernel densifies IndexedSlices (XLA keeps their indices on the device), which
+    # cannot give lazy_sparse's rows or stock Keras's sum of a repeated row's squares.
+    if (any(isinstance(g, tf.IndexedSlices) for g in grads) and any("GPU" in v.device for v in tvars)
+            and (opt.lazy_sparse or (opt._clip_mode()[0] != "global_norm" and opt.clip is None))):
+        return ("IndexedSlices on the GPU are densified inside XLA, which cannot give "
+                + ("lazy_sparse's touched rows" if opt.lazy_sparse else
+                   "stock Keras's sum of a repeated row's squares (without global_clipnorm)"))
+    return None
+
+
+def _tf_var(v):
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+# The optimizers whose fused step this thread is building: inside it, the stock clip and weight
+# decay hooks step aside (the op does both, after the all-reduce); called directly they are the
+# stock methods. Per thread: MirroredStrategy builds each replica's step in a thread of its own.
+_IN_FUSED_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def _fused_step(opt):
+    ids = _IN_FUSED_STEP.__dict__.setdefault("ids", set())
+    ids.add(id(opt))
+    try:
+        yield
+    finally:
+        ids.discard(id(opt))
+
+
+def _in_fused_step(opt):
+    return id(opt) in getattr(_IN_FUSED_STEP, "ids", ())
+
+
+def _state_variable(value, name, dtype):
+    """One of tfclip's own optimizer variables: not trainable, one value for all replicas."""
+    return keras.Variable(value, name=name, dtype=dtype, trainable=False,
+                          aggregation="only_first_replica")
+
+
+def _check_betas(opt, names=("beta_1", "beta_2", "epsilon")):
+    """A rule's numbers, at construction: the ranges the op accepts (csrc/core/hparams.h: every
+    finite value the stock classes take; the stock constructor has run its own checks already).
+    Callables are checked per step, by the op."""
+    for name in names:
+        v = getattr(opt, name)
+        if callable(v):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name} must be a number or a callable, got {v!r}")
+        _step.check_number(name, float(v))
+
+
+class _FusedMixin(_optstate.NormState):
+    """The fused update every drop-in shares (see the module docstring)."""
+
+    _tfclip_library = "keras"  # (tfclip/_mixup.py)
+    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
+    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
+    low_precision_state = True
+
+    def __init__(self, *args, clip=None, **kwargs):
+        # `clip`: an adaptive clip (tfclip.clipping), taken here for every class; the stock
+        # class gets the rest.
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
+
+    @property
+    def clip(self):
+        """The adaptive clip (a tfclip.clipping object), or None."""
+        return self._tfclip_clip
+
+    def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype=None):
+        # A tf_keras (Keras 2) program handing this optimizer to its model: the error names
+        # tfclip.tf_keras.<Class> (tfclip/_mixup.py; only where tf_keras is loaded already).
+        _mixup.install()
+        _opcall.check_policy(nonfinite)
+        # Before the stock build makes any slot (object.__setattr__: not a tracked attribute).
+        object.__setattr__(self, "state_dtype", _rule.check_state_dtype(state_dtype, type(self)))
+        # The learning rate and weight decay as numbers (a schedule or callable: per step, by
+        # the op): finite, the one refusal of tfclip's own (docs/differences.md).
+        lr = getattr(self, "_learning_rate", None)
+        if isinstance(lr, keras.Variable) and tf.executing_eagerly():
+            _step.check_number("learning_rate", float(lr.numpy()))
+        wd = self.weight_decay
+        if isinstance(wd, (int, float)) and not isinstance(wd, bool):
+            _step.check_number("weight_decay", float(wd))
+        # Keras allows one of the three (it raises first otherwise); each None or 0 is no clip.
+        _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+        _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
+                                  clipnorm=self.clipnorm, clipvalue=self.clipvalue)
+        if not isinstance(lazy_sparse, bool):
+            raise TypeError(f"lazy_sparse must be True or False, got {lazy_sparse!r}")
+        self.nonfinite = nonfinite
+        self.lazy_sparse = lazy_sparse
+        # tfclip's own state stays outside what Keras lists, saves and loads (optimizer.variables,
+        # .keras / .weights.h5, tf.train.Checkpoint): the list equals the stock class's, so
+        # checkpoints move both ways between stock Keras and tfclip.
+        # object.__setattr__: neither Keras's variable tracker nor TF's checkpoint dependencies
+        # (both hook the optimizer's __setattr__) see them.
+        with keras.name_scope(self.name):
+            for attr, name, value, dtype in _optstate.STATE_VARIABLES:
+                object.__setattr__(self, attr, _state_variable(value, name, dtype))
+        object.__setattr__(self, "_tensor_norms", None)  # made by build (one per variable)
+        object.__setattr__(self, "_clipped_units", None)  # made by build with an AGC clip
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        # The stock build makes every slot here, in its variable's dtype; with
+        # state_dtype="bfloat16" a float32 variable's slots are bfloat16 (add_variable below).
+        # Not the base class's own: use_ema's averages and gradient_accumulation_steps's sums
+        # stay in the variable's dtype (stock code updates them, in that dtype).
+        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
+        if dtype == tf.as_dtype(reference_variable.dtype) or name in ("average", "gradient_accumulator"):
+            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        object.__setattr__(self, "_tfclip_slot_dtype", dtype.name)
+        try:
+            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        finally:
+            object.__setattr__(self, "_tfclip_slot_dtype", None)
+
+    def add_variable(self, *args, **kwargs):
+        slot_dtype = getattr(self, "_tfclip_slot_dtype", None)
+        if slot_dtype is not None:  # (a slot made by add_variable_from_reference above)
+            kwargs["dtype"] = slot_dtype
+        return super().add_variable(*args, **kwargs)
+
+    def build(self, var_list):
+        super().build(var_list)
+        object.__setattr__(self, "_tensor_norms", _state_variable(
+            [0.0] * len(var_list), "tensor_norms", "float32"))
+        clip = self._tfclip_clip
+        if isinstance(clip, _clipping.AGC):  # AGC's clipped units, aligned with tensor_norms
+            object.__setattr__(self, "_clipped_units", _state_variable(
+                [0] * len(var_list), "clipped_units", "int64"))
+        if isinstance(clip, _clipping.AdaptiveClip):
+            # The adaptive clip's state: optimizer variables (checkpoints, .keras files), on the
+            # variables' device, the same on every replica.
+            clip.bind(self)
+            clip.build(lambda name, shape, dtype: self.add_variable(
+                shape, initializer="zeros", dtype=dtype, aggregation="only_first_replica",
+                name=f"{clip.mode}_{name}"))
+
+    @property
+    def tensor_norm_names(self):
+        """The variables' paths (`variable.path`), in the order of `tensor_norms`."""
+        return [getattr(v, "path", v.name) for v in self._trainable_variables]
+
+    def _norm_positions(self, keras_vars):
+        return [self._get_variable_index(v) for v in keras_vars], len(self._trainable_variables)
+
+    def get_config(self):
+        # tfclip's own arguments only when they differ from their defaults: a default config is
+        # the stock class's, so a saved model loads with the stock class where tfclip is absent
+        # (custom_objects={"tfclip>Adam": keras.optimizers.Adam}; see docs/keras.md).
+        config = super().get_config()
+        if self.nonfinite != "skip":
+            config["nonfinite"] = self.nonfinite
+        if self.lazy_sparse:
+            config["lazy_sparse"] = True
+        if self._tfclip_clip is not None:
+            config["clip"] = _clipping.serialize(self._tfclip_clip)
+        if self.state_dtype is not None:
+            config["state_dtype"] = self.state_dtype
+        return config
+
+    def apply(self, grads, trainable_variables=None):
+        # Eagerly, one step at a time per optimizer: threads that share one optimizer build it
+        # once and end in the state of a serial order (stock Keras builds it in each thread that
+        # finds it unbuilt, and the updates written to the losing slots are lost). Not under
+        # tf.distribute, whose replica threads meet in merge_call; a tf.function step is traced
+        # once, under TF's own lock.
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            with _opcall.state_lock(self):
+                return super().apply(grads, trainable_variables)
+        return super().apply(grads, trainable_variables)
+
+    # Clipping and weight decay happen inside the fused step, after the all-reduce; called
+    # directly (or by the XLA fallback) these are the stock methods.
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        grads, trainable_variables = list(grads), list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            # Stock Keras zips the two lists, so it applies the pairs it has: the same here, said.
+            n = min(len(grads), len(trainable_variables))
+            warnings.warn(f"{type(self).__name__}.apply got {len(grads)} gradients for "
+                          f"{len(trainable_variables)} variables; applying the first {n} pairs, as "
+                          "stock Keras does", stacklevel=3)
+            grads, trainable_variables = grads[:n], trainable_variables[:n]
+        with _fused_step(self):
+            return super()._backend_apply_gradients(grads, trainable_variables)
+
+    def _clip_gradients(self, grads):
+        if _in_fused_step(self):
+            return grads
+        return super()._clip_gradients(grads)
+
+    def _apply_weight_decay(self, variables):
+        if _in_fused_step(self):
+            return
+        return super()._apply_weight_decay(variables)
+
+    def _clip_mode(self):
+        # Re-read: Keras lets a user set optimizer.clipnorm etc. after construction.
+        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        tvars = [_tf_var(v) for v in trainable_variables]
+        # Sum across replicas first (a no-op without a strategy), then clip the sum.
+        reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
+        grads = [g for g, _ in reduced]
+        # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); only a
+        # build without them takes the stock ops there, and says so once.
+        why = _xla_fallback_reason(self, grads, tvars) if _in_xla_context() else None
+        if why is not None:
+            _warn_xla_fallback(why)
+            return self._stock_update_step(grads, trainable_variables, tvars, learning_rate)
+        return self._fused_update_step(grads, trainable_variables, learning_rate)
+
+    # -- the fused op -------------------------------------------------------------------
+    def _fused_update_step(self, grads, keras_vars, learning_rate):
+        # The one fused step (tfclip/_step.py). Keras applies weight decay per variable
+        # (exclude_from_weight_decay): one op per group, the global norm computed once for both.
+        # IndexedSlices (embeddings) go to the op as they are: their norm is the norm of
+        # `.values` (as tf.linalg.global_norm and Keras count it), and they are applied without
+        # densifying, with stock Keras's results (or only their rows, with lazy_sparse). Stock
+        # Keras's Adam feeds v the sum of a duplicated row's squared slices, except after
+        # global_clipnorm, whose `g * scale` densifies (summing the duplicates) first.
+        decay = self.weight_decay is not None and self.weight_decay != 0
+        lr = _opcall.scalar(learning_rate, "learning_rate")
+        groups = []
+        for with_decay, idx in _step.partition([bool(decay and self._use_weight_decay(v)) for v in keras_vars]):
+            group = [keras_vars[i] for i in idx]
+            kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
+            hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
+            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx))
+        mode, clip = self._clip_mode()
+        result = _step.run(grads, groups, mode, clip, clip_obj=self.clip, nonfinite=self.nonfinite,
+                           lazy=self.lazy_sparse, keras_sparse_squares=True)
+        self._record_norms(result.global_norm, result.applied, result.tensor_norms, keras_vars,
+                           result.clip_mode, result.clip,
+                           None if result.adaptive is None else result.adaptive.threshold, result.clipped_units)
+        return result.applied
+
+    # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
+    # hyper-parameter by its attribute (a callable one called, as Keras does), the step.
+    def _tfclip_slot(self, attr, keras_vars):
+        slot_list = getattr(self, attr)
+        return [_tf_var(slot_list[self._get_variable_index(v)]).handle for v in keras_vars]
+
+    def _tfclip_hparam(self, name, keras_vars):
+        v = getattr(self, name)
+        return v() if callable(v) else v
+
+    def _tfclip_step(self):
+        return tf.cast(self.iterations + 1, tf.float64)
+
+    # -- the XLA fallback: stock Keras ops, clipping after the all-reduce -------------------
+    def _stock_update_step(self, grads, keras_vars, tvars, learning_rate):
+        if self.state_dtype is not None:
+            raise ValueError(f"state_dtype={self.state_dtype!r} needs tfclip's fused op, which this build "
+                             "cannot compile inside an XLA-compiled function (jit_compile=True); compile "
+                             "the model with jit_compile=False, or leave state_dtype at None")
+        if self.nonfinite == "raise":
+            raise ValueError("nonfinite='raise' needs tfclip's fused op, which cannot run inside an "
+                             "XLA-compiled function (jit_compile=True); use 'skip' or 'propagate', "
+                             "or compile the model with jit_compile=False")
+        # One reduction per gradient gives both its norm and the global one (as the fused pass).
+        sumsq = tf.stack([tf.reduce_sum(tf.square(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
+                                                          tf.float32))) for g in grads])
+        tensor_norms = tf.sqrt(sumsq)
+        norm = tf.sqrt(tf.reduce_sum(sumsq))
+        base = super(_FusedMixin, self)
+        adaptive = self.clip.step(norm) if isinstance(self.clip, _clipping.AdaptiveClip) else None
+
+        agc_clipped = counts = None
+        if isinstance(self.clip, _clipping.AGC):  # the counts also for a skipped step, as the op's
+            agc_clipped, counts = self.clip.unfused(grads, tvars, counts=True)
+
+        def update():
+            if agc_clipped is not None:
+                clipped = agc_clipped
+            elif adaptive is None:
+                clipped = base._clip_gradients(grads)
+            else:  # TF's clip_by_global_norm scale, to the adaptive threshold when it clips
+                scale = tf.where(adaptive.clipped, adaptive.clip / tf.cast(norm, tf.float64), 1.0)
+                clipped = [_scaled(g, scale) for g in grads]
+            base._apply_weight_decay(keras_vars)
+            tf.__internal__.distribute.interim.maybe_merge_call(
+                self._distributed_tf_update_step, self._distribution_strategy,
+                list(zip(clipped, tvars)), learning_rate)
+
+        finite = tf.math.is_finite(norm)
+        if self.nonfinite == "skip" and not tf.distribute.has_strategy():
+            tf.cond(finite, update, lambda: None)
+            applied = finite
+        else:
+            update()
+            applied = tf.constant(True)
+        mode, clip = self._clip_mode() if adaptive is None else ("global_norm", adaptive.clip)
+        if adaptive is not None:
+            _clipping.assign_updates(adaptive, after=[applied])
+        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip,
+                           None if adaptive is None else adaptive.threshold, counts)
+
+
+def _scaled(g, scale):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(scale, g.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(scale, g.dtype)
