@@ -199,19 +199,7 @@ class _FusedMixin(_optstate.NormState):
         return [self._get_variable_index(v) for v in keras_vars], len(self._trainable_variables)
 
     def get_config(self):
-        # tfclip's own arguments only when they differ from their defaults: a default config is
-        # the stock class's, so a saved model loads with the stock class where tfclip is absent
-        # (custom_objects={"tfclip>Adam": keras.optimizers.Adam}; see docs/keras.md).
-        config = super().get_config()
-        if self.nonfinite != "skip":
-            config["nonfinite"] = self.nonfinite
-        if self.lazy_sparse:
-            config["lazy_sparse"] = True
-        if self._tfclip_clip is not None:
-            config["clip"] = _clipping.serialize(self._tfclip_clip)
-        if self.state_dtype is not None:
-            config["state_dtype"] = self.state_dtype
-        return config
+        return self._tfclip_config(super().get_config())
 
     def apply(self, grads, trainable_variables=None):
         # Eagerly, one step at a time per optimizer: threads that share one optimizer build it

@@ -7,6 +7,8 @@ what the stock optimizer lists and checkpoints) and says where a step's variable
 `tensor_norms` (`_norm_positions`)."""
 import tensorflow as tf
 
+from tfclip import clipping
+
 # (attribute, variable name, initial value, dtype): made at construction.
 STATE_VARIABLES = (("_global_norm", "global_norm", 0.0, "float32"),
                    ("_skipped_steps", "skipped_steps", 0, "int64"),
@@ -16,7 +18,22 @@ STATE_VARIABLES = (("_global_norm", "global_norm", 0.0, "float32"),
 
 
 class NormState:
-    """The properties of tfclip's own state and `_record_norms`, for the drop-in mixins."""
+    """The properties of tfclip's own state and `_record_norms`, for the drop-in mixins; and
+    `_tfclip_config`, their get_config's part."""
+
+    def _tfclip_config(self, config, lazy_default=False):
+        """config with tfclip's own arguments where they differ from their defaults: a default
+        config is the stock class's, so a saved model loads with the stock class where tfclip is
+        absent (docs/keras.md)."""
+        if self.nonfinite != "skip":
+            config["nonfinite"] = self.nonfinite
+        if self.lazy_sparse != lazy_default:
+            config["lazy_sparse"] = self.lazy_sparse
+        if self._tfclip_clip is not None:
+            config["clip"] = clipping.serialize(self._tfclip_clip)
+        if self.state_dtype is not None:
+            config["state_dtype"] = self.state_dtype
+        return config
 
     @property
     def global_norm(self):

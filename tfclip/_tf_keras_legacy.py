@@ -43,16 +43,7 @@ class _LegacyFusedMixin(_FusedMixin):
         self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
     def get_config(self):
-        config = super(_FusedMixin, self).get_config()
-        if self.nonfinite != "skip":
-            config["nonfinite"] = self.nonfinite
-        if self.lazy_sparse != self._lazy_default:
-            config["lazy_sparse"] = self.lazy_sparse
-        if self._tfclip_clip is not None:
-            config["clip"] = _clipping.serialize(self._tfclip_clip)
-        if self.state_dtype is not None:
-            config["state_dtype"] = self.state_dtype
-        return config
+        return self._tfclip_config(super(_FusedMixin, self).get_config(), self._lazy_default)
 
     def add_slot(self, var, slot_name, initializer="zeros", shape=None):
         # With state_dtype="bfloat16" a float32 variable's slots are bfloat16 (also those a

@@ -212,16 +212,7 @@ class _FusedMixin(_optstate.NormState):
         return list(self._tensor_norm_names)
 
     def get_config(self):
-        config = super().get_config()
-        if self.nonfinite != "skip":
-            config["nonfinite"] = self.nonfinite
-        if self.lazy_sparse:
-            config["lazy_sparse"] = True
-        if self._tfclip_clip is not None:
-            config["clip"] = _clipping.serialize(self._tfclip_clip)
-        if self.state_dtype is not None:
-            config["state_dtype"] = self.state_dtype
-        return config
+        return self._tfclip_config(super().get_config())
 
     def _clip_mode(self):
         return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
