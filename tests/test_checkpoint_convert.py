@@ -99,8 +99,8 @@ def test_tf_keras_legacy_slots_made_after_the_restore(rng, tmp_path):
 
     fresh_vars = [tf.Variable(tf.zeros_like(x)) for x in init]
     opt = tk.legacy.Adam(0.01, state_dtype="bfloat16")
+    # The slots do not exist yet: the restore makes them (eagerly, here), with the saved values.
     tf.train.Checkpoint(opt=opt, v=fresh_vars).restore(str(tmp_path / "bf16" / "c"))
-    opt.build(fresh_vars)  # the slots, made now, take the restored values
     for v, sv in zip(fresh_vars, vars_):
         for s in ("m", "v"):
             got = opt.get_slot(v, s)
@@ -157,3 +157,10 @@ def test_errors_name_what_is_wrong_and_write_nothing(rng, tmp_path):
         tfclip.convert_checkpoint(src, tmp_path / "out" / "c", like=tf.train.Checkpoint(y=tf.Variable(1.0)))
     with pytest.raises(TypeError, match="like must be"):
         tfclip.convert_checkpoint(src, tmp_path / "out" / "c", like=object())
+    # The command line: the message, exit status 2, nothing written.
+    assert ckpt_mod.main([src, str(tmp_path / "out" / "c"), "--like", str(tmp_path / "absent")]) == 2
+    assert not os.path.exists(tmp_path / "out")
+    # A layout that converts nothing (an optimizer not built: its slots absent) is a copy, with a
+    # warning saying so.
+    with pytest.warns(UserWarning, match="is a copy"):
+        assert tfclip.convert_checkpoint(src, tmp_path / "copy" / "c", like=a) == []

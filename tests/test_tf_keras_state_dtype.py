@@ -186,3 +186,70 @@ def test_model_fit_with_mixed_precision(rng, jit):
     slots = [v for v in opt.variables if v.name.startswith(("m/", "v/"))]
     assert len(slots) == 8 and {v.dtype for v in slots} == {tf.bfloat16}
     assert int(opt.iterations.numpy()) == 24
+
+
+def test_legacy_slots_restored_inside_an_autocast_scope(rng, tmp_path):
+    """A subclassed model under mixed_float16 builds its weights at its first call, after the
+    restore: the legacy slots are made (and restored) then, inside the layer's float16 autocast
+    scope, where the variable's dtype says float16. Its true dtype, float32, decides: bf16 slots."""
+
+    class M(tf_keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = tf_keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.d(x)
+
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x = tf.constant(rng.normal(size=(4, 5)).astype(np.float32))
+        m, opt = M(), tk.legacy.Adam(0.01, state_dtype="bfloat16")
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(m(x), tf.float32))
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_variables), m.trainable_variables))
+        path = tf.train.Checkpoint(m=m, o=opt).save(str(tmp_path / "c"))
+        m2, opt2 = M(), tk.legacy.Adam(0.01, state_dtype="bfloat16")
+        tf.train.Checkpoint(m=m2, o=opt2).restore(path)
+        m2(x)  # builds the weights, and with them the slots, restored
+        for v, v2 in zip(m.trainable_variables, m2.trainable_variables):
+            for s in ("m", "v"):
+                got = opt2.get_slot(v2, s)
+                assert got.dtype == tf.bfloat16
+                _same_bits(got.numpy(), opt.get_slot(v, s).numpy())
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("kind", ["new", "legacy"])
+def test_mirrored_strategy_makes_bf16_slots(rng, kind):
+    """Under MirroredStrategy the strategy's variable creator runs below state_dtype's: the
+    slots are mirrored bf16 variables and the step is the one without a strategy. (One device
+    in this process; two replicas in their own processes: tests/test_distribute.py, float32
+    state.)"""
+    strategy = tf.distribute.MirroredStrategy(["CPU:0"])
+    init = _problem(rng)[:2]
+    grad = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+    with strategy.scope():
+        vars_ = [tf.Variable(x) for x in init]
+        opt = _make(kind, "Adam", state_dtype="bfloat16")
+
+    @tf.function
+    def step():
+        def replica():
+            opt.apply_gradients(zip([tf.constant(g) for g in grad], vars_))
+        strategy.run(replica)
+
+    step()
+    one_vars = [tf.Variable(x) for x in init]
+    one = _make(kind, "Adam", state_dtype="bfloat16")
+    one.apply_gradients(zip([tf.constant(g) for g in grad], one_vars))
+    slots, one_slots = _slots(opt, vars_), _slots(one, one_vars)
+    assert len(slots) == len(one_slots) == 6  # (m, v, vhat: amsgrad)
+    for s, s1 in zip(slots, one_slots):
+        assert isinstance(s, tf.distribute.DistributedValues), type(s)
+        copies = [c.numpy() for c in strategy.experimental_local_results(s)]
+        assert len(copies) == 1 and copies[0].dtype == BF16
+        _same_bits(copies[0], s1.numpy())
+    for v, v1 in zip(vars_, one_vars):
+        _same_bits(v.numpy(), v1.numpy())

@@ -47,8 +47,10 @@ class _LegacyFusedMixin(_FusedMixin):
 
     def add_slot(self, var, slot_name, initializer="zeros", shape=None):
         # With state_dtype="bfloat16" a float32 variable's slots are bfloat16 (also those a
-        # checkpoint restores before the first step: the initializer reads them as bfloat16).
-        true = var.dtype.base_dtype
+        # checkpoint restores when they are made). A mixed-precision variable's true dtype: inside
+        # an autocast scope (a lazily built model's first call restoring its slots) its dtype
+        # says float16.
+        true = tf.as_dtype(getattr(var, "true_dtype", var.dtype)).base_dtype
         dtype = _rule.state_slot_dtype(self.state_dtype, true)
         if dtype == true:
             return super().add_slot(var, slot_name, initializer, shape)

@@ -17,7 +17,9 @@ the command line: `python -m tfclip.checkpoint OLD NEW --like PATH`.
 """
 import argparse
 import os
+import sys
 import tempfile
+import warnings
 
 import tensorflow as tf
 
@@ -90,6 +92,10 @@ def convert_checkpoint(src, dst, like):
     if problems:
         raise ValueError("convert_checkpoint: the checkpoint does not fit the layout wanted:\n  "
                          + "\n  ".join(problems))
+    if not converted:
+        warnings.warn(f"convert_checkpoint: every tensor of {src} has the dtype the layout wanted gives "
+                      f"it already, so {dst} is a copy (is the optimizer of like= built, its slots made?)",
+                      stacklevel=2)
     if os.path.dirname(dst):
         tf.io.gfile.makedirs(os.path.dirname(dst))
     _write(dst, reader, have, {name: want[name] for name in converted})
@@ -120,11 +126,16 @@ def main(argv=None):
     p.add_argument("dst", help="the prefix to write")
     p.add_argument("--like", required=True, help="a checkpoint in the layout wanted (its prefix or directory)")
     args = p.parse_args(argv)
-    converted = convert_checkpoint(args.src, args.dst, args.like)
+    try:
+        converted = convert_checkpoint(args.src, args.dst, args.like)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     print(f"wrote {args.dst}: {len(converted)} tensors converted")
     for name in converted:
         print(" ", name)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
