@@ -2,11 +2,17 @@
 // the kernels can be tested and benchmarked on hosts that have no TF (the GPU hosts), and it
 // must stay the very code path the TF kernels call: numpy_adapter.cc and cuda_adapter.cc only
 // check (arrays.h), convert and call csrc/core.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "csrc/core/clip.h"
 #include "csrc/core/hparams.h"
+#include "csrc/core/quant8.h"
 #include "csrc/core/rule_table.h"
 
 namespace py = pybind11;
@@ -80,6 +86,44 @@ py::dict FfiCodes() {
   out["policies"] = policies;
   return out;
 }
+
+// 8-bit blockwise quantization (csrc/core/quant8.h) on NumPy arrays, for the tests and the
+// checkpoint tools: the very functions the fused passes will call.
+using F32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using U8 = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
+
+int64_t CheckBlock(int64_t block) {
+  if (block < 1) throw py::value_error("block must be >= 1, got " + std::to_string(block));
+  return block;
+}
+
+py::tuple QuantizeBlockwisePy(F32 x, bool is_signed, int64_t block) {
+  CheckBlock(block);
+  const int64_t n = x.size();
+  U8 q(x.request().shape);
+  F32 absmax(std::vector<py::ssize_t>{static_cast<py::ssize_t>((n + block - 1) / block)});
+  QuantizeBlockwise(x.data(), n, block, is_signed, q.mutable_data(), absmax.mutable_data());
+  return py::make_tuple(q, absmax);
+}
+
+F32 DequantizeBlockwisePy(U8 q, F32 absmax, bool is_signed, int64_t block) {
+  CheckBlock(block);
+  const int64_t n = q.size();
+  if (absmax.ndim() != 1 || absmax.size() != (n + block - 1) / block) {
+    throw py::value_error("absmax must hold one value per block of " + std::to_string(block) + " elements: " +
+                          std::to_string((n + block - 1) / block) + " for " + std::to_string(n) +
+                          " elements, got shape (" + std::to_string(absmax.size()) + ",)");
+  }
+  F32 out(q.request().shape);
+  DequantizeBlockwise(q.data(), absmax.data(), n, block, is_signed, out.mutable_data());
+  return out;
+}
+
+F32 DynamicCodePy(bool is_signed) {
+  F32 out(std::vector<py::ssize_t>{kQuantCodeSize});
+  std::copy(DynamicCode(is_signed), DynamicCode(is_signed) + kQuantCodeSize, out.mutable_data());
+  return out;
+}
 }  // namespace
 }  // namespace tfclip
 
@@ -89,6 +133,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("rule_table", &RuleTable, "Each rule's op, slot inputs, hyper-parameters and flags.");
   m.def("hparam_table", &HParamTable, "Each hyper-parameter's name in messages, default and range (lo, hi, open ends).");
   m.def("ffi_codes", &FfiCodes, "The XLA custom calls' numbers for rules, flags, clip modes and non-finite policies.");
+  m.def("dynamic_code", &DynamicCodePy, py::arg("signed"),
+        "The 8-bit dynamic code (256 float32 values, ascending; csrc/core/quant8.h).");
+  m.def("quantize_blockwise", &QuantizeBlockwisePy, py::arg("x"), py::arg("signed"),
+        py::arg("block") = kQuantBlock, "x (float32) as (bytes, absmax per block): csrc/core/quant8.h.");
+  m.def("dequantize_blockwise", &DequantizeBlockwisePy, py::arg("q"), py::arg("absmax"), py::arg("signed"),
+        py::arg("block") = kQuantBlock, "bytes and absmax back to float32: csrc/core/quant8.h.");
   DefineNumpy(m);
 #if TFCLIP_WITH_CUDA
   DefineCuda(m);

@@ -1,0 +1,60 @@
+// tfclip core: 8-bit blockwise dynamic quantization (issue 47's int8 optimizer state), the
+// definition of Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022), as
+// bitsandbytes builds it (create_dynamic_map, quantize_blockwise):
+// - the code: 256 float values in [-1, 1] (signed, for signed moments: Adam's m) or [0, 1]
+//   (unsigned, for second moments: Adam's v), a dynamic exponent 10^-6 .. 10^0 and a fraction
+//   whose bits shrink as the exponent grows; 0 and 1 included. Built from the paper's
+//   construction in float64, each value rounded once to float32, sorted ascending (DynamicCode).
+// - a block of kQuantBlock consecutive elements (the last may be shorter) stored as one float32
+//   absmax, the largest |x| of the block, and one byte per element: the index of the code value
+//   nearest x / absmax (float32 division; ties to the lower index; an all-zero block: absmax 0,
+//   every byte the index of 0). A block holding inf or NaN stores absmax NaN: every element of
+//   it dequantizes to NaN.
+// - dequantized: code[byte] * absmax, in float32.
+// The per-element functions are TFCLIP_HD: the CPU passes and the CUDA kernels call the same ones.
+#pragma once
+
+#include <cstdint>
+
+#include "csrc/core/types.h"
+
+namespace tfclip {
+
+constexpr int kQuantCodeSize = 256;
+// 256 elements per absmax: 4 bytes of absmax per 256 bytes of state (1.6%), a divisor of the
+// CPU passes' tile (1024) and one CUDA thread block's width.
+constexpr int64_t kQuantBlock = 256;
+
+// The code, sorted ascending (host memory, built once).
+const float* DynamicCode(bool is_signed);
+
+// The index of the code value nearest y (y in [-1, 1], or NaN: the index of 0 then), ties to
+// the lower index: a binary search over the sorted code for the first value >= y, then the
+// nearer of it and its predecessor.
+TFCLIP_HD int NearestCode(const float* code, float y, int zero_index) {
+  if (!(y == y)) return zero_index;
+  int lo = 0, hi = kQuantCodeSize - 1;  // first index with code >= y, in [0, 255]
+  if (y >= code[hi]) return hi;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (code[mid] < y) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo == 0) return 0;
+  const float below = y - code[lo - 1], above = code[lo] - y;
+  return above < below ? lo : lo - 1;
+}
+
+// The index of 0 in a code.
+int ZeroIndex(const float* code);
+
+// x[0..n) into q[0..n) and absmax[0..ceil(n / block)), per the definition above.
+void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q, float* absmax);
+// q and absmax back into out[0..n).
+void DequantizeBlockwise(const uint8_t* q, const float* absmax, int64_t n, int64_t block, bool is_signed,
+                         float* out);
+
+}  // namespace tfclip

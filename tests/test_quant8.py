@@ -1,0 +1,115 @@
+"""8-bit blockwise dynamic quantization, the core's definition (csrc/core/quant8.h; issue 47's int8
+optimizer state), against NumPy float64 references written here from the paper (Dettmers et al.,
+"8-bit Optimizers via Block-wise Quantization", ICLR 2022) and bitsandbytes' create_dynamic_map:
+the code, the bytes and absmax of every block, and the dequantized values, bit for bit."""
+import numpy as np
+import pytest
+
+from tfclip import _core
+
+
+def reference_code(signed):
+    """bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), written
+    out: per exponent i, the midpoints of linspace(0.1, 1, k + 1) (k = 2^i signed, 2^(i+1)
+    unsigned) times 10^(i - 6), negated too when signed; then 0 and 1; float32, ascending."""
+    data = []
+    for i in range(7):
+        k = 2 ** i if signed else 2 ** (i + 1)
+        edges = np.linspace(0.1, 1.0, k + 1)  # float64
+        means = (edges[:-1] + edges[1:]) / 2.0 * 10.0 ** (i - 6)
+        data += list(means) + (list(-means) if signed else [])
+    data += [0.0, 1.0]
+    assert len(data) == 256
+    return np.sort(np.asarray(data, dtype=np.float64).astype(np.float32))
+
+
+def reference_quantize(x, signed, block):
+    code = reference_code(signed)
+    zero = int(np.flatnonzero(code == 0)[0])
+    x = np.asarray(x, np.float32).ravel()
+    q = np.empty(x.size, np.uint8)
+    absmax = []
+    for b in range(0, x.size, block):
+        xb = x[b:b + block]
+        m = np.float32(np.max(np.abs(xb))) if np.all(np.isfinite(xb)) else np.float32(np.nan)
+        absmax.append(m)
+        if not m > 0:
+            q[b:b + block] = zero
+            continue
+        y = (xb / m).astype(np.float32)  # float32 division
+        dist = np.abs(code[None, :].astype(np.float64) - y[:, None].astype(np.float64))
+        q[b:b + block] = np.argmin(dist, axis=1)  # the first minimum: ties to the lower index
+    return q, np.asarray(absmax, np.float32)
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_code_is_the_papers_dynamic_code(signed):
+    code = _core.dynamic_code(signed)
+    _same_bits(code, reference_code(signed))
+    # 1 is in the code, -1 is not (bitsandbytes': the signed code's lowest value is the
+    # negated largest midpoint); the unsigned code starts at 0.
+    assert code[0] == (-code[-2] if signed else 0.0)
+    assert code[-1] == 1.0 and 0.0 in code and np.all(np.diff(code) > 0)
+    # The smallest nonzero magnitude is the first exponent's first midpoint times 10^-6 (0.55
+    # signed, one interval; 0.325 unsigned, two): seven decades of dynamic range, as the paper's.
+    assert np.min(np.abs(code[code != 0])) == np.float32((0.55 if signed else 0.325) * 1e-6)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("block", [256, 64, 7])
+@pytest.mark.parametrize("n", [1, 255, 256, 1000])
+def test_quantize_and_dequantize_against_numpy(rng, signed, block, n):
+    x = rng.normal(size=n).astype(np.float32) * np.float32(10.0 ** rng.uniform(-8, 2))
+    if not signed:
+        x = x * x  # second moments: >= 0
+    q, absmax = _core.quantize_blockwise(x, signed, block)
+    rq, rabsmax = reference_quantize(x, signed, block)
+    _same_bits(q, rq)
+    _same_bits(absmax, rabsmax)
+    out = _core.dequantize_blockwise(q, absmax, signed, block)
+    code = reference_code(signed)
+    _same_bits(out, (code[rq] * np.repeat(rabsmax, block)[:n]).astype(np.float32))
+    # Each value is within half the widest gap of the code around it, times its block's absmax:
+    # 0.1 * 10^0 / 2 / 2^k at the top decade, the largest error the code allows.
+    err = np.abs(out.astype(np.float64) - x) / np.repeat(absmax, block)[:n]
+    gaps = np.diff(code.astype(np.float64))
+    assert np.all(err <= gaps.max() / 2 + 1e-7)
+    # A block's largest element, when positive, is exact (it maps to 1).
+    for k in range(absmax.size):
+        i = k * block + int(np.argmax(np.abs(x[k * block:(k + 1) * block])))
+        if x[i] > 0:
+            assert out[i] == x[i], (out[i], x[i])
+
+
+def test_ties_go_to_the_lower_index():
+    """An input exactly halfway between two code values (in float32) takes the lower one."""
+    code = _core.dynamic_code(True).astype(np.float64)
+    ties = [k for k in range(255)
+            if np.float64(np.float32((code[k] + code[k + 1]) / 2)) == (code[k] + code[k + 1]) / 2]
+    assert len(ties) > 10
+    mids = np.array([(code[k] + code[k + 1]) / 2 for k in ties] + [1.0], np.float32)
+    q, absmax = _core.quantize_blockwise(mids, True)
+    assert absmax[0] == 1.0
+    np.testing.assert_array_equal(q[:-1], ties)
+
+
+def test_zero_and_non_finite_blocks():
+    x = np.zeros(300, np.float32)
+    x[260] = np.inf
+    q, absmax = _core.quantize_blockwise(x, True, 256)
+    assert absmax[0] == 0.0 and np.isnan(absmax[1])
+    out = _core.dequantize_blockwise(q, absmax, True, 256)
+    assert np.all(out[:256] == 0.0) and np.all(np.isnan(out[256:]))
+
+
+def test_errors_name_what_is_wrong():
+    with pytest.raises(ValueError, match="block must be >= 1, got 0"):
+        _core.quantize_blockwise(np.ones(3, np.float32), True, 0)
+    q, absmax = _core.quantize_blockwise(np.ones(300, np.float32), True, 256)
+    with pytest.raises(ValueError, match=r"absmax must hold one value per block of 256 elements: 2 for 300"):
+        _core.dequantize_blockwise(q, absmax[:1], True, 256)
