@@ -26,6 +26,7 @@ fused_clip_apply and the Keras drop-in (whole calls), each against its own floor
 optimizer's bytes per parameter. Machines are shared and noisy: compare ratios within one run.
 """
 import argparse
+import importlib
 import os
 import sys
 import threading
@@ -511,28 +512,38 @@ def state_dtype_table(args, rng):
             print(f"{'fused_clip_apply ' + label:<34} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
                   f"{net * 1e3:8.2f} {net / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
         del fns, rules, harness, state_vars
-    # The Keras drop-in, Adam: the step as model.fit runs it.
-    opts = {sd: tfclip.keras.Adam(1e-9, global_clipnorm=1.0, state_dtype=None if sd == "float32" else sd)
-            for sd in ("float32", "bfloat16")}
-    fns = {}
-    for sd, opt in opts.items():
-        opt.build(variables)
+    # The Keras drop-ins, Adam: the step as model.fit runs it (tf_keras's too, where installed).
+    drop_ins = [("tfclip.keras.Adam", lambda sd: tfclip.keras.Adam(1e-9, global_clipnorm=1.0, state_dtype=sd),
+                 lambda v: v.path.endswith(("_momentum", "_velocity")))]
+    try:
+        tk = importlib.import_module("tfclip.tf_keras")
+        drop_ins.append(("tfclip.tf_keras.Adam",
+                         lambda sd: tk.Adam(1e-9, global_clipnorm=1.0, state_dtype=sd),
+                         lambda v: v.name.startswith(("m/", "v/"))))
+    except ImportError:
+        pass
+    for label, make_opt, is_slot in drop_ins:
+        opts = {sd: make_opt(None if sd == "float32" else sd) for sd in ("float32", "bfloat16")}
+        fns = {}
+        for sd, opt in opts.items():
+            opt.build(variables)
 
-        def make(opt=opt):
-            @tf.function
-            def f():
-                opt.apply_gradients(zip(grads, variables))
-            return f
-        fns[sd] = make()
-    r = interleaved_medians({**fns, "floor": floor_copy(n)}, args.repeats)
-    for sd, opt in opts.items():
-        b = 4 if sd == "float32" else 2
-        nbytes = _state_bytes(2, b)
-        slots = [v for v in opt.variables if v.path.endswith(("_momentum", "_velocity"))]
-        state_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in slots) / n
-        floor = r["floor"] * nbytes / BYTES_PER_PARAM
-        print(f"{'tfclip.keras.Adam apply_gradients':<34} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
-              f"{'':>8} {r[sd] / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
+            def make(opt=opt):
+                @tf.function
+                def f():
+                    opt.apply_gradients(zip(grads, variables))
+                return f
+            fns[sd] = make()
+        r = interleaved_medians({**fns, "floor": floor_copy(n)}, args.repeats)
+        for sd, opt in opts.items():
+            b = 4 if sd == "float32" else 2
+            nbytes = _state_bytes(2, b)
+            slots = [v for v in opt.variables if is_slot(v)]
+            state_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in slots) / n
+            floor = r["floor"] * nbytes / BYTES_PER_PARAM
+            print(f"{label + ' apply_gradients':<37} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
+                  f"{'':>8} {r[sd] / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
+        del opts, fns
     print("(x floor: net time over the floor for fused_clip_apply; the whole call's for Keras, which has "
           "no harness row)")
 
