@@ -479,7 +479,7 @@ def state_dtype_table(args, rng):
     n = sum(int(np.prod(s)) for s in shapes)
     print(f"\nbert_base ({n / 1e6:.1f}M params), float32 variables: optimizer state in float32 against "
           f"bfloat16 (state_dtype='bfloat16'), whole tf.function calls")
-    print(f"{'step':<34} {'state':<9} {'state B/p':>9} {'B/param':>7} {'ms/call':>8} {'net ms':>8} "
+    print(f"{'step':<37} {'state':<9} {'state B/p':>9} {'B/param':>7} {'ms/call':>8} {'net ms':>8} "
           f"{'x floor':>8} {'x fp32':>7}")
     only = set(args.rules.split(",")) if args.rules else None
     for label, (make_rule, slots) in STATE_RULES.items():
@@ -509,7 +509,7 @@ def state_dtype_table(args, rng):
             state_bytes = sum(int(np.prod(v.shape)) * v.dtype.size for v in rules[sd].variables[1:]) / n
             net = r[sd] - r["harness"]
             floor = r["floor"] * nbytes / BYTES_PER_PARAM
-            print(f"{'fused_clip_apply ' + label:<34} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
+            print(f"{'fused_clip_apply ' + label:<37} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
                   f"{net * 1e3:8.2f} {net / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
         del fns, rules, harness, state_vars
     # The Keras drop-ins, Adam: the step as model.fit runs it (tf_keras's too, where installed).

@@ -33,7 +33,7 @@ _BOOKKEEPING = {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIAB
 def _prefix(path):
     """A checkpoint's prefix, given the prefix or its directory (the latest one there)."""
     path = os.fspath(path)
-    if os.path.isdir(path):
+    if tf.io.gfile.isdir(path):  # (gfile: a gs:// directory too)
         latest = tf.train.latest_checkpoint(path)
         if latest is None:
             raise ValueError(f"no checkpoint in the directory {path!r}")

@@ -56,7 +56,8 @@ float32, which fails).
 
 `state_dtype="bfloat16"` (Momentum, Adam, RMSProp, Adagrad, Adadelta; keyword-only) makes the
 slots of float32 variables bfloat16, as `tfclip.rules` does (docs/low-precision-state.md); the
-default is the stock layout. Such a checkpoint restores only into the same layout.
+default is the stock layout. Such a checkpoint restores only into the same layout;
+`tfclip.convert_checkpoint` moves one between the layouts.
 
 RMSProp runs TF's own kernel order (the core rule `tf_rmsprop`; keras's RMSprop rounds
 differently, which a centered RMSProp with a small epsilon shows). Adagrad runs the Keras rule
