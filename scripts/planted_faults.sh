@@ -31,6 +31,8 @@ FAULTS=(
   "skip_ignored|TFCLIP_PLANT_SKIP_IGNORED|nonfinite"
   "agc_unit|TFCLIP_PLANT_AGC_UNIT|test_agc_dense_parity"
   "agc_block|TFCLIP_PLANT_AGC_BLOCK|test_agc_dense_parity"
+  "q8_warp_max|TFCLIP_PLANT_Q8_WARP_MAX|test_int8_state_parity"
+  "q8_code|TFCLIP_PLANT_Q8_CODE|test_int8_state_parity"
 )
 # What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
 declare -A WHAT=(
@@ -41,6 +43,8 @@ declare -A WHAT=(
   [skip_ignored]="the apply kernel ignores the skip flag (status->apply)"
   [agc_unit]="AGC's apply reads the scale of the next unit (i + 1) % units"
   [agc_block]="AGC's norm pass writes every row block's partials to block 0"
+  [q8_warp_max]="int8 state: each lane quantizes with its own elements' absmax, not its block's (no butterfly)"
+  [q8_code]="int8 state: every slot quantized with the signed code, the second moments too"
 )
 
 mkdir -p "$BUILD/planted"

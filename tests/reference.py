@@ -223,3 +223,44 @@ def autoclip_targets(norms, percentile=10.0, history_size=1000):
         thr = float(np.percentile(hist, percentile))
         out.append(thr if thr < g else None)
     return out
+
+
+# ---------------------------------------------------------------- 8-bit blockwise quantization
+def dynamic_code(signed):
+    """bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), written
+    out: per exponent i, the midpoints of linspace(0.1, 1, k + 1) (k = 2^i signed, 2^(i+1)
+    unsigned) times 10^(i - 6), negated too when signed; then 0 and 1; float32, ascending."""
+    data = []
+    for i in range(7):
+        k = 2 ** i if signed else 2 ** (i + 1)
+        edges = np.linspace(0.1, 1.0, k + 1)  # float64
+        means = (edges[:-1] + edges[1:]) / 2.0 * 10.0 ** (i - 6)
+        data += list(means) + (list(-means) if signed else [])
+    data += [0.0, 1.0]
+    assert len(data) == 256
+    return np.sort(np.asarray(data, dtype=np.float64).astype(np.float32))
+
+
+def quantize_blockwise(x, signed, block=256):
+    code = dynamic_code(signed)
+    zero = int(np.flatnonzero(code == 0)[0])
+    x = np.asarray(x, np.float32).ravel()
+    q = np.empty(x.size, np.uint8)
+    absmax = []
+    for b in range(0, x.size, block):
+        xb = x[b:b + block]
+        m = np.float32(np.max(np.abs(xb))) if np.all(np.isfinite(xb)) else np.float32(np.nan)
+        absmax.append(m)
+        if not m > 0:
+            q[b:b + block] = zero
+            continue
+        y = (xb / m).astype(np.float32)  # float32 division
+        dist = np.abs(code[None, :].astype(np.float64) - y[:, None].astype(np.float64))
+        q[b:b + block] = np.argmin(dist, axis=1)  # the first minimum: ties to the lower index
+    return q, np.asarray(absmax, np.float32)
+
+
+def dequantize_blockwise(q, absmax, signed, block=256):
+    """code[q] * the block's absmax, in float32."""
+    q = np.asarray(q).ravel()
+    return (dynamic_code(signed)[q] * np.repeat(np.asarray(absmax, np.float32), block)[:q.size]).astype(np.float32)

@@ -5,41 +5,9 @@ the code, the bytes and absmax of every block, and the dequantized values, bit f
 import numpy as np
 import pytest
 
+from reference import quantize_blockwise as reference_quantize
+from reference import dynamic_code as reference_code
 from tfclip import _core
-
-
-def reference_code(signed):
-    """bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), written
-    out: per exponent i, the midpoints of linspace(0.1, 1, k + 1) (k = 2^i signed, 2^(i+1)
-    unsigned) times 10^(i - 6), negated too when signed; then 0 and 1; float32, ascending."""
-    data = []
-    for i in range(7):
-        k = 2 ** i if signed else 2 ** (i + 1)
-        edges = np.linspace(0.1, 1.0, k + 1)  # float64
-        means = (edges[:-1] + edges[1:]) / 2.0 * 10.0 ** (i - 6)
-        data += list(means) + (list(-means) if signed else [])
-    data += [0.0, 1.0]
-    assert len(data) == 256
-    return np.sort(np.asarray(data, dtype=np.float64).astype(np.float32))
-
-
-def reference_quantize(x, signed, block):
-    code = reference_code(signed)
-    zero = int(np.flatnonzero(code == 0)[0])
-    x = np.asarray(x, np.float32).ravel()
-    q = np.empty(x.size, np.uint8)
-    absmax = []
-    for b in range(0, x.size, block):
-        xb = x[b:b + block]
-        m = np.float32(np.max(np.abs(xb))) if np.all(np.isfinite(xb)) else np.float32(np.nan)
-        absmax.append(m)
-        if not m > 0:
-            q[b:b + block] = zero
-            continue
-        y = (xb / m).astype(np.float32)  # float32 division
-        dist = np.abs(code[None, :].astype(np.float64) - y[:, None].astype(np.float64))
-        q[b:b + block] = np.argmin(dist, axis=1)  # the first minimum: ties to the lower index
-    return q, np.asarray(absmax, np.float32)
 
 
 def _same_bits(a, b):
@@ -113,3 +81,13 @@ def test_errors_name_what_is_wrong():
     q, absmax = _core.quantize_blockwise(np.ones(300, np.float32), True, 256)
     with pytest.raises(ValueError, match=r"absmax must hold one value per block of 256 elements: 2 for 300"):
         _core.dequantize_blockwise(q, absmax[:1], True, 256)
+
+
+def test_zero_index_is_the_cores_constant():
+    """QuantZeroIndex (quant8.h), which the passes use in place of a search: the index of 0 is
+    127 in the signed code (127 negative values below it) and 0 in the unsigned one."""
+    assert int(np.flatnonzero(reference_code(True) == 0)[0]) == 127
+    assert int(np.flatnonzero(reference_code(False) == 0)[0]) == 0
+    for signed, zero in [(True, 127), (False, 0)]:
+        q, absmax = _core.quantize_blockwise(np.zeros(5, np.float32), signed)
+        assert absmax[0] == 0.0 and np.all(q == zero)

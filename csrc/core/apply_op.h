@@ -36,6 +36,7 @@ struct ApplyOpAttrs {
   bool lazy = false;            // lazy
   bool sum_of_squares = false;  // sum_of_squares
   std::vector<int32_t> ref;     // ref (ref op only): the ref variables' positions, ascending
+  int num_absmax = 0;           // Nabsmax (resource op only): int8 state's absmax variables
 
   // The rule's bool attrs (its flags, from the rule table; not rows of kApplyAttrs): the
   // FlagBit mask of those set.
@@ -97,8 +98,8 @@ constexpr ApplyAttrDef BoolAttr(const char* name, const char* dflt, bool ApplyOp
   return d;
 }
 constexpr ApplyAttrDef IntAttr(const char* name, const char* type, const char* dflt,
-                               int ApplyOpAttrs::*f) {
-  ApplyAttrDef d{name, type, dflt, ApplyOps::kBoth, AttrKind::kInt};
+                               int ApplyOpAttrs::*f, ApplyOps ops = ApplyOps::kBoth) {
+  ApplyAttrDef d{name, type, dflt, ops, AttrKind::kInt};
   d.int_field = f;
   return d;
 }
@@ -150,6 +151,7 @@ inline constexpr ApplyAttrDef kApplyAttrs[] = {
     BoolAttr("lazy", "false", &ApplyOpAttrs::lazy),
     BoolAttr("sum_of_squares", "false", &ApplyOpAttrs::sum_of_squares),
     IntListAttr("ref", "[]", &ApplyOpAttrs::ref, ApplyOps::kRefOnly),
+    IntAttr("Nabsmax", "int >= 0", "0", &ApplyOpAttrs::num_absmax, ApplyOps::kResourceOnly),
 };
 
 // The inputs, in order. A row of kind kRuleSlots or kRuleHParams stands for the rule's own.
@@ -180,6 +182,11 @@ inline constexpr ApplyInputDef kApplyInputs[] = {
     {ApplyInputKind::kInput, "clip", "double", ApplyOps::kBoth},
     {ApplyInputKind::kInput, "use_norm", "double", ApplyOps::kBoth},
     {ApplyInputKind::kInput, "iterations", "Niterations * resource", ApplyOps::kBoth, true},
+    // int8 state (state_dtype="int8"; csrc/core/tensors.h SlotStorage::kInt8): a variable whose
+    // slots are uint8 (their codes) has one float32 absmax variable per slot, here: for each
+    // slot list in order, the absmax of each such variable in gradient order. Last, with a
+    // default count of 0: graphs saved before it still load.
+    {ApplyInputKind::kInput, "absmax", "Nabsmax * resource", ApplyOps::kResourceOnly, true},
 };
 
 // The outputs, in order, with their shapes.

@@ -94,6 +94,7 @@ StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& ex
   StepResult r;
   HParams hp;
   r.error = StepHParams(a, &hp);
+  if (r.error.empty()) r.error = ValidateState(a);
   if (!r.error.empty()) return r;
   const int n = a.n;
   const ApplyTensor* ts = a.ts;

@@ -123,6 +123,89 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRangeAgc(const ConstsOf<Rule, V>* __restric
   return acc;
 }
 
+// The largest of v over the warp (butterflies: every lane gets it).
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// A range of a float variable with int8 state (SlotStorage::kInt8, csrc/core/quant8.h): one warp
+// per quantization block of kQuantBlock elements (the crew's warps take blocks in turn), each
+// lane kQuantBlock / 32 of its elements. The lane dequantizes them, steps them through
+// ApplyElem in float with their clipped gradient (any dtype; AGC's unit scales as
+// ApplyRangeAgc), keeps the new slot values in registers, and the warp's butterfly gives the
+// block's absmax (AbsmaxAdd, order-free: the CPU's bits); then each element's nearest code. The
+// range starts at a block (chunks start at multiples of kCudaChunkElems), so blocks are the
+// CPU's.
+template <typename Rule, int kSlots>
+TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict__ cp,
+                                         const DevTensor& t, const ClipFactor* __restrict__ fp,
+                                         const float* __restrict__ codes, int64_t b, int64_t e,
+                                         Crew crew) {
+  static_assert(kQuantBlock % 32 == 0 && kCudaChunkElems % kQuantBlock == 0, "warps hold whole blocks");
+  constexpr int kPer = static_cast<int>(kQuantBlock / 32);
+  const ConstsOf<Rule, float> c = *cp;
+  const ClipFactor f = *fp;
+  float* var = static_cast<float*>(t.var);
+  const GradReader<float, AnyGrad> grad(t.grad, static_cast<DType>(t.grad_dtype), f);
+  const DType gt = static_cast<DType>(t.grad_dtype);
+  const float* code[kMaxSlots];
+  uint8_t* q[kMaxSlots];
+#pragma unroll
+  for (int k = 0; k < kMaxSlots; ++k) {
+#ifdef TFCLIP_PLANT_Q8_CODE
+    code[k] = codes;  // every slot with the signed code, the second moments too
+#else
+    code[k] = codes + (((Rule::kUnsignedSlots >> k) & 1u) ? kQuantCodeSize : 0);
+#endif
+    q[k] = static_cast<uint8_t*>(t.slots[k]);
+  }
+  const int lane = crew.rank & 31, warp = crew.rank >> 5, warps = crew.size >> 5;
+  const int64_t nblocks = (e - b + kQuantBlock - 1) / kQuantBlock;
+  for (int64_t qb = warp; qb < nblocks; qb += warps) {
+    const int64_t base = b + qb * kQuantBlock;
+    const int64_t blk = base / kQuantBlock;
+    float s[kMaxSlots][kPer];
+    float m[kMaxSlots] = {0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int64_t i = base + lane + 32 * j;
+      if (i >= e) continue;
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) s[k][j] = code[k][q[k][i]] * t.absmax[k][blk];
+      float g;
+      if (t.unit_scale != nullptr) {  // AGC: element i's unit scale
+        ClipFactor fu;
+        fu.scale = t.unit_scale[i % t.units];
+        g = CastClipGradAt<float>(t.grad, gt, i, fu);
+      } else {
+        g = grad(i);
+      }
+      float* sk[kMaxSlots] = {&s[0][j], kSlots > 1 ? &s[1][j] : nullptr, kSlots > 2 ? &s[2][j] : nullptr};
+      ApplyElem<Rule, kSlots>(c, DenseGrad<float>{g}, var + i, sk[0], sk[1], sk[2], 0);
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) m[k] = AbsmaxAdd(m[k], s[k][j]);
+    }
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+#ifdef TFCLIP_PLANT_Q8_WARP_MAX
+      const float am = AbsmaxOf(m[k]);  // the lane's own max, not the block's
+#else
+      const float am = AbsmaxOf(WarpMax(m[k]));
+#endif
+      if (lane == 0) t.absmax[k][blk] = am;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int64_t i = base + lane + 32 * j;
+        if (i < e) q[k][i] = QuantizeOne(code[k], QuantZeroIndex(!((Rule::kUnsignedSlots >> k) & 1u)), s[k][j], am);
+      }
+    }
+  }
+}
+
 template <typename Rule, int kSlots>
 __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
 #ifndef TFCLIP_PLANT_SKIP_IGNORED
@@ -137,7 +220,12 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
       return;
     }
     TrustAcc acc;
-    if (ten.bf16_slots) {  // a float variable with bfloat16 slots (any gradient, any clip)
+    if (ten.q8_slots) {  // a float variable with int8 state, a dense gradient (ValidateState)
+      if constexpr (!Rule::kTrustRatio && kSlots > 0) {
+        ApplyRangeQ8<Rule, kSlots>(&ConstsFor<float>(*consts), ten, &t.factors[ch.tensor], t.codes, ch.begin,
+                                   ch.end, crew);
+      }
+    } else if (ten.bf16_slots) {  // a float variable with bfloat16 slots (any gradient, any clip)
       const auto* cf = &ConstsFor<float>(*consts);
       acc = ten.unit_scale != nullptr
                 ? ApplyRangeAgc<Rule, float, kSlots, bfloat16>(cf, ten, ch.begin, ch.end, crew)

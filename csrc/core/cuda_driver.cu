@@ -56,11 +56,12 @@ std::vector<DevTensor> TensorsFromViews(const TensorView* in, const TensorView* 
 // every path: the one place a step's workspace is handed back (in stream order).
 template <typename Fn>
 std::string WithStepMemory(const int64_t* sizes, int n, const SparsePlan* sparse, bool trust,
-                           CudaStepMemory* mem, void* stream, Fn&& fn, const AgcPlan* agc = nullptr) {
+                           CudaStepMemory* mem, void* stream, Fn&& fn, const AgcPlan* agc = nullptr,
+                           bool q8 = false) {
   g_last_launches = 0;
   g_last_stream = stream;
   CudaPlan p;
-  PlanCudaStep(sizes, n, &p, sparse, trust, agc);
+  PlanCudaStep(sizes, n, &p, sparse, trust, agc, q8);
   g_last_blocks = p.plan.num_blocks();
   void* host = nullptr;
   void* dev = nullptr;
@@ -155,6 +156,8 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
     r->error = ValidateClipConfig(eps_only);
     if (!r->error.empty()) return "";
   }
+  r->error = ValidateState(args);
+  if (!r->error.empty()) return "";
   HParams hp;
   if (!on_device) {
     r->error = StepHParams(args, &hp);
@@ -177,6 +180,8 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
   for (int i = 0; i < n; ++i) sizes[i] = ts[i].grad_size();
   DevStatus status{};
   const bool trust = RuleTrustRatio(args.rule);
+  bool q8 = false;
+  for (int i = 0; i < n; ++i) q8 = q8 || ts[i].slot_storage == SlotStorage::kInt8;
   const std::string e = WithStepMemory(sizes.data(), n, &sparse, trust, mem, stream_v,
                                        [&](const CudaPlan& p, void* h, void* d) -> std::string {
     std::vector<DevTensor> dts(static_cast<size_t>(n));
@@ -192,6 +197,8 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       dt.var_dtype = static_cast<int32_t>(ts[i].var_dtype);
       dt.grad_dtype = static_cast<int32_t>(ts[i].grad_dtype);
       dt.bf16_slots = ts[i].slot_storage == SlotStorage::kBFloat16 ? 1 : 0;
+      dt.q8_slots = ts[i].slot_storage == SlotStorage::kInt8 ? 1 : 0;
+      for (int k = 0; k < kMaxSlots; ++k) dt.absmax[k] = ts[i].absmax[k];
     }
     ChunkRanges(p, dts.data());
     DevAgc dagc{};
@@ -272,7 +279,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       if (ce != cudaSuccess) return CudaError(ce, "reading the step's status");
     }
     return "";
-  }, agc ? &agc_plan : nullptr);
+  }, agc ? &agc_plan : nullptr, q8);
   if (!e.empty()) return e;
   if (args.cfg.policy == NonFinitePolicy::kRaise) {
     r->global_norm = status.norm;

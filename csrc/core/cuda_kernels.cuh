@@ -20,6 +20,7 @@
 
 #include "csrc/core/agc.h"
 #include "csrc/core/apply_elem.h"
+#include "csrc/core/quant8.h"
 #include "csrc/core/sparse.h"
 #include "csrc/core/validate.h"
 
@@ -75,12 +76,14 @@ struct DevTensor {
   int32_t grad_dtype;
   int32_t sparse;     // 1: applied by the sparse kernel; its chunks are the norm's only
   int32_t bf16_slots;  // 1: a float variable's slots are bfloat16 (SlotStorage::kBFloat16)
+  int32_t q8_slots;    // 1: a float variable's slots are int8 state (SlotStorage::kInt8)
   int64_t first_unit;  // sparse: its units of the sparse plan (consecutive)
   int64_t num_units;
   // AGC (csrc/core/agc.h): its units' scales in the workspace (null in the other modes), and
   // its unit count; element i is in unit i % units.
   const double* unit_scale;
   int64_t units;
+  float* absmax[kMaxSlots];  // int8 state: each slot's absmax (quant8.h)
 };
 
 // AGC's norm pass and scales (csrc/core/agc.h): the plan's tables (uploaded with the tensor
@@ -173,6 +176,9 @@ struct Table {
   DevStatus* status;
   DevConsts* consts;
   const int32_t* many;  // the tensors of over kThreadChunks chunks (a warp sums each one's)
+  // int8 state's codes (quant8.h) in the workspace: the signed one, then the unsigned one; null
+  // in a step without int8 state.
+  const float* codes;
   int nmany;
   int n;
   int64_t nchunks;
@@ -287,6 +293,7 @@ struct CudaPlan {
   size_t off_partials = 0, off_factors = 0, off_status = 0, off_trust = 0, off_trust_sums = 0;
   bool trust = false;
   const AgcPlan* agc = nullptr;  // an AGC step's plan (null otherwise)
+  bool q8 = false;               // a step with int8 state: the codes go up with the table
   size_t off_agc = 0;            // its device buffers: part_g, part_w, unit_g, unit_w, unit_scale, vsq
 };
 
@@ -297,14 +304,14 @@ inline size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
 // (each 256-aligned).
 struct HostLayout {
   size_t off_hparams, off_tensors, off_chunks, off_blocks, off_many, off_units, off_order,
-      off_urows, off_ustart, off_tiles, off_uoff, off_poff, off_ablocks, off_spans, bytes;
+      off_urows, off_ustart, off_tiles, off_uoff, off_poff, off_ablocks, off_spans, off_codes, bytes;
 };
 HostLayout Layout(const CudaPlan& p);
 
 // The plan of a step over n tensors of sizes[i] gradient elements (the sparse plan, a
-// trust-ratio rule's buffers and AGC's plan when given).
+// trust-ratio rule's buffers and AGC's plan when given; q8: the codes of int8 state).
 void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust,
-                  const AgcPlan* agc);
+                  const AgcPlan* agc, bool q8 = false);
 // Fills the host table, uploads it, and returns the device-side view of the workspace. With
 // hyper-parameters (an apply step), the table's constants are `rule`'s from them.
 std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, RuleKind rule,

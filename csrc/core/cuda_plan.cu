@@ -56,12 +56,15 @@ HostLayout Layout(const CudaPlan& p) {
     l.off_spans = l.off_ablocks + Bytes(p.agc->blocks);
     l.bytes = l.off_spans + (p.sparse != nullptr ? Bytes(p.sparse->spans) : 0);
   }
+  l.off_codes = l.bytes;
+  if (p.q8) l.bytes += Align256(sizeof(float) * 2 * kQuantCodeSize);
   return l;
 }
 
 void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust,
-                  const AgcPlan* agc) {
+                  const AgcPlan* agc, bool q8) {
   p->n = n;
+  p->q8 = q8;
   p->sparse = sparse;
   p->trust = trust;
   p->agc = agc;
@@ -132,6 +135,11 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
       std::memcpy(h + l.off_spans, p.sparse->spans.data(), sizeof(SparseSpan) * p.sparse->spans.size());
     }
   }
+  if (p.q8) {
+    std::memcpy(h + l.off_codes, DynamicCode(true), sizeof(float) * kQuantCodeSize);
+    std::memcpy(h + l.off_codes + sizeof(float) * kQuantCodeSize, DynamicCode(false),
+                sizeof(float) * kQuantCodeSize);
+  }
   const cudaError_t e = cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream);
   if (e != cudaSuccess) return CudaError(e, "the tensor table upload");
   t->consts = reinterpret_cast<DevConsts*>(d);
@@ -145,6 +153,7 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
   t->trust_sums = p.trust ? reinterpret_cast<double*>(d + p.off_trust_sums) : nullptr;
   t->many = reinterpret_cast<const int32_t*>(d + l.off_many);
   t->nmany = static_cast<int>(p.many.size());
+  t->codes = p.q8 ? reinterpret_cast<const float*>(d + l.off_codes) : nullptr;
   t->n = p.n;
   t->nchunks = static_cast<int64_t>(p.plan.chunks.size());
   return "";

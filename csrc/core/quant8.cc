@@ -50,17 +50,10 @@ void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed,
   for (int64_t b = 0, k = 0; b < n; b += block, ++k) {
     const int64_t e = std::min(n, b + block);
     float m = 0.0f;
-    bool finite = true;
-    for (int64_t i = b; i < e; ++i) {
-      const float a = std::fabs(x[i]);
-      finite = finite && std::isfinite(a);
-      m = a > m ? a : m;
-    }
-    if (!finite) m = NAN;
+    for (int64_t i = b; i < e; ++i) m = AbsmaxAdd(m, x[i]);
+    m = AbsmaxOf(m);
     absmax[k] = m;
-    for (int64_t i = b; i < e; ++i) {
-      q[i] = static_cast<uint8_t>(m > 0.0f ? NearestCode(code, x[i] / m, zero) : zero);
-    }
+    for (int64_t i = b; i < e; ++i) q[i] = QuantizeOne(code, zero, x[i], m);
   }
 }
 

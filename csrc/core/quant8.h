@@ -14,6 +14,7 @@
 // The per-element functions are TFCLIP_HD: the CPU passes and the CUDA kernels call the same ones.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "csrc/core/types.h"
@@ -48,8 +49,26 @@ TFCLIP_HD int NearestCode(const float* code, float y, int zero_index) {
   return above < below ? lo : lo - 1;
 }
 
-// The index of 0 in a code.
+// The index of 0 in a code: the signed code has 127 negative values below it, the unsigned
+// none (checked against the built codes by tests/test_quant8.py).
+constexpr int QuantZeroIndex(bool is_signed) { return is_signed ? 127 : 0; }
 int ZeroIndex(const float* code);
+
+// A block's absmax, element by element: m = AbsmaxAdd(m, x) from m = 0 over the block, then
+// AbsmaxOf(m). A non-finite |x| counts as +inf, so the block's absmax is NaN when any element is
+// inf or NaN (the definition above) whatever the order the elements come in (max is
+// order-free: the CPU's loop and the CUDA warp's butterfly give the same value).
+TFCLIP_HD float AbsmaxAdd(float m, float x) {
+  float a = x < 0.0f ? -x : x;
+  if (!(a <= 3.402823466e38f)) a = INFINITY;
+  return a > m ? a : m;
+}
+TFCLIP_HD float AbsmaxOf(float m) { return m <= 3.402823466e38f ? m : NAN; }
+
+// One element's code index under its block's absmax.
+TFCLIP_HD uint8_t QuantizeOne(const float* code, int zero_index, float x, float absmax) {
+  return static_cast<uint8_t>(absmax > 0.0f ? NearestCode(code, x / absmax, zero_index) : zero_index);
+}
 
 // x[0..n) into q[0..n) and absmax[0..ceil(n / block)), per the definition above.
 void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q, float* absmax);

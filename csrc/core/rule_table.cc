@@ -23,7 +23,8 @@ std::vector<std::string> RuleInfo::slots() const {
 const std::vector<RuleInfo>& AllRules() {
   static const std::vector<RuleInfo> rules{
 #define TFCLIP_RULE_INFO(kind, Struct, op, name, slots, hps, flags) \
-  RuleInfo{RuleKind::kind, op, name, slots, hps, flags, Struct::kMinSlots, Struct::kMaxSlots},
+  RuleInfo{RuleKind::kind, op, name, slots, hps, flags, Struct::kMinSlots, Struct::kMaxSlots, \
+           Struct::kUnsignedSlots},
       TFCLIP_FOR_EACH_RULE(TFCLIP_RULE_INFO)
 #undef TFCLIP_RULE_INFO
   };

@@ -89,6 +89,7 @@ struct RuleInfo {
   uint32_t hparams;      // HPBit mask: the scalar inputs, in HP order
   uint32_t flags;        // FlagBit mask: the bool attrs
   int min_slots, max_slots;
+  uint32_t unsigned_slots;  // Rule::kUnsignedSlots: bit k, slot k is never negative (int8 state's code)
   std::vector<std::string> slots() const;
 };
 

@@ -98,6 +98,9 @@ TFCLIP_HD M DecayVar(const StepBase<M>& c, M var) {
 // (one without the other does not compile: MakeConsts's type is not the one Update takes).
 struct RuleBase {
   static constexpr bool kTrustRatio = false;
+  // Bit k: slot k is never negative (a second moment, an accumulator of squares or of |g|):
+  // stored with the unsigned code under int8 state (csrc/core/quant8.h), the others signed.
+  static constexpr unsigned kUnsignedSlots = 0u;
   static constexpr bool kZeroGradKeeps = false;  // a zero gradient leaves var and slots as they are
   template <typename M>
   static TFCLIP_HD M Second(M g) { return g * g; }
@@ -179,6 +182,7 @@ struct AdamRule : RuleBase {
   // m += (g - m)(1 - b1); v += (gsq - v)(1 - b2); [vhat = max(vhat, v)]; var -= m*alpha/(sqrt(v)+eps)
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 3;
+  static constexpr unsigned kUnsignedSlots = 0b110u;
   static TFCLIP_HD int NumSlots(const HParams& hp) { return hp.amsgrad ? 3 : 2; }
   template <typename M>
   struct Consts : StepBase<M>, AdamMoments<M> {
@@ -214,6 +218,7 @@ struct AdagradRule : RuleBase {
   // var -= lr*g / (sqrt(accum) + eps) (ResourceApplyAdagradV2, tf_keras's legacy Adagrad).
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
+  static constexpr unsigned kUnsignedSlots = 0b1u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -248,6 +253,7 @@ struct RmsPropRule : RuleBase {
   // inputs of the slots left out are empty.
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 1, kMaxSlots = 3;
+  static constexpr unsigned kUnsignedSlots = 0b001u;
   static TFCLIP_HD int NumSlots(const HParams& hp) {
     return 1 + (hp.has_momentum ? 1 : 0) + (hp.centered ? 1 : 0);
   }
@@ -295,6 +301,7 @@ struct AdadeltaRule : RuleBase {
   // adv = rho*adv + (1-rho)*d^2; var += lr*d. Slots: accumulated_grad, accumulated_delta_var.
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static constexpr unsigned kUnsignedSlots = 0b11u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -330,6 +337,7 @@ struct AdamaxRule : RuleBase {
   // Slots: m, u.
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static constexpr unsigned kUnsignedSlots = 0b10u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -411,6 +419,7 @@ struct NadamRule : RuleBase {
   // is NaN either way).
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static constexpr unsigned kUnsignedSlots = 0b10u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -484,6 +493,7 @@ struct FtrlRule : RuleBase {
   // var = (clip(linear, -l1, l1) - linear)/q; n = n'. Slots: accumulator, linear.
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static constexpr unsigned kUnsignedSlots = 0b01u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -540,6 +550,7 @@ struct LambRule : RuleBase {
   static constexpr bool kScatter = false;
   static constexpr bool kTrustRatio = true;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static constexpr unsigned kUnsignedSlots = 0b10u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   struct Consts : StepBase<M>, AdamMoments<M> {
@@ -583,6 +594,7 @@ struct ScheduleFreeAdamWRule : RuleBase {
   // Slots: momentum (z), velocity (v).
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static constexpr unsigned kUnsignedSlots = 0b10u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -636,6 +648,7 @@ struct TfRmsPropRule : RuleBase {
   // that name is the hyper-parameter input), mg (centered).
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 3;
+  static constexpr unsigned kUnsignedSlots = 0b001u;
   static TFCLIP_HD int NumSlots(const HParams& hp) { return hp.centered ? 3 : 2; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -717,6 +730,7 @@ struct ProximalSgdRule : RuleBase {
 struct ProximalAdagradRule : RuleBase {
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 1, kMaxSlots = 1;
+  static constexpr unsigned kUnsignedSlots = 0b1u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 1; }
   template <typename M>
   struct Consts : StepBase<M> {
@@ -749,6 +763,7 @@ struct ProximalAdagradRule : RuleBase {
 struct AdagradDaRule : RuleBase {
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;
+  static constexpr unsigned kUnsignedSlots = 0b10u;
   static TFCLIP_HD int NumSlots(const HParams&) { return 2; }
   template <typename M>
   struct Consts : StepBase<M> {

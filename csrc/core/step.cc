@@ -28,4 +28,33 @@ std::string StepHParams(const StepArgs& a, HParams* hp) {
   return e;
 }
 
+std::string ValidateState(const StepArgs& a) {
+  const RuleInfo& info = GetRuleInfo(a.rule);
+  const int nslots = NumSlots(a.rule, a.hp);
+  for (int i = 0; i < a.n; ++i) {
+    const ApplyTensor& t = a.ts[i];
+    if (t.slot_storage != SlotStorage::kInt8) continue;
+    std::ostringstream os;
+    os << "tensor " << i << ": int8 optimizer state ";
+    if (nslots == 0) {
+      os << "given to rule '" << info.name << "', which keeps no slots";
+    } else if (RuleTrustRatio(a.rule)) {
+      os << "is not supported for rule '" << info.name
+         << "' (its trust ratio reads the slots back a pass later); use float32 or bfloat16 state";
+    } else if (t.var_dtype != DType::kFloat) {
+      os << "is for float32 variables; this one is " << DTypeName(t.var_dtype);
+    } else if (t.sparse) {
+      os << "is not supported with an IndexedSlices gradient yet (a row's update would requantize "
+            "blocks the slices do not cover); pass a dense gradient (tf.convert_to_tensor)";
+    } else {
+      bool all = true;
+      for (int k = 0; k < nslots; ++k) all = all && t.absmax[k] != nullptr;
+      if (all) continue;
+      os << "needs one absmax array per slot";
+    }
+    return os.str();
+  }
+  return "";
+}
+
 }  // namespace tfclip

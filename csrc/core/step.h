@@ -50,4 +50,9 @@ std::string NonFiniteError(double norm);
 // The hyper-parameters of a step with its counter applied, checked: "" or the error.
 std::string StepHParams(const StepArgs& args, HParams* hp);
 
+// The tensors' state storage, checked against the rule: "" or the error. int8 state
+// (SlotStorage::kInt8) is for a float32 variable with a dense gradient, a rule with slots and
+// without a trust ratio, every absmax given. Both drivers call it before anything runs.
+std::string ValidateState(const StepArgs& args);
+
 }  // namespace tfclip

@@ -18,8 +18,11 @@ struct TensorView {
 // How a variable's slots are stored: in the variable's dtype (the stock layout), or as bfloat16
 // for a float32 variable (state_dtype="bfloat16": half the optimizer-state bytes; each slot is
 // loaded to float, updated in float as in the stock layout, and rounded to nearest even when
-// stored).
-enum class SlotStorage : int { kVariable = 0, kBFloat16 = 1 };
+// stored), or 8-bit blockwise for a float32 variable (state_dtype="int8", csrc/core/quant8.h: a
+// uint8 per element, its index into the signed code, or into the unsigned one for a slot the
+// rule keeps >= 0 (Rule::kUnsignedSlots), and one float32 absmax per kQuantBlock elements; each
+// block is dequantized to float, updated in float as in the stock layout, and quantized again).
+enum class SlotStorage : int { kVariable = 0, kBFloat16 = 1, kInt8 = 2 };
 
 // Whether slots of dtype `slot` may serve a variable of dtype `var`, and how they are stored.
 inline bool SlotStorageOf(DType var, DType slot, SlotStorage* out) {
@@ -43,6 +46,8 @@ struct ApplyTensor {
   DType grad_dtype = DType::kFloat;
   SlotStorage slot_storage = SlotStorage::kVariable;  // every slot of the variable alike
   DType slot_dtype() const { return slot_storage == SlotStorage::kBFloat16 ? DType::kBFloat16 : var_dtype; }
+  // kInt8: slot k's absmax, ceil(size / kQuantBlock) floats, updated in place with the codes.
+  float* absmax[kMaxSlots] = {nullptr, nullptr, nullptr};
   // An IndexedSlices gradient: `grad` holds nnz slices of `width` elements, slice j for row
   // indices[j] of the variable seen as a rows x width matrix. Indices are in host memory.
   bool sparse = false;

@@ -1,6 +1,8 @@
 // tfclip._core: the arrays a call hands over, checked (arrays.h).
 #include "csrc/py/arrays.h"
 
+#include "csrc/core/quant8.h"
+
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -45,6 +47,17 @@ std::vector<int64_t> Shape(const py::array& a) {
 Array FromNumpy(const py::handle& h, const std::string& name, bool writable) {
   if (!py::isinstance<py::array>(h)) Fail(name + " is not a NumPy array");
   const py::array a = py::reinterpret_borrow<py::array>(h);
+  if (std::string(py::str(a.dtype().attr("name"))) == "uint8") {  // int8 state's codes
+    if (!(a.flags() & py::array::c_style)) Fail(name + " must be C-contiguous");
+    if (writable && !a.writeable()) Fail(name + " must be writable (it is updated in place)");
+    Array r;
+    r.data = const_cast<void*>(a.data());
+    r.shape = Shape(a);
+    r.size = static_cast<int64_t>(a.size());
+    r.name = name;
+    r.codes = true;
+    return r;
+  }
   const TensorView v = View(a, name, writable);
   Array r;
   r.data = v.data;
@@ -56,9 +69,18 @@ Array FromNumpy(const py::handle& h, const std::string& name, bool writable) {
 }
 
 
-std::vector<Array> Arrays(const py::list& l, const char* what, bool writable, MakeArray make) {
+void FailCodes(const Array& a) {
+  Fail(a.name + " has dtype uint8; only " + NumpyDTypeNames() +
+       " (uint8 only for int8 optimizer state's slots, with their absmax)");
+}
+
+std::vector<Array> Arrays(const py::list& l, const char* what, bool writable, MakeArray make,
+                          bool codes_ok) {
   std::vector<Array> out;
-  for (size_t i = 0; i < l.size(); ++i) out.push_back(make(l[i], Idx(what, i), writable));
+  for (size_t i = 0; i < l.size(); ++i) {
+    out.push_back(make(l[i], Idx(what, i), writable));
+    if (out.back().codes && !codes_ok) FailCodes(out.back());
+  }
   return out;
 }
 
@@ -166,7 +188,8 @@ void SetSparse(const py::handle& h, const Array& var, const Array& values, size_
 ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
                        const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
                        py::object clip, py::object use_norm, const std::string& nonfinite,
-                       const py::object& indices_o, bool lazy, MakeArray make) {
+                       const py::object& indices_o, bool lazy, MakeArray make,
+                       const py::object& absmax_o) {
   ApplyCall call;
   call.lazy = lazy;
   if (!ParseRule(rule_name, &call.rule)) Fail("unknown rule '" + rule_name + "'");
@@ -197,10 +220,31 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
   static const char* kSlotNames[kMaxSlots] = {"slots[0]", "slots[1]", "slots[2]"};
   std::vector<std::vector<Array>> slots;
   for (int k = 0; k < nslots; ++k) {
-    slots.push_back(Arrays(slots_l[k].cast<py::list>(), kSlotNames[k], true, make));
+    slots.push_back(Arrays(slots_l[k].cast<py::list>(), kSlotNames[k], true, make, true));
     if (static_cast<int>(slots[k].size()) != n) {
       Fail(std::string(kSlotNames[k]) + " has " + std::to_string(slots[k].size()) +
            " arrays for " + std::to_string(n) + " variables");
+    }
+  }
+  // int8 state: absmax[k][i], a float32 array of ceil(size / kQuantBlock) elements for slot k of
+  // variable i (its codes a uint8 array of the variable's shape), or None for a variable whose
+  // slots are not int8.
+  static const char* kAbsmaxNames[kMaxSlots] = {"absmax[0]", "absmax[1]", "absmax[2]"};
+  std::vector<std::vector<py::object>> absmax(static_cast<size_t>(nslots),
+                                              std::vector<py::object>(static_cast<size_t>(n), py::none()));
+  if (!absmax_o.is_none()) {
+    const py::list al = absmax_o.cast<py::list>();
+    if (static_cast<int>(al.size()) != nslots) {
+      Fail("absmax has " + std::to_string(al.size()) + " lists for the " + std::to_string(nslots) +
+           " slots of rule '" + rule_name + "' (one per slot, like slots)");
+    }
+    for (int k = 0; k < nslots; ++k) {
+      const py::list ak = al[k].cast<py::list>();
+      if (static_cast<int>(ak.size()) != n) {
+        Fail(std::string(kAbsmaxNames[k]) + " has " + std::to_string(ak.size()) + " entries for " +
+             std::to_string(n) + " variables (None for a variable whose state is not int8)");
+      }
+      for (int i = 0; i < n; ++i) absmax[k][i] = ak[i];
     }
   }
   py::list indices;
@@ -240,13 +284,38 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
     for (int k = 0; k < nslots; ++k) {
       const Array& s = slots[k][i];
       SlotStorage storage;
+      const bool q8 = !absmax[k][i].is_none();
+      if (q8 || s.codes) {
+        if (!q8) Fail(s.name + " is uint8 (int8 state's codes) but " + Idx(kAbsmaxNames[k], i) + " is None");
+        if (v.codes || v.dtype != DType::kFloat) Fail(v.name + ": int8 optimizer state is for float32 variables");
+        if (!s.codes || s.shape != v.shape) {
+          Fail(s.name + " must be a uint8 array of the shape of " + v.name + " (int8 state's codes)");
+        }
+        const Array am = make(absmax[k][i], Idx(kAbsmaxNames[k], i), true);
+        const int64_t blocks = (v.size + kQuantBlock - 1) / kQuantBlock;
+        if (am.codes || am.dtype != DType::kFloat || am.size != blocks) {
+          Fail(am.name + " must be a float32 array of " + std::to_string(blocks) + " elements (one per " +
+               std::to_string(kQuantBlock) + " of " + v.name + ")");
+        }
+        if (k > 0 && t.slot_storage != SlotStorage::kInt8) {
+          Fail(s.name + " is int8 state but " + slots[0][i].name + " is not; a variable's slots share one dtype");
+        }
+        t.slot_storage = SlotStorage::kInt8;
+        claim(s);
+        claim(am);
+        t.slots[k] = s.data;
+        t.absmax[k] = static_cast<float*>(am.data);
+        call.streams.push_back(am.stream);
+        continue;
+      }
       if (!SlotStorageOf(v.dtype, s.dtype, &storage) || s.shape != v.shape) {
         Fail(s.name + " must have the shape of " + v.name + " and its dtype (or bfloat16 for a float32 "
              "variable's state)");
       }
       if (k > 0 && storage != t.slot_storage) {
         Fail(s.name + " is " + DTypeName(s.dtype) + " but " + slots[0][i].name + " is " +
-             DTypeName(slots[0][i].dtype) + "; a variable's slots share one dtype");
+             (slots[0][i].codes ? "int8 state" : DTypeName(slots[0][i].dtype)) +
+             "; a variable's slots share one dtype");
       }
       t.slot_storage = storage;
       claim(s);

@@ -33,11 +33,17 @@ struct Array {
   // __cuda_array_interface__ v3 "stream": the stream its producer uses (1: legacy default,
   // 2: per-thread default, else a cudaStream_t); 0 when it declares none.
   uintptr_t stream = 0;
+  // A uint8 array: int8 optimizer state's codes (dtype unused). Arrays() refuses it unless asked.
+  bool codes = false;
 };
 
 Array FromNumpy(const py::handle& h, const std::string& name, bool writable);
 using MakeArray = Array (*)(const py::handle&, const std::string&, bool);
-std::vector<Array> Arrays(const py::list& l, const char* what, bool writable, MakeArray make);
+// The list's arrays; a uint8 one (codes) is an error unless codes_ok.
+std::vector<Array> Arrays(const py::list& l, const char* what, bool writable, MakeArray make,
+                          bool codes_ok = false);
+// The message for a uint8 array where only float ones go.
+[[noreturn]] void FailCodes(const Array& a);
 // The list's arrays as core views; an empty list is an error (NumPy and CUDA alike).
 std::vector<TensorView> Views(const std::vector<Array>& arrays, const char* what);
 
@@ -63,6 +69,7 @@ struct ApplyCall {
 ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
                        const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
                        py::object clip, py::object use_norm, const std::string& nonfinite,
-                       const py::object& indices_o, bool lazy, MakeArray make);
+                       const py::object& indices_o, bool lazy, MakeArray make,
+                       const py::object& absmax_o);
 
 }  // namespace tfclip

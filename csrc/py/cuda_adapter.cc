@@ -80,7 +80,9 @@ Array FromCuda(const py::handle& h, const std::string& name, bool writable) {
   if (writable && data[1].cast<bool>()) Fail(name + " is read-only (it is updated in place)");
   const std::string ts = cai["typestr"].cast<std::string>();
   const std::string code = ts.size() >= 2 ? ts.substr(1) : ts;
-  if (!DTypeFromTypeCode(code.c_str(), &r.dtype)) {
+  if (code == "u1") {  // int8 state's codes (Arrays() refuses them elsewhere)
+    r.codes = true;
+  } else if (!DTypeFromTypeCode(code.c_str(), &r.dtype)) {
     Fail(name + " has typestr " + ts + "; only float16, float32, float64 (and a uint16/int16 view as bfloat16)");
   }
   r.size = 1;
@@ -89,7 +91,7 @@ Array FromCuda(const py::handle& h, const std::string& name, bool writable) {
     r.size *= r.shape.back();
   }
   if (cai.contains("strides") && !cai["strides"].is_none()) {
-    int64_t expect = DTypeSize(r.dtype);
+    int64_t expect = r.codes ? 1 : DTypeSize(r.dtype);
     const py::tuple st = cai["strides"].cast<py::tuple>();
     for (int k = static_cast<int>(r.shape.size()) - 1; k >= 0; --k) {
       if (r.shape[k] > 1 && st[k].cast<int64_t>() != expect) Fail(name + " must be C-contiguous");
@@ -357,9 +359,9 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
                            const std::string& nonfinite, py::object indices, bool lazy,
                            py::object iterations, py::object norm_out, py::object applied_out,
                            py::object stream_o, py::object tensor_norms_out, double agc_eps,
-                           py::object agc_clipped_out) {
+                           py::object agc_clipped_out, py::object absmax) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
-                             use_norm, nonfinite, indices, lazy, &FromCuda);
+                             use_norm, nonfinite, indices, lazy, &FromCuda, absmax);
   c.cfg.agc_eps = agc_eps;
   cuda::DeviceScalars ds;
   for (const auto& [k, o] : c.device_scalars) {
@@ -474,7 +476,7 @@ void DefineCuda(py::module_& m) {
         py::arg("iterations") = py::none(),
         py::arg("norm_out") = py::none(), py::arg("applied_out") = py::none(),
         py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
-        py::arg("agc_eps") = 1e-3, py::arg("agc_clipped_out") = py::none(),
+        py::arg("agc_eps") = 1e-3, py::arg("agc_clipped_out") = py::none(), py::arg("absmax") = py::none(),
         "clip_apply on CUDA arrays. With norm_out/applied_out (device scalars) nothing waits "
         "and None is returned; else (global_norm, applied) after a wait. nonfinite='raise' "
         "always waits. bfloat16 arrays are passed as uint16 views. indices (host NumPy arrays, "
@@ -486,7 +488,8 @@ void DefineCuda(py::module_& m) {
         "array of len(grads), given each gradient's pre-clip norm from the norm pass (NaN with "
         "use_norm), also when the step is skipped. agc_clipped_out: None or an int64 device array "
         "of len(grads), given each tensor's count of units clip_mode='agc' scaled down, counted "
-        "on the device (0 in the other modes), written with tensor_norms_out.");
+        "on the device (0 in the other modes), written with tensor_norms_out. absmax: int8 "
+        "optimizer state's absmax device arrays, as clip_apply (the codes uint8 device arrays).");
   m.def("cuda_allocations", &cuda::Allocations,
         "Device and pinned-host allocations _core has made so far (its workspace ring, scratch "
         "and cuda_malloc): a step of a size seen before allocates nothing.");

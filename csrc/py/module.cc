@@ -41,6 +41,12 @@ py::dict RuleTable() {
     d["ref_op"] = std::string("TfclipClipApplyRef") + r.op;  // TF1 ref variables too (csrc/tf/ops.cc)
     d["slots"] = r.slots();
     d["min_slots"] = r.min_slots;
+    py::list unsigned_slots;  // int8 state quantizes these with the unsigned code (quant8.h)
+    const std::vector<std::string> names = r.slots();
+    for (size_t k = 0; k < names.size(); ++k) {
+      if ((r.unsigned_slots >> k) & 1u) unsigned_slots.append(names[k]);
+    }
+    d["unsigned_slots"] = unsigned_slots;
     d["hparams"] = hps;
     d["flags"] = flags;
     rules[r.name] = d;
