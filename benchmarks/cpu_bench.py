@@ -21,7 +21,7 @@ global clip's fused step, the floor, and the same clipping written with stock TF
 (tf.linalg.global_norm, the threshold, tf.clip_by_global_norm, Keras Adam), and AGC against its
 floor (36 B/param: the variable's read in the norm pass) and the unit norms in stock TF ops; float16/bfloat16 gradients for float32 variables, per parameter,
 against float32 gradients; the fixed cost of one call with 200 small variables, eager and in
-`tf.function`; bfloat16 optimizer state (`state_dtype="bfloat16"`) against float32 state, for
+`tf.function`; bfloat16 and int8 optimizer state (`state_dtype=`) against float32 state, for
 fused_clip_apply and the Keras drop-in (whole calls), each against its own floor, with the
 optimizer's bytes per parameter. Machines are shared and noisy: compare ratios within one run.
 """
@@ -455,7 +455,7 @@ def grad_dtypes_table(args, rng):
 # label: (rule maker, slots). Bytes per parameter of a clip(global) + apply step with float32
 # variables and gradients and `slots` slot arrays of `b` bytes an element: the norm reads the
 # gradient (4), the apply reads gradient and variable (8) and the slots, and writes the variable
-# (4) and the slots.
+# (4) and the slots (int8 state: a byte per element and a float32 absmax per 256).
 STATE_RULES = {
     "Adam": (lambda sd: tfclip.rules.Adam(1e-9, state_dtype=sd), 2),
     "Momentum": (lambda sd: tfclip.rules.SGD(1e-9, momentum=0.9, state_dtype=sd), 1),
@@ -465,12 +465,16 @@ STATE_RULES = {
 }
 
 
-def _state_bytes(slots, b):
-    return 4 + 8 + 4 + 2 * b * slots
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+STATE_ELEM_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256}
+
+
+def _state_bytes(slots, sd):
+    return 4 + 8 + 4 + 2 * STATE_ELEM_BYTES[sd] * slots
 
 
 def state_dtype_table(args, rng):
-    """bfloat16 optimizer state against float32 state on the BERT-base set (float32 variables and
+    """bfloat16 and int8 optimizer state against float32 state on the BERT-base set (float32 variables and
     gradients): each rule's step through fused_clip_apply in tf.function, and Adam through the
     Keras drop-in's apply_gradients in tf.function (the whole call as model.fit makes it), each
     against its own floor (the 32 B/param copy scaled to its bytes); the optimizer state's bytes
@@ -478,7 +482,7 @@ def state_dtype_table(args, rng):
     shapes, variables, grads = make_set("bert_base", rng)
     n = sum(int(np.prod(s)) for s in shapes)
     print(f"\nbert_base ({n / 1e6:.1f}M params), float32 variables: optimizer state in float32 against "
-          f"bfloat16 (state_dtype='bfloat16'), whole tf.function calls")
+          f"bfloat16 and int8 (state_dtype=...), whole tf.function calls")
     print(f"{'step':<37} {'state':<9} {'state B/p':>9} {'B/param':>7} {'ms/call':>8} {'net ms':>8} "
           f"{'x floor':>8} {'x fp32':>7}")
     only = set(args.rules.split(",")) if args.rules else None
@@ -486,7 +490,7 @@ def state_dtype_table(args, rng):
         if only and label not in only:
             continue
         fns, rules = {}, {}
-        for sd in ("float32", "bfloat16"):
+        for sd in STATE_DTYPES:
             rule = rules[sd] = make_rule(None if sd == "float32" else sd)
 
             def make(rule=rule):
@@ -496,34 +500,33 @@ def state_dtype_table(args, rng):
                 return f
             fns[sd] = make()
             fns[sd]()  # the slots, so the harness captures them
-        state_vars = rules["float32"].variables[1:] + rules["bfloat16"].variables[1:]
+        state_vars = [v for sd in STATE_DTYPES for v in rules[sd].variables[1:]]
 
         @tf.function
         def harness():
             return consume([v.handle for v in list(variables) + state_vars] + list(grads))
 
         r = interleaved_medians({**fns, "harness": harness, "floor": floor_copy(n)}, args.repeats)
-        for sd in ("float32", "bfloat16"):
-            b = 4 if sd == "float32" else 2
-            nbytes = _state_bytes(slots, b)
+        for sd in STATE_DTYPES:
+            nbytes = _state_bytes(slots, sd)
             state_bytes = sum(int(np.prod(v.shape)) * v.dtype.size for v in rules[sd].variables[1:]) / n
             net = r[sd] - r["harness"]
             floor = r["floor"] * nbytes / BYTES_PER_PARAM
-            print(f"{'fused_clip_apply ' + label:<37} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
+            print(f"{'fused_clip_apply ' + label:<37} {sd:<9} {state_bytes:9.2f} {nbytes:7.1f} {r[sd] * 1e3:8.2f} "
                   f"{net * 1e3:8.2f} {net / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
         del fns, rules, harness, state_vars
     # The Keras drop-ins, Adam: the step as model.fit runs it (tf_keras's too, where installed).
     drop_ins = [("tfclip.keras.Adam", lambda sd: tfclip.keras.Adam(1e-9, global_clipnorm=1.0, state_dtype=sd),
-                 lambda v: v.path.endswith(("_momentum", "_velocity")))]
+                 lambda v: v.path.endswith(("_momentum", "_velocity", "_absmax")), STATE_DTYPES)]
     try:
         tk = importlib.import_module("tfclip.tf_keras")
         drop_ins.append(("tfclip.tf_keras.Adam",
                          lambda sd: tk.Adam(1e-9, global_clipnorm=1.0, state_dtype=sd),
-                         lambda v: v.name.startswith(("m/", "v/"))))
+                         lambda v: v.name.startswith(("m/", "v/")), ("float32", "bfloat16")))
     except ImportError:
         pass
-    for label, make_opt, is_slot in drop_ins:
-        opts = {sd: make_opt(None if sd == "float32" else sd) for sd in ("float32", "bfloat16")}
+    for label, make_opt, is_slot, dtypes in drop_ins:
+        opts = {sd: make_opt(None if sd == "float32" else sd) for sd in dtypes}
         fns = {}
         for sd, opt in opts.items():
             opt.build(variables)
@@ -536,12 +539,11 @@ def state_dtype_table(args, rng):
             fns[sd] = make()
         r = interleaved_medians({**fns, "floor": floor_copy(n)}, args.repeats)
         for sd, opt in opts.items():
-            b = 4 if sd == "float32" else 2
-            nbytes = _state_bytes(2, b)
+            nbytes = _state_bytes(2, sd)
             slots = [v for v in opt.variables if is_slot(v)]
             state_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in slots) / n
             floor = r["floor"] * nbytes / BYTES_PER_PARAM
-            print(f"{label + ' apply_gradients':<37} {sd:<9} {state_bytes:9.2f} {nbytes:7d} {r[sd] * 1e3:8.2f} "
+            print(f"{label + ' apply_gradients':<37} {sd:<9} {state_bytes:9.2f} {nbytes:7.1f} {r[sd] * 1e3:8.2f} "
                   f"{'':>8} {r[sd] / floor:8.2f} {r[sd] / r['float32']:7.2f}", flush=True)
         del opts, fns
     print("(x floor: net time over the floor for fused_clip_apply; the whole call's for Keras, which has "

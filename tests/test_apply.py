@@ -597,7 +597,7 @@ def _raw_apply(name, handles, grads, iterations=(), nonfinite="skip", **hp_over)
     hp = {**hp, **{k: v for k, v in hp_over.items() if k in hp}}
     kw = {k: (tf.constant(v, F64) if isinstance(v, float) else v) for k, v in hp.items()}
     return getattr(tfclip._loader.ops(), op)(
-        var=handles["var"], **{s: handles[s] for s in slot_inputs}, grad=grads, indices=[],
+        var=handles["var"], **{s: handles[s] for s in slot_inputs}, grad=grads, indices=[], absmax=[],
         iterations=list(iterations), clip=tf.constant(0.5, F64), use_norm=tf.constant(0.0, F64),
         clip_mode="global_norm", nonfinite=nonfinite, **kw)
 
@@ -675,7 +675,8 @@ def test_eager_steps_use_packed_handles_and_the_op_owned_counter(rng):
     for step, grads in enumerate(grad_steps):
         gs = [tf.constant(g, tf.float32) for g in grads]
         tfclip.fused_clip_apply(zip(gs, got), rule)
-        ids, _, var_in, slot_in, packed, counter = rule._handle_cache
+        ids, _, var_in, slot_in, packed, counter, absmax = rule._handle_cache
+        assert absmax == []  # float32 state: no int8 absmax
         assert packed and len(var_in) == 1 and var_in[0].shape == [3]
         assert counter is rule.iterations.handle  # kept with the lists: the op counts
         assert all(len(h) == 1 and h[0].shape == [3] for h in slot_in.values())

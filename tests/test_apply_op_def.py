@@ -30,7 +30,9 @@ COMMON_ATTRS = [("N", _NO_DEFAULT), ("Niterations", 0), ("Tgrad", _NO_DEFAULT),
                 ("use_given_norm", False), ("Tindices", _NO_DEFAULT), ("sparse", []),
                 ("lazy", False), ("sum_of_squares", False)]
 REF_ATTRS = [("ref", [])]  # the ref op's, last
+RESOURCE_ATTRS = [("Nabsmax", 0)]  # the resource op's, last (int8 state's absmax count)
 COMMON_INPUTS_AFTER_HPARAMS = ["indices", "clip", "use_norm", "iterations"]
+RESOURCE_INPUTS = ["absmax"]  # the resource op's, last: int8 state (a ref op's slots stay as they are)
 
 
 def _ops():
@@ -71,7 +73,7 @@ def test_inputs_in_order(rule, row, ref_op, op_def):
     want = ["var"] + (["var_ref"] if ref_op else [])
     for s in row["slots"]:
         want += [s] + ([s + "_ref"] if ref_op else [])
-    want += ["grad"] + list(row["hparams"]) + COMMON_INPUTS_AFTER_HPARAMS
+    want += ["grad"] + list(row["hparams"]) + COMMON_INPUTS_AFTER_HPARAMS + ([] if ref_op else RESOURCE_INPUTS)
     assert [a.name for a in op_def.input_arg] == want
 
 
@@ -81,7 +83,7 @@ def test_attrs_in_order_with_defaults(rule, row, ref_op, op_def):
     for s in row["slots"]:
         want += ["N_" + s] + (["T" + s + "_ref"] if ref_op else [])
     want += list(row["flags"])
-    common = COMMON_ATTRS + (REF_ATTRS if ref_op else [])
+    common = COMMON_ATTRS + (REF_ATTRS if ref_op else RESOURCE_ATTRS)
     want += [n for n, _ in common]
     assert [a.name for a in op_def.attr] == want
     attrs = {a.name: a for a in op_def.attr}
@@ -114,9 +116,9 @@ def _description():
 
 def test_description_lists_what_the_ops_have():
     attrs, outputs, inputs = _description()
-    assert attrs == [n for n, _ in COMMON_ATTRS + REF_ATTRS]
+    assert attrs == [n for n, _ in COMMON_ATTRS + REF_ATTRS + RESOURCE_ATTRS]
     assert outputs == list(_opcall.ClipApplyResult._fields)
-    assert inputs == ["var", "var_ref", "grad"] + COMMON_INPUTS_AFTER_HPARAMS
+    assert inputs == ["var", "var_ref", "grad"] + COMMON_INPUTS_AFTER_HPARAMS + RESOURCE_INPUTS
 
 
 def _splat_keys(node):
@@ -166,12 +168,15 @@ def test_python_callers_pass_what_the_ops_take():
         inputs = {a.name for a in op_def.input_arg}
         names = inputs | {a.name for a in op_def.attr}
         for where, kws in calls:
-            # Everything a caller passes is an input or attr of every apply op ...
+            # Everything a caller passes is an input or attr of every apply op (`absmax`, the
+            # resource op's alone, _opcall.apply gives only to it) ...
+            if ref_op:
+                kws = kws - set(RESOURCE_INPUTS)
             assert kws <= names, f"{where} passes {sorted(kws - names)}, which {op_def.name} lacks"
             # ... and it passes every common input (they have no defaults).
             missing = set(COMMON_INPUTS_AFTER_HPARAMS) - kws
             assert not missing, f"{where} does not pass {sorted(missing)} to {op_def.name}"
-            assert kws - set(COMMON_INPUTS_AFTER_HPARAMS) <= common_attrs, where
+            assert kws - set(COMMON_INPUTS_AFTER_HPARAMS + RESOURCE_INPUTS) <= common_attrs, where
 
 
 def test_output_shapes():

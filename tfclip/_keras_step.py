@@ -101,13 +101,32 @@ def _check_betas(opt, names=("beta_1", "beta_2", "epsilon")):
         _step.check_number(name, float(v))
 
 
+# The stock Keras slot names (add_variable_from_reference's `name`) of the slots a rule keeps >= 0:
+# int8 state quantizes them with the unsigned code. tests/test_int8_state.py checks this set
+# against the rule table's unsigned_slots for every class.
+_KERAS_UNSIGNED_SLOTS = frozenset({"velocity", "velocity_hat", "accumulator", "accumulated_grad",
+                                   "accumulated_delta_var", "u", "norm"})  # (Adamax: "norm")
+
+
+def _initial_number(initializer):
+    """A slot initializer's constant (the stock classes pass "zeros" or a Constant)."""
+    if isinstance(initializer, str) and initializer == "zeros":
+        return 0.0
+    value = getattr(initializer, "value", None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"int8 optimizer state starts from a constant; got the initializer {initializer!r}")
+
+
 class _FusedMixin(_optstate.NormState):
     """The fused update every drop-in shares (see the module docstring)."""
 
     _tfclip_library = "keras"  # (tfclip/_mixup.py)
     _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
-    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
+    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules), and
+    # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
     low_precision_state = True
+    int8_state = True
 
     def __init__(self, *args, clip=None, **kwargs):
         # `clip`: an adaptive clip (tfclip.clipping), taken here for every class; the stock
@@ -162,11 +181,22 @@ class _FusedMixin(_optstate.NormState):
         dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
         if dtype == tf.as_dtype(reference_variable.dtype) or name in ("average", "gradient_accumulator"):
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        if dtype == tf.uint8:  # int8 state: the codes, and their absmax beside them
+            index, absmax = _rule.int8_start(_initial_number(initializer), name not in _KERAS_UNSIGNED_SLOTS)
+            initializer = keras.initializers.Constant(index)
         object.__setattr__(self, "_tfclip_slot_dtype", dtype.name)
         try:
-            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+            slot = super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         finally:
             object.__setattr__(self, "_tfclip_slot_dtype", None)
+        if dtype == tf.uint8:
+            a = self.add_variable((_rule.int8_blocks(reference_variable.shape),),
+                                  initializer=keras.initializers.Constant(absmax), dtype="float32",
+                                  name=f"{slot.name}_absmax")
+            if getattr(self, "_tfclip_absmax", None) is None:
+                object.__setattr__(self, "_tfclip_absmax", {})
+            self._tfclip_absmax[id(slot)] = a
+        return slot
 
     def add_variable(self, *args, **kwargs):
         slot_dtype = getattr(self, "_tfclip_slot_dtype", None)
@@ -264,12 +294,18 @@ class _FusedMixin(_optstate.NormState):
         # global_clipnorm, whose `g * scale` densifies (summing the duplicates) first.
         decay = self.weight_decay is not None and self.weight_decay != 0
         lr = _opcall.scalar(learning_rate, "learning_rate")
+        absmax = getattr(self, "_tfclip_absmax", None)
+        if absmax:  # int8 state: dense gradients (an IndexedSlices' duplicate rows summed, as TF's
+            # conversion; the core requantizes whole blocks of 256)
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and v.dtype == "float32" else g
+                     for g, v in zip(grads, keras_vars)]
         groups = []
         for with_decay, idx in _step.partition([bool(decay and self._use_weight_decay(v)) for v in keras_vars]):
             group = [keras_vars[i] for i in idx]
             kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx))
+            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx,
+                                      absmax=self._tfclip_absmax_handles(group) if absmax else ()))
         mode, clip = self._clip_mode()
         result = _step.run(grads, groups, mode, clip, clip_obj=self.clip, nonfinite=self.nonfinite,
                            lazy=self.lazy_sparse, keras_sparse_squares=True)
@@ -277,6 +313,21 @@ class _FusedMixin(_optstate.NormState):
                            result.clip_mode, result.clip,
                            None if result.adaptive is None else result.adaptive.threshold, result.clipped_units)
         return result.applied
+
+    def _tfclip_absmax_handles(self, keras_vars):
+        """int8 state's absmax handles of `keras_vars`, slot-major (the op's `absmax` input)."""
+        out = []
+        for _, attr in self._tfclip_binding.slot_names(self):
+            slot_list = getattr(self, attr)
+            for v in keras_vars:
+                a = self._tfclip_absmax.get(id(slot_list[self._get_variable_index(v)]))
+                if a is not None:
+                    out.append(_tf_var(a).handle)
+        return out
+
+    def tfclip_absmax(self, slot):
+        """The absmax variable of an int8-state slot variable (state_dtype="int8"), or None."""
+        return (getattr(self, "_tfclip_absmax", None) or {}).get(id(slot))
 
     # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
     # hyper-parameter by its attribute (a callable one called, as Keras does), the step.

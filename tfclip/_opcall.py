@@ -208,7 +208,8 @@ def apply(rule, var, slots, grad, hparams, flags=None, *, refs=None, **common):
     grad: the gradient values (see op_grads). hparams: every hyper-parameter the rule takes, by
     the table's name (numbers, tensors or variables; optional ones, Adam's beta powers, may be
     left out); flags: its bool options by attr name. common: the inputs and attrs every apply op
-    has (clip, use_norm, iterations, clip_mode, nonfinite, indices, sparse, lazy, ...).
+    has (clip, use_norm, iterations, clip_mode, nonfinite, indices, sparse, lazy, ...), and int8
+    state's `absmax` handles (slot-major; the resource op only).
     """
     row = RULES[rule]
     names = row["hparams"]
@@ -229,8 +230,11 @@ def apply(rule, var, slots, grad, hparams, flags=None, *, refs=None, **common):
         kw[s] = slots.get(s, [])
     for f in row["flags"]:
         kw[f] = bool(flags.get(f, False))
+    absmax = list(common.pop("absmax", ()))  # int8 state's (csrc/core/apply_op.h): the resource op's
     if refs is None:
-        return _op(rule)(var=var, grad=grad, **kw, **common)
+        return _op(rule)(var=var, grad=grad, absmax=absmax, **kw, **common)
+    if absmax:
+        raise ValueError("int8 optimizer state is for resource variables; TF1 ref variables keep their slots")
     for s in row["slots"]:
         kw[s + "_ref"] = ref_slots.get(s, [])
     return _op(rule, "ref_op")(var=var, var_ref=list(ref_vars), grad=grad, ref=list(positions), **kw,

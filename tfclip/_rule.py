@@ -21,12 +21,14 @@ def _pack_handles(handles):
     return tf.raw_ops.Pack(values=handles, axis=0)
 
 
-STATE_DTYPES = (None, "bfloat16")
+STATE_DTYPES = (None, "bfloat16", "int8")
+QUANT_BLOCK = 256  # int8 state: elements per absmax (csrc/core/quant8.h, kQuantBlock)
 
 
 def check_state_dtype(state_dtype, owner):
     """`state_dtype` as a name (None: the stock layout), or a ValueError naming what is wrong.
-    owner: the rule or optimizer class (its `low_precision_state` says whether it takes one)."""
+    owner: the rule or optimizer class (its `low_precision_state` says whether it takes one, its
+    `int8_state` whether int8 too)."""
     if state_dtype is not None:
         try:
             name = tf.as_dtype(state_dtype).name
@@ -35,21 +37,55 @@ def check_state_dtype(state_dtype, owner):
         if name == "float32":  # the stock layout, said explicitly
             return None
         if name not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be None (the stock layout) or 'bfloat16', got {state_dtype!r}")
+            raise ValueError(f"state_dtype must be None (the stock layout), 'bfloat16' or 'int8', "
+                             f"got {state_dtype!r}")
         if not getattr(owner, "low_precision_state", False):
             raise ValueError(f"{owner.__name__} keeps its state as the stock class does: state_dtype="
                              f"{state_dtype!r} is for the moment-keeping rules (tfclip.rules says which)")
+        if name == "int8" and not getattr(owner, "int8_state", False):
+            raise ValueError(f"{owner.__name__} does not take state_dtype='int8': "
+                             f"{getattr(owner, 'int8_state_why', 'not available here yet')}; "
+                             f"state_dtype='bfloat16' is")
         return name
     return None
 
 
 def state_slot_dtype(state_dtype, var_dtype):
     """A slot's dtype for a variable of var_dtype: bfloat16 for a float32 variable under
-    state_dtype 'bfloat16', else the variable's (the core stores no other pair)."""
+    state_dtype 'bfloat16', uint8 (the codes; tfclip.rules keeps an absmax beside each) under
+    'int8', else the variable's (the core stores no other pair)."""
     var_dtype = tf.as_dtype(var_dtype)
     if state_dtype == "bfloat16" and var_dtype == tf.float32:
         return tf.bfloat16
+    if state_dtype == "int8" and var_dtype == tf.float32:
+        return tf.uint8
     return var_dtype
+
+
+def int8_start(value, is_signed):
+    """int8 state's (code index, absmax) for a slot that starts at the number `value` everywhere:
+    csrc/core/quant8.h's quantization of a constant block (absmax |value|; the code of 0, or of
+    +-1 at either end of the code: exact for 0 and for value > 0)."""
+    value = float(value)
+    if value == 0.0:
+        return (127 if is_signed else 0), 0.0  # QuantZeroIndex
+    if value > 0:
+        return 255, value  # 1.0, the top of both codes
+    if is_signed:
+        return 0, -value  # the signed code's lowest value, -0.99...
+    raise ValueError(f"a slot kept >= 0 cannot start at {value}")
+
+
+def int8_blocks(shape):
+    """The absmax count of int8 state for a variable of `shape`: one per QUANT_BLOCK elements."""
+    return -(-tf.TensorShape(shape).num_elements() // QUANT_BLOCK)
+
+
+def int8_initial(value, shape, is_signed):
+    """int8 state's initial (codes, absmax) tensors for a slot starting at `value` (int8_start)."""
+    index, absmax = int8_start(value, is_signed)
+    return (tf.fill(shape, tf.constant(index, tf.uint8)),
+            tf.fill([int8_blocks(shape)], tf.constant(absmax, tf.float32)))
 
 
 class Rule:
@@ -59,8 +95,9 @@ class Rule:
 
     binding = None
     # Whether `state_dtype="bfloat16"` may keep this rule's slots in bfloat16 (the moment-keeping
-    # element-wise rules; tfclip/rules.py says which and why).
+    # element-wise rules; tfclip/rules.py says which and why), and `state_dtype="int8"`.
     low_precision_state = False
+    int8_state = True
 
     @property
     def kind(self):
@@ -78,6 +115,7 @@ class Rule:
         self.name = name or type(self).__name__
         self.state_dtype = check_state_dtype(state_dtype, type(self))
         self._slots = {}
+        self._absmax = {}  # int8 state: var.ref() -> {slot: its absmax variable}
         self._iterations = None
         self._handle_cache = None  # see _handles
         self._pairs_cache = None  # see tfclip.ops._repeated_eager_split
@@ -116,14 +154,39 @@ class Rule:
                 got = self._slots.get(key)
                 if got is None:
                     base = var.name.split(":")[0]
-                    got = {
-                        s: tf.Variable(self._slot_initial_value(s, var),
-                                       trainable=False, name=f"{base}/{self.name}/{s}",
-                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-                        for s in self.slot_names
-                    }
+                    if self._int8(var):
+                        got, absmax = {}, {}
+                        for s in self.slot_names:
+                            codes, am = int8_initial(self._slot_initial(s), var.shape, s not in self._unsigned_slots())
+                            got[s] = tf.Variable(codes, trainable=False, name=f"{base}/{self.name}/{s}",
+                                                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                            absmax[s] = tf.Variable(am, trainable=False, name=f"{base}/{self.name}/{s}_absmax",
+                                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                        self._absmax[key] = absmax
+                    else:
+                        got = {
+                            s: tf.Variable(self._slot_initial_value(s, var),
+                                           trainable=False, name=f"{base}/{self.name}/{s}",
+                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                            for s in self.slot_names
+                        }
                     self._slots[key] = got
         return got
+
+    def _int8(self, var):
+        """Whether `var`'s slots are int8 state (state_dtype='int8', a float32 variable)."""
+        return self.state_dtype == "int8" and var.dtype == tf.float32
+
+    def _unsigned_slots(self):
+        """The stock names of the slots the rule keeps >= 0 (int8 state's unsigned code)."""
+        table = set(_opcall.RULES[self.kind]["unsigned_slots"])
+        return {stock for t, stock in self.binding.slot_names(self) if t in table}
+
+    def absmax(self, var):
+        """int8 state's absmax variables of `var`, by slot name (float32, one value per 256
+        elements; csrc/core/quant8.h); {} for a variable whose state is not int8."""
+        self.slots(var)
+        return self._absmax.get(var.ref(), {})
 
     def _make_state(self, variables):
         """Makes (once) the counter and the slots of `variables` now."""
@@ -136,6 +199,7 @@ class Rule:
         out = [self.iterations]
         for v in variables:
             out.extend(self.slots(v).values())
+            out.extend(self.absmax(v).values())
         return out
 
     @property
@@ -143,8 +207,9 @@ class Rule:
         """Every variable this rule owns: iterations, each model variable's slots, then the state
         of the adaptive clips named by `clip="zclip"`-style arguments (tfclip.clipping)."""
         out = [self.iterations]
-        for slots in self._slots.values():
+        for key, slots in self._slots.items():
             out.extend(slots.values())
+            out.extend(self._absmax.get(key, {}).values())
         for clip in self.__dict__.get("_named_clips", {}).values():
             out.extend((clip.state or {}).values())
         return out
@@ -207,14 +272,18 @@ class Rule:
         cache = self._handle_cache  # read once: another thread may replace it meanwhile
         cacheable = tf.executing_eagerly() and not tf.distribute.has_strategy()
         if cacheable and cache is not None and cache[1] is variables:  # the repeated step's list
-            return cache[2], cache[3], cache[4], cache[5]
+            return cache[2:]
         ids = tuple(map(id, variables))
         if cacheable and cache is not None and cache[0] == ids:
-            return cache[2], cache[3], cache[4], cache[5]
+            return cache[2:]
         slot_lists = {s: [] for s in self.slot_names}
+        absmax = {s: [] for s in self.slot_names}  # int8 state's, slot-major (the op's order)
         for v in variables:
             for s, var in self.slots(v).items():
                 slot_lists[s].append(var.handle)
+            for s, var in self.absmax(v).items():
+                absmax[s].append(var.handle)
+        absmax = [h for s in self.slot_names for h in absmax[s]]
         var_handles = [v.handle for v in variables]
         host = all(_on_host(v) for v in variables)  # slots live with their variable
         counter = self._host_counter() if host else None
@@ -222,9 +291,10 @@ class Rule:
             with tf.device("/device:CPU:0"):
                 var_handles = [_pack_handles(var_handles)]
                 slot_lists = {s: [_pack_handles(hs)] for s, hs in slot_lists.items()}
+                absmax = [_pack_handles(absmax)] if absmax else []
         if cacheable:  # (the counter is made once per rule: it may be kept with the lists)
-            self._handle_cache = (ids, variables, var_handles, slot_lists, host, counter)
-        return var_handles, slot_lists, host, counter
+            self._handle_cache = (ids, variables, var_handles, slot_lists, host, counter, absmax)
+        return var_handles, slot_lists, host, counter, absmax
 
     def _apply(self, grads, variables, *args, **kwargs):
         # Eagerly, one step of a rule at a time: threads stepping one rule end in the state of
@@ -253,10 +323,14 @@ class Rule:
         # same count, atomic with the update, without the eager reads, constants and increments
         # (in a tf.function, five small ops and two identities; NOTES.md's P6); else graph
         # ops do it here. (`counter`: its handle then, else None.)
-        var_handles, slot_lists, host, counter = self._handles(variables)
+        var_handles, slot_lists, host, counter, absmax = self._handles(variables)
         hparams, flags = self._op_inputs(counter is not None)
+        if absmax:  # int8 state: dense gradients only (its IndexedSlices summed per row, as TF's
+            # dense conversion; the core requantizes whole blocks)
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and self._int8(v) else g
+                     for g, v in zip(grads, variables)]
         group = _step.Group(self.kind, var_handles, self._op_slots(slot_lists), hparams, flags,
-                            iterations=() if counter is None else (counter,))
+                            iterations=() if counter is None else (counter,), absmax=absmax)
         result = _step.run(grads, [group], clip_mode, clip, clip_obj=clip_obj, use_norm=use_norm,
                            nonfinite=nonfinite, lazy=lazy_sparse, all_dense=all_dense)
         after = self._after_step(result.applied)

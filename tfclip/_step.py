@@ -36,13 +36,14 @@ from tfclip._opcall import ClipApplyResult
 
 
 class Group(collections.namedtuple("Group", ["kind", "var", "slots", "hparams", "flags", "positions",
-                                             "refs", "iterations"], defaults=(None, None, ()))):
+                                             "refs", "iterations", "absmax"], defaults=(None, None, (), ()))):
     """One apply op of a step: the rule-table row `kind`, the variables' handles `var`, the slot
     handle lists (by the table's slot names, or in its order), the hyper-parameters and flags by
     the table's names (`tfclip._opcall.apply`). `positions`: the gradients it takes (their
     indices; None: all, the one group of a step). `refs`: TF1 ref variables (see
     `_opcall.apply`). `iterations`: `[handle]` where the op owns the step counter (`tfclip.rules`
-    on host variables), else empty."""
+    on host variables), else empty. `absmax`: int8 state's absmax handles, slot-major (the op's
+    `absmax` input; csrc/core/apply_op.h), else empty."""
 
 
 StepResult = collections.namedtuple(
@@ -91,7 +92,7 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
         part = grads if len(groups) == 1 else [grads[i] for i in g.positions]
         values, sparse_kw = (part, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(part)
         outs.append(_opcall.apply(g.kind, g.var, g.slots, values, g.hparams, g.flags, refs=g.refs,
-                                  iterations=list(g.iterations), clip=clip, use_norm=norm_input,
+                                  iterations=list(g.iterations), absmax=g.absmax, clip=clip, use_norm=norm_input,
                                   clip_mode=clip_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy,
                                   **({"sum_of_squares": True} if squares else {}), **agc, **sparse_kw))
     norm, applied, tensor_norms, clipped_units = outs[0]

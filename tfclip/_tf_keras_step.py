@@ -115,6 +115,7 @@ class _FusedMixin(_optstate.NormState):
     _checked = ()
     # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
     low_precision_state = True
+    int8_state_why = "tfclip.tf_keras keeps bfloat16 state so far; int8 runs through tfclip.keras and tfclip.rules"
 
     def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))

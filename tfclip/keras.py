@@ -229,6 +229,8 @@ class Lamb(_Generic, keras.optimizers.Lamb):
     slots with each tensor's sums of w^2 and u^2; the variables), not two. Extra: `nonfinite`."""
 
     _tfclip_binding = Binding("lamb", slots=_M_V, hparams=_BETAS_STEP)
+    int8_state = False
+    int8_state_why = "its trust ratio reads the slots back a pass later (csrc/core/step.cc)"
     _checked = ("beta_1", "beta_2", "epsilon")
 
 

@@ -365,6 +365,8 @@ class Lamb(_BetasEpsilonStep):
 
     binding = Binding("lamb", slots=(("m", "m"), ("v", "v")), hparams=_BETAS_EPSILON_STEP)
     low_precision_state = True
+    int8_state = False
+    int8_state_why = "its trust ratio reads the slots back a pass later (csrc/core/step.cc)"
 
 class ScheduleFreeAdamW(_BetasEpsilonStep):
     """Keras ScheduleFreeAdamW (Defazio et al. 2024) as stock Keras runs it on TensorFlow: the

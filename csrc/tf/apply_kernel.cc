@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "csrc/core/apply_op.h"
+#include "csrc/core/quant8.h"
 #include "csrc/core/cpu_driver.h"
 #include "csrc/core/rule_table.h"
 #include "csrc/core/validate.h"
@@ -93,6 +94,7 @@ class ClipApplyOp : public OpKernel {
     cfg_ = attrs.Clip();
     lazy_ = attrs.lazy;
     has_iterations_ = attrs.num_iterations > 0;
+    num_absmax_ = attrs.num_absmax;
     hp_.sum_of_squares = attrs.sum_of_squares;
     for (int k = 0; k < kNumFlags; ++k) {
       if ((rule_.flags >> k) & 1u) hp_.SetFlag(static_cast<Flag>(k), (attrs.flags >> k) & 1u);
@@ -225,8 +227,9 @@ class ClipApplyOp : public OpKernel {
   }
 
   // Every resource: vars, then each slot list the step uses (slot k of var i is
-  // refs[(k + 1) * n + i]), then the step counter, if given (locked and copied-on-write with the
-  // rest: refs' last). A slot the step's flags leave out (Adam's vhat without amsgrad, RMSprop's
+  // refs[(k + 1) * n + i]), then int8 state's absmax variables (slot k of the j-th variable with
+  // int8 state is refs[(nslots + 1) * n + k * nq + j]), then the step counter, if given (locked
+  // and copied-on-write with the rest: refs' last). A slot the step's flags leave out (Adam's vhat without amsgrad, RMSprop's
   // momentum without has_momentum) is an empty input; the others follow in the table's order.
   absl::Status LookUp(OpKernelContext* ctx, VarLookup* lookup, std::vector<VarRef>* refs) {
     refs->reserve(static_cast<size_t>((nslots_ + 1) * n_ + 1));
@@ -251,6 +254,11 @@ class ClipApplyOp : public OpKernel {
     if (used != nslots_) {
       return tf::errors::InvalidArgument("with these flags rule '", rule_.name, "' takes ", nslots_,
                                          " slot lists, got ", used);
+    }
+    if (num_absmax_ > 0) {  // (a list of handles, or packed: its handles' count)
+      int64_t count = 0;
+      TF_RETURN_IF_ERROR(lookup->Count("absmax", &count));
+      TF_RETURN_IF_ERROR(lookup->Add("absmax", "absmax", static_cast<int>(count), refs));
     }
     if (has_iterations_) TF_RETURN_IF_ERROR(lookup->Add("iterations", "iterations", 1, refs));
     return absl::OkStatus();
@@ -303,6 +311,16 @@ class ClipApplyOp : public OpKernel {
                        void* gpu_stream, std::vector<ApplyTensor>* ts_out,
                        std::vector<std::vector<int64_t>>* sparse_rows, int64_t** counter) {
     std::vector<ApplyTensor>& ts = *ts_out;
+    // int8 state: nq variables with uint8 slots, each with nslots absmax variables (refs between
+    // the slots and the step counter).
+    const size_t absmax_base = static_cast<size_t>(nslots_ + 1) * static_cast<size_t>(n_);
+    const int num_absmax = static_cast<int>(refs.size() - absmax_base) - (has_iterations_ ? 1 : 0);
+    if (num_absmax > 0 && (nslots_ == 0 || num_absmax % nslots_ != 0)) {
+      return tf::errors::InvalidArgument("got ", num_absmax, " absmax variables; rule '", rule_.name,
+                                         "' takes ", nslots_, " per variable with int8 state");
+    }
+    const int nq = nslots_ > 0 ? num_absmax / nslots_ : 0;
+    int q8 = 0;  // variables with int8 state so far
     for (int i = 0; i < n_; ++i) {
       const VarRef& vr = refs[i];
       if (!vr.initialized()) return tf::errors::FailedPrecondition(vr.name(), " is not initialized");
@@ -337,6 +355,10 @@ class ClipApplyOp : public OpKernel {
         const VarRef& s = refs[static_cast<size_t>((k + 1) * n_ + i)];
         if (!s.initialized()) return tf::errors::FailedPrecondition(s.name(), " is not initialized");
         const Tensor& st = *s.tensor();
+        if (st.dtype() == tf::DT_UINT8 || (k > 0 && ts[i].slot_storage == SlotStorage::kInt8)) {
+          TF_RETURN_IF_ERROR(Int8Slot(ctx, refs, vr, s, i, k, q8, nq, absmax_base, gpu_stream, &ts[i]));
+          continue;
+        }
         DType sdt = DType::kFloat;
         SlotStorage storage = SlotStorage::kVariable;
         if (!ToCoreDType(st.dtype(), &sdt) || !SlotStorageOf(ts[i].var_dtype, sdt, &storage) ||
@@ -357,6 +379,11 @@ class ClipApplyOp : public OpKernel {
         ts[i].slots[k] = const_cast<char*>(s.tensor()->tensor_data().data());
       }
     }
+    if (q8 != nq) {
+      return tf::errors::InvalidArgument("got ", num_absmax, " absmax variables for ", q8,
+                                         " variables with int8 state (uint8 slots) and ", nslots_,
+                                         " slots each");
+    }
     *counter = nullptr;
     if (has_iterations_) {
       tf::Var* cv = refs.back().var;
@@ -372,6 +399,43 @@ class ClipApplyOp : public OpKernel {
       *counter = const_cast<int64_t*>(
           reinterpret_cast<const int64_t*>(cv->tensor()->tensor_data().data()));
     }
+    return absl::OkStatus();
+  }
+
+  // Slot k of variable i (ref s) as int8 state: uint8 codes of the variable's shape, a float32
+  // variable, its absmax variable a float32 vector of one value per kQuantBlock elements. q8:
+  // the count of variables with int8 state before this one (advanced after its last slot).
+  absl::Status Int8Slot(OpKernelContext* ctx, const std::vector<VarRef>& refs, const VarRef& vr,
+                        const VarRef& s, int i, int k, int& q8, int nq, size_t absmax_base,
+                        void* gpu_stream, ApplyTensor* t) {
+    const Tensor& vt = *vr.tensor();
+    const Tensor& st = *s.tensor();
+    if (st.dtype() != tf::DT_UINT8 || st.shape() != vt.shape() || vt.dtype() != tf::DT_FLOAT ||
+        (k == 0 ? false : t->slot_storage != SlotStorage::kInt8)) {
+      return tf::errors::InvalidArgument(
+          s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ", vr.name(),
+          " is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
+          "; int8 state is uint8 codes of a float32 variable's shape, for every slot of the variable");
+    }
+    if (q8 >= nq) {
+      return tf::errors::InvalidArgument(s.name(), " is uint8 (int8 state) but the step got absmax variables for ",
+                                         nq, " such variables only");
+    }
+    const VarRef& a = refs[absmax_base + static_cast<size_t>(k) * nq + q8];
+    if (!a.initialized()) return tf::errors::FailedPrecondition(a.name(), " is not initialized");
+    const Tensor& at = *a.tensor();
+    const int64_t blocks = (vt.NumElements() + kQuantBlock - 1) / kQuantBlock;
+    if (at.dtype() != tf::DT_FLOAT || at.dims() != 1 || at.dim_size(0) != blocks) {
+      return tf::errors::InvalidArgument(a.name(), " is ", tf::DataTypeString(at.dtype()), at.shape().DebugString(),
+                                         "; the absmax of ", s.name(), " must be float32[", blocks, "] (one per ",
+                                         kQuantBlock, " elements of ", vr.name(), ")");
+    }
+    if (s.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, s.var, gpu_stream));
+    if (a.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, a.var, gpu_stream));
+    t->slot_storage = SlotStorage::kInt8;
+    t->slots[k] = const_cast<char*>(s.tensor()->tensor_data().data());
+    t->absmax[k] = reinterpret_cast<float*>(const_cast<char*>(a.tensor()->tensor_data().data()));
+    if (k == nslots_ - 1) ++q8;
     return absl::OkStatus();
   }
 
@@ -397,6 +461,7 @@ class ClipApplyOp : public OpKernel {
   ClipConfig cfg_;
   bool lazy_ = false;
   bool has_iterations_ = false;  // an `iterations` input: see ops.cc
+  int num_absmax_ = 0;           // the `absmax` input's count (int8 state): see apply_op.h
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
   bool with_refs_ = false;  // TfclipClipApplyRef<Op>

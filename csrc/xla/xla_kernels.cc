@@ -199,6 +199,10 @@ class ClipApplyXla : public XlaOpKernel {
     lazy_ = attrs.lazy;
     sum_of_squares_ = attrs.sum_of_squares;
     has_iterations_ = attrs.num_iterations > 0;
+    OP_REQUIRES(c, attrs.num_absmax == 0,
+                tf::errors::Unimplemented("int8 optimizer state (state_dtype='int8') has no XLA kernel "
+                                          "yet; run this step without jit_compile, or use state_dtype="
+                                          "'bfloat16'"));
     const std::vector<int32_t>& sparse = attrs.sparse;
     sparse_of_.assign(static_cast<size_t>(n_), -1);
     for (size_t k = 0; k < sparse.size(); ++k) sparse_of_[sparse[k]] = static_cast<int>(k);

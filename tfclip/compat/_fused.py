@@ -40,6 +40,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
     _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
     # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
     low_precision_state = False
+    int8_state_why = "tfclip.compat.v1 keeps bfloat16 state so far; int8 runs through tfclip.keras and tfclip.rules"
 
     def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip=None,
                  state_dtype=None):
