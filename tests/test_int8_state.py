@@ -174,24 +174,32 @@ def test_int8_state_mixed_with_float32_state(rng):
         _same_bits(state[k][0][1], rslots[k][0])
 
 
-def test_int8_state_same_bits_for_any_thread_count(rng):
+def test_int8_state_same_bits_for_any_thread_count_and_instruction_set(rng):
+    """1, 2 or 4 threads, and each instruction-set variant of the CPU passes this machine runs
+    (the AVX2 and AVX-512 ones quantize 8 lanes at a time with gathers, the baseline one element
+    by element): the same bits, and those of the float32 step quantized by NumPy."""
     shapes = [(3 * 65536 + 1000,), (700,)]
     vars0 = [rng.normal(size=s).astype(np.float32) for s in shapes]
     grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
     state0 = _state(rng, [False, True], shapes)
+    rv, rs = _reference_steps("adam", vars0, [grads], state0, "global_norm", 0.5)
     results = []
-    old = _core.num_threads()
+    old, old_isa = _core.num_threads(), _core.cpu_isa()
     try:
-        for threads in (1, 2, 4):
-            _core.set_num_threads(threads)
-            vars_ = [v.copy() for v in vars0]
-            state = [([q.copy() for q in st[0]], [a.copy() for a in st[1]]) for st in state0]
-            _step("adam", vars_, grads, state, "global_norm", 0.5)
-            results.append((vars_, state))
+        for isa in _core.cpu_isas():
+            _core.set_cpu_isa(isa)
+            for threads in (1, 2, 4):
+                _core.set_num_threads(threads)
+                vars_ = [v.copy() for v in vars0]
+                state = [([q.copy() for q in st[0]], [a.copy() for a in st[1]]) for st in state0]
+                _step("adam", vars_, grads, state, "global_norm", 0.5)
+                results.append((vars_, state))
     finally:
         _core.set_num_threads(old)
-    for vars_, state in results[1:]:
-        _check(vars_, state, results[0][0], results[0][1])
+        _core.set_cpu_isa(old_isa)
+    assert len(results) >= 3
+    for vars_, state in results:
+        _check(vars_, state, rv, rs)
 
 
 def test_int8_state_non_finite(rng):
@@ -494,3 +502,51 @@ def test_keras_int8_state_config_checkpoint_and_fit(rng, tmp_path):
     tf.train.Checkpoint(opt=opt2).restore(path).assert_existing_objects_matched()
     for v, s in zip(opt2.variables, saved):
         _same_bits(v.numpy(), s)
+
+
+@pytest.mark.parametrize("front", ["keras", "rules"])
+def test_int8_state_under_mirrored_strategy(rng, front):
+    """Under MirroredStrategy the codes and absmax are mirrored variables and the step is the one
+    without a strategy, bit for bit. (One device in this process.)"""
+    strategy = tf.distribute.MirroredStrategy(["CPU:0"])
+    init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
+    grad = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+
+    def make():
+        return (tfclip.keras.Adam(0.01, global_clipnorm=1.0, state_dtype="int8") if front == "keras"
+                else tfclip.rules.Adam(0.01, state_dtype="int8"))
+
+    def apply(opt, vars_):
+        pairs = zip([tf.constant(g) for g in grad], vars_)
+        if front == "keras":
+            opt.apply_gradients(pairs)
+        else:
+            tfclip.fused_clip_apply(pairs, opt, global_clipnorm=1.0)
+
+    with strategy.scope():
+        vars_ = [tf.Variable(x) for x in init]
+        opt = make()
+
+    @tf.function
+    def step():
+        strategy.run(lambda: apply(opt, vars_))
+
+    step()
+    one_vars = [tf.Variable(x) for x in init]
+    one = make()
+    apply(one, one_vars)
+
+    def state(o, vs):
+        if front == "keras":
+            return [v for v in o.variables if v.dtype in ("uint8", "float32") and "iteration" not in v.path
+                    and "learning_rate" not in v.path]
+        return [s for v in vs for s in list(o.slots(v).values()) + list(o.absmax(v).values())]
+
+    got, want = state(opt, vars_), state(one, one_vars)
+    assert len(got) == len(want) == 8  # m, v and their absmax, two variables
+    for s, s1 in zip(got, want):
+        copies = [c.numpy() for c in strategy.experimental_local_results(s)]
+        assert len(copies) == 1
+        _same_bits(copies[0], np.asarray(s1.numpy()))
+    for v, v1 in zip(vars_, one_vars):
+        _same_bits(v.numpy(), v1.numpy())

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace tfclip {
@@ -40,20 +42,76 @@ const float* DynamicCode(bool is_signed) {
   return is_signed ? kSigned.data() : kUnsigned.data();
 }
 
+namespace {
+float FromKey(uint32_t key) {  // OrderedKey's inverse
+  const uint32_t u = (key & 0x80000000u) != 0 ? (key & 0x7fffffffu) : ~key;
+  float y;
+  std::memcpy(&y, &u, sizeof(y));
+  return y;
+}
+
+CodeIndex BuildIndex(bool is_signed) {
+  static std::vector<int32_t> tables[2];
+  static std::vector<float> flip_tables[2];
+  std::vector<int32_t>& t = tables[is_signed ? 1 : 0];
+  std::vector<float>& flips = flip_tables[is_signed ? 1 : 0];
+  CodeIndex ci;
+  ci.code = DynamicCode(is_signed);
+  ci.zero = QuantZeroIndex(is_signed);
+  const float* c = ci.code;
+  // Flip k: the smallest float in (c[k], c[k+1]] where NearestCode's test picks k + 1 (it holds
+  // at c[k+1], where the distance above is 0), by bisection over the ordered floats.
+  flips.assign(kQuantCodeSize, NAN);
+  for (int k = 0; k + 1 < kQuantCodeSize; ++k) {
+    uint32_t lo = OrderedKey(c[k]) + 1, hi = OrderedKey(c[k + 1]);
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      const float y = FromKey(mid);
+      if (c[k + 1] - y < y - c[k]) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    flips[k] = FromKey(lo);
+  }
+  ci.flips = flips.data();
+  ci.base = OrderedKey(-1.0f);
+  ci.buckets = static_cast<int32_t>((OrderedKey(1.0f) - ci.base) >> kCodeKeyShift) + 1;
+  t.resize(static_cast<size_t>(ci.buckets) + 1);
+  for (int32_t b = 0; b <= ci.buckets; ++b) {
+    const uint32_t first = ci.base + (static_cast<uint32_t>(b) << kCodeKeyShift);
+    int32_t below = 0;
+    while (below < kQuantCodeSize - 1 && OrderedKey(flips[below]) < first) ++below;
+    t[b] = below;
+  }
+  for (int32_t b = 0; b < ci.buckets; ++b) {
+    if (t[b + 1] - t[b] > kCodeWalk) std::abort();  // NearestCodeIndexed's walk would stop short
+  }
+  ci.start = t.data();
+  return ci;
+}
+}  // namespace
+
+const CodeIndex& DynamicCodeIndex(bool is_signed) {
+  static const CodeIndex kSigned = BuildIndex(true);
+  static const CodeIndex kUnsigned = BuildIndex(false);
+  return is_signed ? kSigned : kUnsigned;
+}
+
 int ZeroIndex(const float* code) {
   return static_cast<int>(std::find(code, code + kQuantCodeSize, 0.0f) - code);
 }
 
 void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q, float* absmax) {
-  const float* code = DynamicCode(is_signed);
-  const int zero = ZeroIndex(code);
+  const CodeIndex& ci = DynamicCodeIndex(is_signed);
   for (int64_t b = 0, k = 0; b < n; b += block, ++k) {
     const int64_t e = std::min(n, b + block);
     float m = 0.0f;
     for (int64_t i = b; i < e; ++i) m = AbsmaxAdd(m, x[i]);
     m = AbsmaxOf(m);
     absmax[k] = m;
-    for (int64_t i = b; i < e; ++i) q[i] = QuantizeOne(code, zero, x[i], m);
+    for (int64_t i = b; i < e; ++i) q[i] = QuantizeOneIndexed(ci, x[i], m);
   }
 }
 

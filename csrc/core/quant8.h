@@ -70,6 +70,44 @@ TFCLIP_HD uint8_t QuantizeOne(const float* code, int zero_index, float x, float 
   return static_cast<uint8_t>(absmax > 0.0f ? NearestCode(code, x / absmax, zero_index) : zero_index);
 }
 
+// NearestCode on the host without the binary search (8 unpredictable branches an element, most
+// of the CPU pass's time). NearestCode(y) is the number of the code's 255 flip points <= y: flip
+// k is the smallest float y in (code[k], code[k+1]] that NearestCode sends to k + 1 (its test,
+// code[k+1] - y < y - code[k], holds from there on in float arithmetic), found once by bisection
+// over the floats. Floats ordered as integers (OrderedKey), their top bits a bucket (2^-6 of a
+// binade), each bucket's count of the flips below it in a table; from it kCodeWalk branch-free
+// steps over the flips in the bucket (building the table checks there are no more), and NaN to
+// the code's 0. The same result as NearestCode for every float; tests/test_quant8.py checks it
+// against NumPy, ties included, and tests/gpu against the CUDA kernels' NearestCode.
+struct CodeIndex {
+  const float* code;
+  const float* flips;    // 255 flip points, then a NaN (a walk's compare past the last is false)
+  const int32_t* start;  // per bucket: the count of flips below its smallest float
+  int zero;
+  uint32_t base;  // OrderedKey(-1.0f)
+  int32_t buckets;
+};
+constexpr int kCodeKeyShift = 17;
+constexpr int kCodeWalk = 2;
+inline uint32_t OrderedKey(float y) {
+  uint32_t u;
+  __builtin_memcpy(&u, &y, sizeof(u));
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+const CodeIndex& DynamicCodeIndex(bool is_signed);
+inline int NearestCodeIndexed(const CodeIndex& ci, float y) {
+  // The bucket: below -1 (not a quotient x / absmax) clamps to the first, above 1 to the last.
+  const uint32_t key = OrderedKey(y);
+  int32_t b = key < ci.base ? 0 : static_cast<int32_t>((key - ci.base) >> kCodeKeyShift);
+  b = b < ci.buckets ? b : ci.buckets - 1;
+  int lo = ci.start[b];
+  for (int s = 0; s < kCodeWalk; ++s) lo += ci.flips[lo] <= y ? 1 : 0;
+  return y == y ? lo : ci.zero;
+}
+inline uint8_t QuantizeOneIndexed(const CodeIndex& ci, float x, float absmax) {
+  return static_cast<uint8_t>(absmax > 0.0f ? NearestCodeIndexed(ci, x / absmax) : ci.zero);
+}
+
 // x[0..n) into q[0..n) and absmax[0..ceil(n / block)), per the definition above.
 void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q, float* absmax);
 // q and absmax back into out[0..n).
