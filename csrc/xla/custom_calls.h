@@ -25,7 +25,11 @@
 //                            s64[g] (AGC's count of clipped units per variable, 0 in the other
 //                            modes), then the advanced counter s64[] if has_iterations
 //                  attrs:    rule, flags (FlagBit mask), mode, policy, has_use_norm, lazy,
-//                            sum_of_squares, nslots, has_iterations, sparse (group positions)
+//                            sum_of_squares, nslots (the state lists), has_iterations, sparse
+//                            (group positions)
+//                  int8 state (a group whose slots are u8: every variable of it float32 with
+//                  int8 state): the state lists are the rule's s slots' codes u8, then their
+//                  absmax f32[ceil(size / 256)] in the same order, nslots = 2s, all aliased.
 #pragma once
 
 namespace tfclip {

@@ -1,6 +1,8 @@
 // tfclip XLA glue: decoding shared by the Host and CUDA custom-call handlers (ffi_common.h).
 #include "csrc/xla/ffi_common.h"
 
+#include "csrc/core/quant8.h"
+
 #include <cstring>
 
 #include <string>
@@ -168,6 +170,12 @@ FfiStatus ApplyCall::Tensors(const FfiFrame& f, ApplyTensor* ts) const {
     t.grad = gv.data;
     t.grad_dtype = gv.dtype;
     t.units = v.rank >= 2 ? v.dims[v.rank - 1] : 1;  // AGC's units (csrc/core/agc.h)
+    FfiBuffer s0;
+    if (nslots > 0) TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>(n + i), &s0));
+    if (nslots > 0 && s0.dtype == XLA_FFI_DataType_U8) {  // int8 state: codes, then their absmax
+      TFCLIP_FFI_RETURN_IF_ERROR(Int8State(f, i, &t));
+      continue;
+    }
     for (int k = 0; k < nslots; ++k) {
       FfiBuffer s;
       TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>((k + 1) * n + i), &s));
@@ -194,6 +202,30 @@ FfiStatus ApplyCall::Tensors(const FfiFrame& f, ApplyTensor* ts) const {
     t.width = 1;
     for (int64_t d = 1; d < v.rank; ++d) t.width *= v.dims[d];
   }
+  return FfiStatus::Ok();
+}
+
+FfiStatus ApplyCall::Int8State(const FfiFrame& f, int i, ApplyTensor* t) const {
+  const int h = nslots / 2;  // the slots; lists h.. are their absmax
+  const std::string what = "int8 state of vars[" + std::to_string(i) + "]";
+  if (nslots % 2 != 0 || t->var_dtype != DType::kFloat) {
+    return FfiStatus::InvalidArgument(what + ": uint8 slots of a float32 variable, then one float32 absmax each");
+  }
+  const int64_t blocks = (t->size + kQuantBlock - 1) / kQuantBlock;
+  for (int k = 0; k < h; ++k) {
+    FfiBuffer s, a;
+    TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>((k + 1) * n + i), &s));
+    TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>((h + k + 1) * n + i), &a));
+    if (s.dtype != XLA_FFI_DataType_U8 || s.element_count() != t->size || a.dtype != XLA_FFI_DataType_F32 ||
+        a.element_count() != blocks) {
+      return FfiStatus::InvalidArgument(what + ": slot " + std::to_string(k) + " must be u8[" +
+                                        std::to_string(t->size) + "] with an f32[" + std::to_string(blocks) +
+                                        "] absmax");
+    }
+    t->slots[k] = s.data;
+    t->absmax[k] = static_cast<float*>(a.data);
+  }
+  t->slot_storage = SlotStorage::kInt8;
   return FfiStatus::Ok();
 }
 

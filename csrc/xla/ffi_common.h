@@ -42,7 +42,7 @@ void WriteNorms(const double* norms, int n, void* out, XLA_FFI_DataType dtype);
 // One tfclip_apply call, decoded (custom_calls.h has the operand and result order).
 struct ApplyCall {
   int n = 0;       // variables in this group
-  int nslots = 0;  // slot lists the step uses
+  int nslots = 0;  // state lists: the slot lists the step uses (int8 state: then their absmax)
   bool has_iterations = false;
   std::vector<int64_t> sparse;  // group positions of the IndexedSlices gradients
   uint32_t hmask = 0;           // the rule's hyper-parameters (HPBit mask)
@@ -59,6 +59,9 @@ struct ApplyCall {
   // The group's tensors: vars and slots are the (aliased) result buffers, updated in place.
   // Sparse gradients need host indices (the CPU handler only).
   FfiStatus Tensors(const FfiFrame& f, ApplyTensor* ts) const;
+  // Variable i's int8 state (its slot 0 is u8): the first nslots / 2 state lists are the codes,
+  // the others their absmax (custom_calls.h).
+  FfiStatus Int8State(const FfiFrame& f, int i, ApplyTensor* t) const;
   // Hyper-parameters, clip and use_norm from the host scalars buffer into a->hp, a->cfg.
   void ReadHostScalars(StepArgs* a) const;
   // Index of the first scalar operand.

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "csrc/core/apply_op.h"
+#include "csrc/core/quant8.h"
 #include "csrc/core/clip.h"
 #include "csrc/core/rule_table.h"
 #include "csrc/tf/apply_op_attrs.h"
@@ -199,10 +200,7 @@ class ClipApplyXla : public XlaOpKernel {
     lazy_ = attrs.lazy;
     sum_of_squares_ = attrs.sum_of_squares;
     has_iterations_ = attrs.num_iterations > 0;
-    OP_REQUIRES(c, attrs.num_absmax == 0,
-                tf::errors::Unimplemented("int8 optimizer state (state_dtype='int8') has no XLA kernel "
-                                          "yet; run this step without jit_compile, or use state_dtype="
-                                          "'bfloat16'"));
+    num_absmax_ = attrs.num_absmax;
     const std::vector<int32_t>& sparse = attrs.sparse;
     sparse_of_.assign(static_cast<size_t>(n_), -1);
     for (size_t k = 0; k < sparse.size(); ++k) sparse_of_[sparse[k]] = static_cast<int>(k);
@@ -240,26 +238,65 @@ class ClipApplyXla : public XlaOpKernel {
                   tf::errors::InvalidArgument("got ", stop - start, " ", s, " slots, but with these flags rule '",
                                               rule_.name, "' takes ", nslots_, " slot lists"));
       const size_t first = index.size();
-      OP_REQUIRES_OK(ctx, ReadList(ctx, s.c_str(), s.c_str(), &index, &types, &shapes, &values));
+      OP_REQUIRES_OK(ctx, ReadList(ctx, s.c_str(), s.c_str(), &index, &types, &shapes, &values, /*codes=*/true));
       for (int i = 0; i < n_; ++i) {
-        // Its variable's dtype, or bfloat16 for a float variable's state (SlotStorage), as every
-        // slot of that variable (the handler checks the storage against the variable's dtype).
+        // Its variable's dtype, or bfloat16 (bf16 state) or uint8 (int8 state's codes) for a float
+        // variable's state (SlotStorage), as every slot of that variable (the handler checks the
+        // storage against the variable's dtype).
         const tf::DataType st = types[first + i];
-        const bool bf16_state = types[i] == tf::DT_FLOAT && st == tf::DT_BFLOAT16;
-        OP_REQUIRES(ctx, (st == types[i] || bf16_state) && shapes[first + i] == shapes[i] &&
+        const bool narrow_state = types[i] == tf::DT_FLOAT && (st == tf::DT_BFLOAT16 || st == tf::DT_UINT8);
+        OP_REQUIRES(ctx, (st == types[i] || narrow_state) && shapes[first + i] == shapes[i] &&
                              (first == static_cast<size_t>(n_) || st == types[n_ + i]),
                     tf::errors::InvalidArgument(
                         s, "[", i, "] is ", tf::DataTypeString(st),
                         shapes[first + i].DebugString(), " but vars[", i, "] is ",
                         tf::DataTypeString(types[i]), shapes[i].DebugString(),
-                        "; a slot must match its variable (its shape, and its dtype or bfloat16 "
-                        "for a float variable's state, the same for all its slots)"));
+                        "; a slot must match its variable (its shape, and its dtype, or bfloat16 or "
+                        "uint8 for a float variable's state, the same for all its slots)"));
       }
       ++used;
     }
     OP_REQUIRES(ctx, used == nslots_,
                 tf::errors::InvalidArgument("with these flags rule '", rule_.name, "' takes ", nslots_,
                                             " slot lists, got ", used));
+    // int8 state (uint8 slots): each such variable's absmax variables, slot-major (apply_op.h).
+    std::vector<int> q8_of(static_cast<size_t>(n_), -1);  // its rank among them, or -1
+    int nq = 0;
+    for (int i = 0; i < n_ && nslots_ > 0; ++i) {
+      if (types[static_cast<size_t>(n_) + i] == tf::DT_UINT8) q8_of[i] = nq++;
+    }
+    OP_REQUIRES(ctx, num_absmax_ == nq * nslots_,
+                tf::errors::InvalidArgument("got ", num_absmax_, " absmax variables for ", nq,
+                                            " variables with int8 state (uint8 slots) and ", nslots_,
+                                            " slots each"));
+    std::vector<int> aindex;
+    std::vector<xla::XlaOp> avalues;
+    if (num_absmax_ > 0) {
+      int start, stop;
+      OP_REQUIRES_OK(ctx, InputRange("absmax", &start, &stop));
+      OP_REQUIRES(ctx, stop - start == num_absmax_,
+                  tf::errors::InvalidArgument("under XLA (jit_compile) each absmax variable needs its own "
+                                              "resource input (handles packed into vectors are for eager calls)"));
+      for (int k = 0; k < nslots_; ++k) {
+        for (int i = 0; i < n_; ++i) {
+          if (q8_of[i] < 0) continue;
+          const int in = start + k * nq + q8_of[i];
+          tf::DataType t;
+          tf::TensorShape sh;
+          OP_REQUIRES_OK(ctx, ctx->GetVariableTypeAndShape(in, &t, &sh));
+          const int64_t blocks = (shapes[i].num_elements() + kQuantBlock - 1) / kQuantBlock;
+          OP_REQUIRES(ctx, t == tf::DT_FLOAT && sh.dims() == 1 && sh.dim_size(0) == blocks,
+                      tf::errors::InvalidArgument("absmax ", k * nq + q8_of[i], " is ", tf::DataTypeString(t),
+                                                  sh.DebugString(), "; the absmax of ", slots_[k], "[", i,
+                                                  "] must be float32[", blocks, "]"));
+          xla::XlaOp v;
+          OP_REQUIRES_OK(ctx, ctx->ReadVariableInput(in, t, &sh, &v));
+          aindex.push_back(in);
+          avalues.push_back(v);
+        }
+      }
+    }
+    // avalues[k * nq + q]: slot k's absmax of the q-th variable with int8 state.
     std::vector<xla::XlaOp> grads, indices;
     std::vector<tf::TensorShape> gshapes, ishapes;
     OP_REQUIRES_OK(ctx, ctx->InputList("grad", &grads, &gshapes));
@@ -335,23 +372,32 @@ class ClipApplyXla : public XlaOpKernel {
       OP_REQUIRES_OK(ctx, ctx->ReadVariableInput(start, tf::DT_INT64, nullptr, &counter));
     }
 
-    // The groups: each a call with its variables and slots aliased to its results.
-    const int lists = nslots_ + 1;
+    // The groups: each a call with its variables and slots aliased to its results; at most
+    // kGroupVars variables, consecutive, all with int8 state or none (an int8 group's calls carry
+    // the absmax lists after the codes': custom_calls.h), so the outputs stay in variable order.
     xla::XlaOp first;
     std::vector<xla::XlaOp> group_norms, group_clipped;
-    for (int g0 = 0; g0 < n_; g0 += kGroupVars) {
-      const int gn = std::min(kGroupVars, n_ - g0);
+    for (int g0 = 0, gn = 0; g0 < n_; g0 += gn) {
+      const bool q8 = q8_of[g0] >= 0;
+      gn = 1;
+      while (g0 + gn < n_ && gn < kGroupVars && (q8_of[g0 + gn] >= 0) == q8) ++gn;
+      const int lists = nslots_ + 1 + (q8 ? nslots_ : 0);
+      // List l's i-th variable: values (vars, then the slot lists), then the absmax.
+      auto value_at = [&](int l, int i) -> xla::XlaOp {
+        if (l <= nslots_) return values[static_cast<size_t>(l) * n_ + i];
+        return avalues[static_cast<size_t>(l - nslots_ - 1) * nq + q8_of[i]];
+      };
       std::vector<xla::XlaOp> ops;
       std::vector<xla::Shape> outs;
       std::vector<std::pair<xla::ShapeIndex, std::pair<int64_t, xla::ShapeIndex>>> alias;
       for (int l = 0; l < lists; ++l) {
         for (int i = g0; i < g0 + gn; ++i) {
-          const size_t j = static_cast<size_t>(l) * n_ + i;
-          auto s = ShapeOf(b, values[j]);
+          const xla::XlaOp v = value_at(l, i);
+          auto s = ShapeOf(b, v);
           OP_REQUIRES_OK(ctx, s.status());
           alias.push_back({xla::ShapeIndex{static_cast<int64_t>(ops.size())},
                            {static_cast<int64_t>(ops.size()), xla::ShapeIndex{}}});
-          ops.push_back(values[j]);
+          ops.push_back(v);
           outs.push_back(*s);
         }
       }
@@ -389,7 +435,7 @@ class ClipApplyXla : public XlaOpKernel {
           .I64("has_use_norm", 1)
           .I64("lazy", lazy_ ? 1 : 0)
           .I64("sum_of_squares", sum_of_squares_ ? 1 : 0)
-          .I64("nslots", nslots_)
+          .I64("nslots", lists - 1)  // the state lists: slots, then (int8 state) their absmax
           .I64("has_iterations", has_iterations_ ? 1 : 0)
           .I64s("sparse", group_sparse);
       const xla::XlaOp call = FfiCall(b, xla_glue::kApplyTarget, ops,
@@ -398,9 +444,14 @@ class ClipApplyXla : public XlaOpKernel {
       const int64_t r0 = static_cast<int64_t>(lists) * gn;
       for (int l = 0; l < lists; ++l) {
         for (int i = g0; i < g0 + gn; ++i) {
-          const size_t j = static_cast<size_t>(l) * n_ + i;
-          OP_REQUIRES_OK(ctx, ctx->AssignVariable(index[j], types[j],
-                                                  xla::GetTupleElement(call, l * gn + (i - g0))));
+          const xla::XlaOp r = xla::GetTupleElement(call, l * gn + (i - g0));
+          if (l <= nslots_) {
+            const size_t j = static_cast<size_t>(l) * n_ + i;
+            OP_REQUIRES_OK(ctx, ctx->AssignVariable(index[j], types[j], r));
+          } else {
+            OP_REQUIRES_OK(ctx, ctx->AssignVariable(
+                                    aindex[static_cast<size_t>(l - nslots_ - 1) * nq + q8_of[i]], tf::DT_FLOAT, r));
+          }
         }
       }
       if (g0 == 0) {
@@ -432,7 +483,8 @@ class ClipApplyXla : public XlaOpKernel {
   // shapes and values; `what` names them in errors.
   absl::Status ReadList(XlaOpKernelContext* ctx, const char* input, const char* what,
                         std::vector<int>* index, std::vector<tf::DataType>* types,
-                        std::vector<tf::TensorShape>* shapes, std::vector<xla::XlaOp>* values) {
+                        std::vector<tf::TensorShape>* shapes, std::vector<xla::XlaOp>* values,
+                        bool codes = false) {
     int start, stop;
     TF_RETURN_IF_ERROR(InputRange(input, &start, &stop));
     if (stop - start != n_) {
@@ -447,7 +499,8 @@ class ClipApplyXla : public XlaOpKernel {
       if (t == tf::DT_INVALID) {
         return tf::errors::FailedPrecondition(what, "[", i, "] is not initialized");
       }
-      if (t != tf::DT_HALF && t != tf::DT_BFLOAT16 && t != tf::DT_FLOAT && t != tf::DT_DOUBLE) {
+      if (t != tf::DT_HALF && t != tf::DT_BFLOAT16 && t != tf::DT_FLOAT && t != tf::DT_DOUBLE &&
+          !(codes && t == tf::DT_UINT8)) {  // (a slot list: uint8 is int8 state's codes)
         return tf::errors::InvalidArgument(what, "[", i, "] has dtype ", tf::DataTypeString(t),
                                            "; only half, bfloat16, float and double variables");
       }
@@ -502,6 +555,7 @@ class ClipApplyXla : public XlaOpKernel {
   RuleInfo rule_{};
   std::vector<std::string> slots_;
   int nslots_ = 0;
+  int num_absmax_ = 0;  // int8 state's absmax variables (the absmax input, slot-major)
   int n_ = 0;
   int64_t flags_ = 0;
   ClipConfig cfg_;

@@ -13,7 +13,7 @@ from gpu_arrays import BF16, EMULATED, core, to_dev, to_host
 pytestmark = pytest.mark.emulation_only
 
 # XLA_FFI_DataType (xla/ffi/api/c_api.h).
-FFI = {np.dtype(np.bool_): 1, np.dtype(np.int64): 5, np.dtype(np.float16): 10,
+FFI = {np.dtype(np.bool_): 1, np.dtype(np.int64): 5, np.dtype(np.uint8): 6, np.dtype(np.float16): 10,
        np.dtype(np.float32): 11, np.dtype(np.float64): 12, BF16: 16}
 MODES = {"none": 0, "global_norm": 1, "norm": 2, "value": 3, "agc": 4}
 POLICIES = {"skip": 0, "propagate": 1, "raise": 2}
@@ -49,13 +49,14 @@ def _frame(bufs):
 
 
 def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_dt, grad_dt,
-                 mode, policy, agc_eps=1e-3, clipped_out=None, scratch="xla"):
+                 mode, policy, agc_eps=1e-3, clipped_out=None, scratch="xla", absmax_d=None):
     """One tfclip_apply call as XLA makes it; returns (error or None, applied, norm,
     tensor_norms, counter after). clipped_out: a list given the clipped_units result. scratch:
     "xla", the workspace from an allocator as XLA's; "own", a runtime with none (the typed FFI's
     API 0.0, TF 2.17), where the handler keeps its own device buffers; "legacy", a legacy custom
     call as TF 2.16's XLA makes it (csrc/xla/legacy_call.h: raw buffers, the shapes and
-    attributes in the opaque string, no allocator)."""
+    attributes in the opaque string, no allocator). absmax_d: int8 state, slots_d then hold the
+    codes (uint8) and these lists their absmax."""
     n = len(vars_d)
     scal = to_dev(np.asarray(scalars, np.float64))
     cnt_in = to_dev(np.asarray(counter, np.int64).reshape(()))
@@ -66,13 +67,15 @@ def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_d
     clipped = to_dev(np.full((n,), -7, np.int64))  # poisoned: every count must be written
     state = [(d, var_dt, s) for d, s in zip(vars_d, shapes)]
     for sl in slots_d:
-        state += [(d, var_dt, s) for d, s in zip(sl, shapes)]
+        state += [(d, np.uint8 if absmax_d else var_dt, s) for d, s in zip(sl, shapes)]
+    for sl in absmax_d or []:  # int8 state: the codes' absmax lists follow them (custom_calls.h)
+        state += [(d, np.float32, (-(-int(np.prod(s)) // 256),)) for d, s in zip(sl, shapes)]
     args = state + [(d, grad_dt, s) for d, s in zip(grads_d, shapes)] + \
         [(scal, np.float64, (len(scalars),)), (cnt_in, np.int64, ())]
     rets = state + [(applied, np.bool_, ()), (norm, np.float32, ()), (tn, np.float32, (n,)),
                     (clipped, np.int64, (n,)), (cnt_out, np.int64, ())]
     attrs = [list(core.rule_table()).index(rule), 0, MODES[mode], POLICIES[policy], 1, 0, 0,
-             len(slots_d), 1, int(np.float64(agc_eps).view(np.int64))]
+             len(slots_d) + len(absmax_d or []), 1, int(np.float64(agc_eps).view(np.int64))]
     err = ctypes.create_string_buffer(4096)
     rc = _entry()(None, *_frame(args), *_frame(rets), (ctypes.c_int64 * 10)(*attrs),
                   {"own": 0, "xla": 1, "legacy": 2}[scratch], err, 4096)
@@ -211,3 +214,39 @@ def test_handler_agc_clipped_units(rng, rule):
     assert 0 < want.sum() < sum(1 if len(s) <= 1 else s[-1] for s in shapes)
     for d, w in zip([*vars_d, *[s for sl in slots_d for s in sl]], [*vars_, *[s for sl in slots for s in sl]]):
         _same_bits(to_host(d, np.float32), w)
+
+
+@pytest.mark.parametrize("scratch", ["xla", "own", "legacy"])
+@pytest.mark.parametrize("rule", ["adam", "rmsprop", "adagrad", "momentum"])
+def test_handler_int8_state_matches_cpu_driver(rng, rule, scratch):
+    """int8 state through the XLA CUDA handler (u8 codes, then their f32 absmax as more aliased
+    state lists; custom_calls.h): the CPU driver's codes, absmax and variables, bit for bit (no
+    clip: no norm summed in another order)."""
+    import reference
+
+    shapes = [(5,), (3, 100), (), (1000,)]
+    vars_, grads, _, values, hp = _problem(rng, rule, shapes, np.float32, np.float32)
+    unsigned = set(core.rule_table()[rule]["unsigned_slots"])
+    names = core.rule_table()[rule]["slots"][:core.rule_table()[rule]["min_slots"]]
+    codes, absmax = [], []
+    for name in names:
+        qs = [reference.quantize_blockwise(np.abs(rng.normal(size=s)).astype(np.float32) * 0.1 + 0.01,
+                                           name not in unsigned) for s in shapes]
+        codes.append([q.reshape(s) for (q, _), s in zip(qs, shapes)])
+        absmax.append([a for _, a in qs])
+    vars_d = [to_dev(v) for v in vars_]
+    codes_d = [[to_dev(q) for q in lst] for lst in codes]
+    absmax_d = [[to_dev(a) for a in lst] for lst in absmax]
+    use_norm = core.global_norm(grads)
+    err, applied, _, _, _ = call_handler(rule, vars_d, codes_d, [to_dev(g) for g in grads],
+                                         values + [0.0, use_norm], 4, shapes, np.float32, np.float32,
+                                         "none", "skip", scratch=scratch, absmax_d=absmax_d)
+    assert err is None, err
+    assert applied
+    it = np.array([4], np.int64)
+    core.clip_apply(rule, vars_, grads, codes, hp, "none", 0.0, None, "skip", iterations=it, absmax=absmax)
+    for got, want in zip(vars_d, vars_):
+        _same_bits(to_host(got, np.float32), want)
+    for lst_d, lst in zip(codes_d + absmax_d, codes + absmax):
+        for got, want in zip(lst_d, lst):
+            _same_bits(to_host(got, want.dtype), want)
