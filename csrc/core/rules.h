@@ -395,7 +395,11 @@ struct LionRule : RuleBase {
   template <typename M>
   static TFCLIP_HD void Update(const Consts<M>& c, M g, M, M& var, M* s) {
     const M x = s[0] * c.beta_1 + g * c.one_minus_beta_1_m;
-    const M sign = x > M(0) ? M(1) : (x < M(0) ? M(-1) : (x != x ? x : M(0)));
+    // sign(x): 1, -1, +0 for +-0, x itself for NaN (as tf.sign), written as flat selects: the
+    // nested ?: did not vectorize, and Lion's float32 CPU step ran at 10x SGD momentum's time.
+    const M pos = x > M(0) ? M(1) : M(0);
+    const M neg = x < M(0) ? M(1) : M(0);
+    const M sign = x != x ? x : pos - neg;
     var = var - c.lr * sign;
     s[0] = s[0] * c.beta_2 + g * c.one_minus_beta_2_m;
   }
