@@ -164,7 +164,7 @@ TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict
     q[k] = static_cast<uint8_t*>(t.slots[k]);
   }
   const int lane = crew.rank & 31, warp = crew.rank >> 5, warps = crew.size >> 5;
-  const int64_t nblocks = (e - b + kQuantBlock - 1) / kQuantBlock;
+  const int64_t nblocks = QuantBlocks(e - b);
   for (int64_t qb = warp; qb < nblocks; qb += warps) {
     const int64_t base = b + qb * kQuantBlock;
     const int64_t blk = base / kQuantBlock;

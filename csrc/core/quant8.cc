@@ -99,17 +99,11 @@ const CodeIndex& DynamicCodeIndex(bool is_signed) {
   return is_signed ? kSigned : kUnsigned;
 }
 
-int ZeroIndex(const float* code) {
-  return static_cast<int>(std::find(code, code + kQuantCodeSize, 0.0f) - code);
-}
-
 void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q, float* absmax) {
   const CodeIndex& ci = DynamicCodeIndex(is_signed);
   for (int64_t b = 0, k = 0; b < n; b += block, ++k) {
     const int64_t e = std::min(n, b + block);
-    float m = 0.0f;
-    for (int64_t i = b; i < e; ++i) m = AbsmaxAdd(m, x[i]);
-    m = AbsmaxOf(m);
+    const float m = BlockAbsmax(x + b, e - b);
     absmax[k] = m;
     for (int64_t i = b; i < e; ++i) q[i] = QuantizeOneIndexed(ci, x[i], m);
   }

@@ -25,6 +25,8 @@ constexpr int kQuantCodeSize = 256;
 // 256 elements per absmax: 4 bytes of absmax per 256 bytes of state (1.6%), a divisor of the
 // CPU passes' tile (1024) and one CUDA thread block's width.
 constexpr int64_t kQuantBlock = 256;
+// The absmax count of n elements: one per kQuantBlock, the last block perhaps short.
+constexpr int64_t QuantBlocks(int64_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
 
 // The code, sorted ascending (host memory, built once).
 const float* DynamicCode(bool is_signed);
@@ -52,7 +54,6 @@ TFCLIP_HD int NearestCode(const float* code, float y, int zero_index) {
 // The index of 0 in a code: the signed code has 127 negative values below it, the unsigned
 // none (checked against the built codes by tests/test_quant8.py).
 constexpr int QuantZeroIndex(bool is_signed) { return is_signed ? 127 : 0; }
-int ZeroIndex(const float* code);
 
 // A block's absmax, element by element: m = AbsmaxAdd(m, x) from m = 0 over the block, then
 // AbsmaxOf(m). A non-finite |x| counts as +inf, so the block's absmax is NaN when any element is
@@ -64,6 +65,12 @@ TFCLIP_HD float AbsmaxAdd(float m, float x) {
   return a > m ? a : m;
 }
 TFCLIP_HD float AbsmaxOf(float m) { return m <= 3.402823466e38f ? m : NAN; }
+// The absmax of the block x[0..n) on the host (the CPU passes and QuantizeBlockwise).
+inline float BlockAbsmax(const float* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = AbsmaxAdd(m, x[i]);
+  return AbsmaxOf(m);
+}
 
 // One element's code index under its block's absmax.
 TFCLIP_HD uint8_t QuantizeOne(const float* code, int zero_index, float x, float absmax) {

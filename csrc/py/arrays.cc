@@ -23,9 +23,14 @@ DType ArrayDType(const py::array& a, const std::string& name) {
 
 }  // namespace
 
-TensorView View(const py::array& a, const std::string& name, bool writable) {
+// What every array handed over must be: C-contiguous, and writable where it is updated in place.
+static void CheckLayout(const py::array& a, const std::string& name, bool writable) {
   if (!(a.flags() & py::array::c_style)) Fail(name + " must be C-contiguous");
   if (writable && !a.writeable()) Fail(name + " must be writable (it is updated in place)");
+}
+
+TensorView View(const py::array& a, const std::string& name, bool writable) {
+  CheckLayout(a, name, writable);
   TensorView v;
   v.dtype = ArrayDType(a, name);
   v.size = static_cast<int64_t>(a.size());
@@ -48,8 +53,7 @@ Array FromNumpy(const py::handle& h, const std::string& name, bool writable) {
   if (!py::isinstance<py::array>(h)) Fail(name + " is not a NumPy array");
   const py::array a = py::reinterpret_borrow<py::array>(h);
   if (std::string(py::str(a.dtype().attr("name"))) == "uint8") {  // int8 state's codes
-    if (!(a.flags() & py::array::c_style)) Fail(name + " must be C-contiguous");
-    if (writable && !a.writeable()) Fail(name + " must be writable (it is updated in place)");
+    CheckLayout(a, name, writable);
     Array r;
     r.data = const_cast<void*>(a.data());
     r.shape = Shape(a);
@@ -292,7 +296,7 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
           Fail(s.name + " must be a uint8 array of the shape of " + v.name + " (int8 state's codes)");
         }
         const Array am = make(absmax[k][i], Idx(kAbsmaxNames[k], i), true);
-        const int64_t blocks = (v.size + kQuantBlock - 1) / kQuantBlock;
+        const int64_t blocks = QuantBlocks(v.size);
         if (am.codes || am.dtype != DType::kFloat || am.size != blocks) {
           Fail(am.name + " must be a float32 array of " + std::to_string(blocks) + " elements (one per " +
                std::to_string(kQuantBlock) + " of " + v.name + ")");

@@ -411,7 +411,7 @@ class ClipApplyOp : public OpKernel {
     const Tensor& vt = *vr.tensor();
     const Tensor& st = *s.tensor();
     if (st.dtype() != tf::DT_UINT8 || st.shape() != vt.shape() || vt.dtype() != tf::DT_FLOAT ||
-        (k == 0 ? false : t->slot_storage != SlotStorage::kInt8)) {
+        (k > 0 && t->slot_storage != SlotStorage::kInt8)) {
       return tf::errors::InvalidArgument(
           s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ", vr.name(),
           " is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
@@ -424,7 +424,7 @@ class ClipApplyOp : public OpKernel {
     const VarRef& a = refs[absmax_base + static_cast<size_t>(k) * nq + q8];
     if (!a.initialized()) return tf::errors::FailedPrecondition(a.name(), " is not initialized");
     const Tensor& at = *a.tensor();
-    const int64_t blocks = (vt.NumElements() + kQuantBlock - 1) / kQuantBlock;
+    const int64_t blocks = QuantBlocks(vt.NumElements());
     if (at.dtype() != tf::DT_FLOAT || at.dims() != 1 || at.dim_size(0) != blocks) {
       return tf::errors::InvalidArgument(a.name(), " is ", tf::DataTypeString(at.dtype()), at.shape().DebugString(),
                                          "; the absmax of ", s.name(), " must be float32[", blocks, "] (one per ",

@@ -211,7 +211,7 @@ FfiStatus ApplyCall::Int8State(const FfiFrame& f, int i, ApplyTensor* t) const {
   if (nslots % 2 != 0 || t->var_dtype != DType::kFloat) {
     return FfiStatus::InvalidArgument(what + ": uint8 slots of a float32 variable, then one float32 absmax each");
   }
-  const int64_t blocks = (t->size + kQuantBlock - 1) / kQuantBlock;
+  const int64_t blocks = QuantBlocks(t->size);
   for (int k = 0; k < h; ++k) {
     FfiBuffer s, a;
     TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>((k + 1) * n + i), &s));

@@ -284,7 +284,7 @@ class ClipApplyXla : public XlaOpKernel {
           tf::DataType t;
           tf::TensorShape sh;
           OP_REQUIRES_OK(ctx, ctx->GetVariableTypeAndShape(in, &t, &sh));
-          const int64_t blocks = (shapes[i].num_elements() + kQuantBlock - 1) / kQuantBlock;
+          const int64_t blocks = QuantBlocks(shapes[i].num_elements());
           OP_REQUIRES(ctx, t == tf::DT_FLOAT && sh.dims() == 1 && sh.dim_size(0) == blocks,
                       tf::errors::InvalidArgument("absmax ", k * nq + q8_of[i], " is ", tf::DataTypeString(t),
                                                   sh.DebugString(), "; the absmax of ", slots_[k], "[", i,
