@@ -154,22 +154,20 @@ class Rule:
                 got = self._slots.get(key)
                 if got is None:
                     base = var.name.split(":")[0]
-                    if self._int8(var):
+
+                    def make(value, name):
+                        return tf.Variable(value, trainable=False, name=f"{base}/{self.name}/{name}",
+                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+                    if self._int8(var):  # the codes, and an absmax beside each
+                        unsigned = self._unsigned_slots()
                         got, absmax = {}, {}
                         for s in self.slot_names:
-                            codes, am = int8_initial(self._slot_initial(s), var.shape, s not in self._unsigned_slots())
-                            got[s] = tf.Variable(codes, trainable=False, name=f"{base}/{self.name}/{s}",
-                                                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-                            absmax[s] = tf.Variable(am, trainable=False, name=f"{base}/{self.name}/{s}_absmax",
-                                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                            codes, am = int8_initial(self._slot_initial(s), var.shape, s not in unsigned)
+                            got[s], absmax[s] = make(codes, s), make(am, f"{s}_absmax")
                         self._absmax[key] = absmax
                     else:
-                        got = {
-                            s: tf.Variable(self._slot_initial_value(s, var),
-                                           trainable=False, name=f"{base}/{self.name}/{s}",
-                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-                            for s in self.slot_names
-                        }
+                        got = {s: make(self._slot_initial_value(s, var), s) for s in self.slot_names}
                     self._slots[key] = got
         return got
 
