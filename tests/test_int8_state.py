@@ -445,6 +445,73 @@ def test_op_refuses_int8_state_without_its_absmax(rng):
     assert v.numpy().tolist() == [1.0] * 300
 
 
+# ---------------------------------------------------------------- tfclip.compat.v1
+@pytest.mark.parametrize("name", ["Momentum", "Adam", "RMSProp", "Adagrad", "Adadelta"])
+def test_compat_v1_int8_state(rng, name, tmp_path):
+    """tfclip.compat.v1 optimizers with state_dtype='int8' in a TF1 graph with a Session: uint8
+    code slots and a float32 `<slot>_absmax` slot beside each, and over three steps the variables
+    bit for bit those of the float32-state optimizer whose slots are set to the dequantized
+    codes before each step, the codes and absmax NumPy's quantization of its new slots. A Saver
+    names each absmax after its slot, and restores the state bit for bit."""
+    from test_state_dtype import V1_OPTS
+
+    make, slot_names = V1_OPTS[name]
+    init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
+    grads = [[rng.normal(size=v.shape).astype(np.float32) for v in init] for _ in range(3)]
+    with tf.Graph().as_default():
+        va = [tf.compat.v1.Variable(v, use_resource=True, name=f"a{i}") for i, v in enumerate(init)]
+        vb = [tf.compat.v1.Variable(v, use_resource=True, name=f"b{i}") for i, v in enumerate(init)]
+        gph = [tf.compat.v1.placeholder(tf.float32, v.shape) for v in init]
+        a, b = make(global_clipnorm=1.0, state_dtype="int8"), make(global_clipnorm=1.0)
+        step_a = a.apply_gradients(list(zip(gph, va)))
+        step_b = b.apply_gradients(list(zip(gph, vb)))
+        unsigned = a._unsigned_slots()
+        codes = [a.get_slot(v, s) for s in slot_names for v in va]
+        absmax = [a.get_slot(v, f"{s}_absmax") for s in slot_names for v in va]
+        signed = [s not in unsigned for s in slot_names for _ in va]
+        slots_b = [b.get_slot(v, s) for s in slot_names for v in vb]
+        assert {c.dtype.base_dtype for c in codes} == {tf.uint8}
+        assert [tuple(x.shape) for x in absmax] == [(2,), (3,)] * len(slot_names)
+        assert sorted(x.op.name for x in absmax if x.op.name.startswith("a0/")) == sorted(
+            f"a0/{a.get_name()}_{s}_absmax" for s in slot_names)
+        fed = [tf.compat.v1.placeholder(tf.float32, x.shape) for x in slots_b]
+        set_b = [x.assign(f) for x, f in zip(slots_b, fed)]
+        saver = tf.compat.v1.train.Saver(va + codes + absmax)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for g in grads:
+                q, am = sess.run([codes, absmax])
+                sess.run(set_b, {f: reference.dequantize_blockwise(c, m, sg).reshape(c.shape)
+                                 for f, c, m, sg in zip(fed, q, am, signed)})
+                feed = dict(zip(gph, g))
+                sess.run(step_a, feed)
+                sess.run(step_b, feed)
+                for x, y in zip(*sess.run([va, vb])):
+                    _same_bits(x, y)
+                for c, m, y, sg in zip(*sess.run([codes, absmax, slots_b]), signed):
+                    wq, wm = reference.quantize_blockwise(y, sg)
+                    _same_bits(c.ravel(), wq)
+                    _same_bits(m, wm)
+            saved = sess.run(codes + absmax)
+            path = saver.save(sess, str(tmp_path / "v1"))
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.restore(sess, path)
+            for x, y in zip(sess.run(codes + absmax), saved):
+                _same_bits(x, y)
+    names = dict(tf.train.list_variables(path))
+    assert f"a0/{a.get_name()}_{slot_names[0]}_absmax" in names
+
+
+def test_compat_v1_int8_state_refuses_ref_variables():
+    with tf.Graph().as_default():
+        v = tf.compat.v1.Variable([1.0, 2.0], use_resource=False)
+        opt = tfclip.compat.v1.AdamOptimizer(0.1, state_dtype="int8")
+        with pytest.raises(ValueError, match="ref variable: int8 optimizer state is for resource variables"):
+            opt.apply_gradients([(tf.ones(2), v)])
+    with pytest.raises(TypeError, match="state_dtype"):  # (no such argument: its state stays)
+        tfclip.compat.v1.FtrlOptimizer(0.1, state_dtype="int8")
+
+
 # ---------------------------------------------------------------- the Keras 3 drop-ins
 keras = pytest.importorskip("keras", minversion="3", reason="tfclip.keras needs Keras 3")
 from tfclip import _keras_step  # noqa: E402

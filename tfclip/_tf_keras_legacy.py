@@ -10,8 +10,9 @@ import tensorflow as tf
 from tfclip import _opcall, _rule, _step
 from tfclip import clipping as _clipping
 from tfclip._step import Binding
-from tfclip._tf_keras_step import (_FusedMixin, _in_xla_context, _optimizer_utils, _outer_graph,
-                                   _refuse_stock_step, _slots_as, _state_variable, _tf_keras, _xla_kernels)
+from tfclip._tf_keras_step import (_UNSIGNED_SLOTS, _FusedMixin, _in_xla_context, _initial_number,
+                                   _optimizer_utils, _outer_graph, _refuse_stock_step, _slots_as,
+                                   _state_variable, _tf_keras, _xla_kernels)
 
 _legacy_stock = _tf_keras.optimizers.legacy
 _LEGACY_WARNED = set()
@@ -50,12 +51,25 @@ class _LegacyFusedMixin(_FusedMixin):
         # checkpoint restores when they are made). A mixed-precision variable's true dtype: inside
         # an autocast scope (a lazily built model's first call restoring its slots) its dtype
         # says float16.
+        # With state_dtype="int8" the slot is uint8 codes, with a float32 slot
+        # `<slot_name>_absmax` beside it (made here; when a checkpoint restores them as they are
+        # made, each is restored on its own).
         true = tf.as_dtype(getattr(var, "true_dtype", var.dtype)).base_dtype
         dtype = _rule.state_slot_dtype(self.state_dtype, true)
-        if dtype == true:
+        if dtype == true or (dtype == tf.uint8 and slot_name.endswith("_absmax")):
             return super().add_slot(var, slot_name, initializer, shape)
+        if dtype != tf.uint8:
+            with _slots_as(dtype):
+                return super().add_slot(var, slot_name, initializer, shape)
+        absmax = 0.0  # (restored with the codes)
+        if not isinstance(initializer, tf.__internal__.tracking.CheckpointInitialValueCallable):
+            index, absmax = _rule.int8_start(_initial_number(initializer), slot_name not in _UNSIGNED_SLOTS)
+            initializer = _tf_keras.initializers.Constant(index)
         with _slots_as(dtype):
-            return super().add_slot(var, slot_name, initializer, shape)
+            slot = super().add_slot(var, slot_name, initializer, shape)
+        self._tfclip_keep_absmax(slot, super().add_slot(
+            var, f"{slot_name}_absmax", _tf_keras.initializers.Constant(absmax), [_rule.int8_blocks(var.shape)]))
+        return slot
 
     def _clip_mode(self):
         if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
@@ -118,8 +132,8 @@ class _LegacyFusedMixin(_FusedMixin):
 
     # The binding's sources (tfclip/_step.py, Binding): a slot by its name; a hyper-parameter
     # from `_hyper` in the variables' dtype, as stock reads it (`_get_hyper`), else the attribute.
-    def _tfclip_slot(self, slot_name, tvars):
-        return [self.get_slot(v, slot_name).handle for v in tvars]
+    def _tfclip_slot_var(self, slot_name, v):
+        return self.get_slot(v, slot_name)
 
     def _tfclip_hparam(self, name, tvars):
         if name in self._hyper:

@@ -84,6 +84,30 @@ def _refuse_stock_step(opt, reason):
                          f"which cannot run this step ({reason}); leave state_dtype at None for it")
 
 
+# The stock slot names (tf_keras's add_variable_from_reference `variable_name`, OptimizerV2's
+# add_slot `slot_name`) of the slots a rule keeps >= 0: int8 state quantizes them with the
+# unsigned code. tests/test_tf_keras_int8_state.py checks the set against the rule table's
+# unsigned_slots for every class.
+_UNSIGNED_SLOTS = frozenset({"v", "vhat", "u", "accumulator", "velocity", "accumulated_grad",
+                             "accumulated_delta_var",  # tf_keras.optimizers
+                             "rms", "accum_grad", "accum_var"})  # the legacy ones beside them
+
+
+def _initial_number(initial):
+    """A slot's constant start (int8 state starts from one): None or "zeros" (0), a number, a
+    constant tensor of one value, or an initializer holding a number (`.value`)."""
+    if initial is None or (isinstance(initial, str) and initial == "zeros"):
+        return 0.0
+    value = getattr(initial, "value", initial)  # (an initializer's constant)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, tf.Tensor):
+        a = tf.get_static_value(value)
+        if a is not None and a.size and (a == a.flat[0]).all():
+            return float(a.flat[0])
+    raise ValueError(f"int8 optimizer state starts from a constant; got the initial value {initial!r}")
+
+
 def _state_variable(value, name, dtype):
     """One of tfclip's own optimizer variables: not trainable, one value for all replicas."""
     with tf.init_scope():
@@ -113,9 +137,10 @@ class _FusedMixin(_optstate.NormState):
     _tfclip_library = "tf_keras"  # (tfclip/_mixup.py)
     _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
     _checked = ()
-    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
+    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules), and
+    # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
     low_precision_state = True
-    int8_state_why = "tfclip.tf_keras keeps bfloat16 state so far; int8 runs through tfclip.keras and tfclip.rules"
+    int8_state = True
 
     def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
@@ -174,8 +199,34 @@ class _FusedMixin(_optstate.NormState):
         dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), true)
         if dtype == true or variable_name == "average":
             return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
+        if dtype == tf.uint8:  # int8 state: the codes (an index into the code), then their absmax
+            index, absmax = _rule.int8_start(_initial_number(initial_value), variable_name not in _UNSIGNED_SLOTS)
+            with _slots_as(dtype):
+                slot = super().add_variable_from_reference(
+                    model_variable, variable_name, None, tf.fill(model_variable.shape, float(index)))
+            blocks = _rule.int8_blocks(model_variable.shape)
+            self._tfclip_keep_absmax(slot, super().add_variable_from_reference(
+                model_variable, f"{variable_name}_absmax", [blocks], tf.fill([blocks], absmax)))
+            return slot
         with _slots_as(dtype):
             return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
+
+    def _tfclip_keep_absmax(self, slot, absmax):
+        # Outside the tracked attributes: the absmax variables are in optimizer.variables (and
+        # checkpoints) through the stock list they were added to.
+        if getattr(self, "_tfclip_absmax", None) is None:
+            object.__setattr__(self, "_tfclip_absmax", {})
+        self._tfclip_absmax[id(slot)] = absmax
+
+    def tfclip_absmax(self, slot):
+        """The absmax variable of an int8-state slot variable (state_dtype="int8"), or None."""
+        return (getattr(self, "_tfclip_absmax", None) or {}).get(id(slot))
+
+    def _tfclip_absmax_handles(self, tvars):
+        """int8 state's absmax handles of `tvars`, slot-major (the op's `absmax` input)."""
+        found = getattr(self, "_tfclip_absmax", None) or {}
+        slots = (self._tfclip_slot_var(src, v) for _, src in self._tfclip_binding.slot_names(self) for v in tvars)
+        return [found[id(s)].handle for s in slots if id(s) in found]
 
     def _tfclip_make_clipped_units(self, n):
         if isinstance(self._tfclip_clip, _clipping.AGC):  # AGC's clipped units, as tensor_norms
@@ -288,9 +339,11 @@ class _FusedMixin(_optstate.NormState):
 
     # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
     # hyper-parameter by its attribute, the step.
-    def _tfclip_slot(self, attr, tvars):
-        slot_list = getattr(self, attr)
-        return [slot_list[self._index(v)].handle for v in tvars]
+    def _tfclip_slot(self, src, tvars):
+        return [self._tfclip_slot_var(src, v).handle for v in tvars]
+
+    def _tfclip_slot_var(self, attr, v):
+        return getattr(self, attr)[self._index(v)]
 
     def _tfclip_hparam(self, name, tvars):
         return getattr(self, name)
@@ -302,6 +355,11 @@ class _FusedMixin(_optstate.NormState):
         """The one fused step (tfclip/_step.py), one op per group of variables (weight decay,
         `_tfclip_group`)."""
         decay = self._tfclip_decay()
+        int8 = getattr(self, "_tfclip_absmax", None)
+        if int8:  # int8 state: dense gradients (an IndexedSlices' duplicate rows summed, as TF's
+            # conversion; the core requantizes whole blocks of 256)
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and v.dtype.base_dtype == tf.float32
+                     else g for g, v in zip(grads, tvars)]
         keys = [(bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)) for v in tvars]
         groups = []
         for (with_decay, _), idx in _step.partition(keys):
@@ -309,7 +367,8 @@ class _FusedMixin(_optstate.NormState):
             kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
             hparams.update(lr=_opcall.scalar(self._tfclip_lr(group), "learning_rate"),
                            weight_decay=self.weight_decay if with_decay else 0.0)
-            groups.append(_step.Group(kind, [v.handle for v in group], slots, hparams, flags, idx))
+            groups.append(_step.Group(kind, [v.handle for v in group], slots, hparams, flags, idx,
+                                      absmax=self._tfclip_absmax_handles(group) if int8 else ()))
         # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
         # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped slices
         # summed, the rule fed the sum (not the sum of the slices' squares).

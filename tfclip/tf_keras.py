@@ -23,7 +23,9 @@ global norm is inf/NaN writes no variable or slot and counts in `skipped_steps`,
 still advances; "propagate": stock behaviour; "raise": the step fails, nothing written) and
 `lazy_sparse` (False by default; True updates only the rows an IndexedSlices gradient touches),
 `clip` (adaptive clipping, tfclip.clipping) and `state_dtype` ("bfloat16": a float32 variable's
-slots stored as bfloat16, all classes but Ftrl; docs/low-precision-state.md).
+slots stored as bfloat16; "int8": as uint8 codes with a float32 absmax variable per slot, one
+value per 256 elements, `tfclip_absmax(slot)`, saved with the optimizer; all classes but Ftrl;
+docs/low-precision-state.md).
 `global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and `clip_scale_sum` are tfclip's
 own variables, outside `optimizer.variables` and checkpoints.
 

@@ -40,7 +40,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
     _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
     # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
     low_precision_state = False
-    int8_state_why = "tfclip.compat.v1 keeps bfloat16 state so far; int8 runs through tfclip.keras and tfclip.rules"
+    int8_state = True  # (where low_precision_state is: every such class keeps moments only)
 
     def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip=None,
                  state_dtype=None):
@@ -81,8 +81,12 @@ class _Fused(tf.compat.v1.train.Optimizer):
     def _create_slots(self, var_list):
         for v in var_list:
             # The variable's dtype, as the stock class; bfloat16 for a float32 variable under
-            # state_dtype="bfloat16" (docs/low-precision-state.md).
+            # state_dtype="bfloat16", uint8 codes and a float32 absmax slot `<name>_absmax` beside
+            # each under "int8" (docs/low-precision-state.md).
             dtype = _rule.state_slot_dtype(self._state_dtype, v.dtype.base_dtype)
+            if dtype == tf.uint8:
+                self._create_int8_slots(v)
+                continue
             for s in self._slot_names:
                 init = self._slot_initial(s)
                 if init == 0.0 and dtype == v.dtype.base_dtype:
@@ -90,6 +94,27 @@ class _Fused(tf.compat.v1.train.Optimizer):
                 else:
                     self._get_or_make_slot_with_initializer(
                         v, tf.compat.v1.constant_initializer(init, dtype=dtype), v.shape, dtype, s, self._name)
+
+    def _create_int8_slots(self, v):
+        if _is_ref(v):
+            raise ValueError(f"{v.name} is a TF1 ref variable: int8 optimizer state is for resource "
+                             "variables (tf.compat.v1.enable_resource_variables(), or "
+                             "tf.compat.v1.get_variable(..., use_resource=True))")
+        unsigned = self._unsigned_slots()
+        for s in self._slot_names:
+            codes, absmax = _rule.int8_start(self._slot_initial(s), s not in unsigned)
+            self._get_or_make_slot_with_initializer(
+                v, tf.compat.v1.constant_initializer(codes, dtype=tf.uint8), v.shape, tf.uint8, s, self._name)
+            # Named <variable>/<optimizer>_<slot>_absmax: the codes keep the stock slots' names
+            # (w/Adam, w/Adam_1, ...), and a Saver's checkpoint says which absmax is whose.
+            self._get_or_make_slot_with_initializer(
+                v, tf.compat.v1.constant_initializer(absmax, dtype=tf.float32), tf.TensorShape([_rule.int8_blocks(v.shape)]),
+                tf.float32, f"{s}_absmax", f"{self._name}_{s}_absmax")
+
+    def _unsigned_slots(self):
+        """The stock names of the slots the rule keeps >= 0 (int8 state's unsigned code)."""
+        table = set(_opcall.RULES[self._tfclip_binding.kind(self)]["unsigned_slots"])
+        return {stock for t, stock in self._tfclip_binding.slot_names(self) if t in table}
 
     def _slot_initial(self, name):
         return 0.0
@@ -281,9 +306,12 @@ class _Fused(tf.compat.v1.train.Optimizer):
             ref_vars = [var_list[i] for i in positions]
             var_list = [v for v in var_list if not _is_ref(v)]
             refs = (positions, ref_vars, [[self._slot_of(v, s, True) for v in ref_vars] for s in names])
+        # int8 state's absmax slots, slot-major (the op's `absmax` input)
+        absmax = [self.get_slot(v, f"{s}_absmax").handle for s in names for v in var_list
+                  if self.get_slot(v, s).dtype.base_dtype == tf.uint8]
         group = _step.Group(kind, [v.handle for v in var_list],
                             [[self._slot_of(v, s, False).handle for v in var_list] for s in names],
-                            hparams, flags, refs=refs)
+                            hparams, flags, refs=refs, absmax=absmax)
         result = _step.run(grads, [group], self._clip_mode, self._clip, clip_obj=self._adaptive,
                            nonfinite=self._nonfinite, lazy=self._lazy_sparse)
         return result

@@ -55,8 +55,10 @@ Python-number hyper-parameters work (the stock proximal classes pass them to the
 float32, which fails).
 
 `state_dtype="bfloat16"` (Momentum, Adam, RMSProp, Adagrad, Adadelta; keyword-only) makes the
-slots of float32 variables bfloat16, as `tfclip.rules` does (docs/low-precision-state.md); the
-default is the stock layout. Such a checkpoint restores only into the same layout;
+slots of float32 resource variables bfloat16, as `tfclip.rules` does (docs/low-precision-state.md);
+`"int8"` keeps them as uint8 codes, each slot `s` with a float32 slot `s_absmax` beside it (one
+value per 256 elements; in a Saver's checkpoint `<variable>/<optimizer>_<s>_absmax`). The default
+is the stock layout. Such a checkpoint restores only into the same layout;
 `tfclip.convert_checkpoint` moves one between the layouts.
 
 RMSProp runs TF's own kernel order (the core rule `tf_rmsprop`; keras's RMSprop rounds
