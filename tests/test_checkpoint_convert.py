@@ -164,3 +164,159 @@ def test_errors_name_what_is_wrong_and_write_nothing(rng, tmp_path):
     # warning saying so.
     with pytest.warns(UserWarning, match="is a copy"):
         assert tfclip.convert_checkpoint(src, tmp_path / "copy" / "c", like=a) == []
+
+
+# ---------------------------------------------------------------- int8 state (state_dtype="int8")
+import reference  # noqa: E402
+
+
+def _int8_pairs(opt):
+    """{codes variable's id: (absmax, signed)} from the optimizer's own record."""
+    return {id(s.codes): (s.absmax, s.signed) for s in opt.tfclip_int8_slots()}
+
+
+def test_keras_stock_float32_to_int8_and_back(rng, tmp_path):
+    """Keras 3: a stock float32 Adam (amsgrad) checkpoint into int8 state, the absmax variables
+    taking their places in the optimizer's variable list, each slot quantized as NumPy's
+    reference quantizer does (with the code the rule table gives it); the run restores and
+    steps; then back to a stock checkpoint: the codes dequantized exactly. Into bfloat16 state
+    from int8 too (dequantized, then rounded to nearest even)."""
+    stock = keras.optimizers.Adam(0.01, amsgrad=True)
+    vars_ = _keras_run(rng, stock)
+    src = tf.train.Checkpoint(opt=stock, v=vars_).save(str(tmp_path / "fp32" / "c"))
+    opt = tfclip.keras.Adam(0.01, amsgrad=True, state_dtype="int8")
+    opt.build(vars_)
+    target = tf.train.Checkpoint(opt=opt, v=vars_)
+    with pytest.raises(ValueError, match="like= as a tf.train.Checkpoint over the objects"):
+        tfclip.convert_checkpoint(src, tmp_path / "x" / "c", like=target.write(str(tmp_path / "lay" / "c")))
+    converted = tfclip.convert_checkpoint(src, tmp_path / "int8" / "c", like=target)
+    assert len(converted) == 6  # m, v, vhat of the two float32 variables
+    target.restore(str(tmp_path / "int8" / "c")).assert_consumed()
+    pairs = _int8_pairs(opt)
+    stock_slots = [getattr(stock, a) for a in ("_momentums", "_velocities", "_velocity_hats")]
+    mine = [getattr(opt, a) for a in ("_momentums", "_velocities", "_velocity_hats")]
+    for got, want, signed in zip(mine, stock_slots, (True, False, False)):
+        for c, w in zip(got, want):
+            if c.dtype != "uint8":
+                _same_bits(np.asarray(c.numpy()), np.asarray(w.numpy()))
+                continue
+            absmax, s = pairs[id(c)]
+            assert s == signed
+            q, am = reference.quantize_blockwise(np.asarray(w.numpy()), signed)
+            _same_bits(np.asarray(c.numpy()).ravel(), q)
+            _same_bits(np.asarray(absmax.numpy()), am)
+    assert int(opt.iterations.numpy()) == 2
+    opt.apply([tf.ones_like(v) for v in vars_], vars_)  # it trains on from there
+
+    # Back: src_like names the int8 side; the codes dequantized exactly.
+    int8_path = target.save(str(tmp_path / "int8b" / "c"))
+    stock2 = keras.optimizers.Adam(0.01, amsgrad=True)
+    stock2.build(vars_)
+    back = tf.train.Checkpoint(opt=stock2, v=vars_)
+    with pytest.raises(ValueError, match="pass src_like="):
+        tfclip.convert_checkpoint(int8_path, tmp_path / "back" / "c", like=back)
+    assert len(tfclip.convert_checkpoint(int8_path, tmp_path / "back" / "c", like=back, src_like=target)) == 6
+    back.restore(str(tmp_path / "back" / "c")).assert_consumed()
+    for got, want, signed in zip([getattr(stock2, a) for a in ("_momentums", "_velocities", "_velocity_hats")],
+                                 mine, (True, False, False)):
+        for w, c in zip(got, want):
+            if c.dtype == "uint8":
+                absmax, _ = pairs[id(c)]
+                deq = reference.dequantize_blockwise(np.asarray(c.numpy()), np.asarray(absmax.numpy()), signed)
+                _same_bits(np.asarray(w.numpy()), deq.reshape(c.shape))
+            else:
+                _same_bits(np.asarray(w.numpy()), np.asarray(c.numpy()))
+
+    # int8 -> bfloat16 state: dequantized, then rounded to nearest even.
+    bf = tfclip.keras.Adam(0.01, amsgrad=True, state_dtype="bfloat16")
+    bf.build(vars_)
+    bf_target = tf.train.Checkpoint(opt=bf, v=vars_)
+    assert len(tfclip.convert_checkpoint(int8_path, tmp_path / "bf" / "c", like=bf_target, src_like=target)) == 6
+    bf_target.restore(str(tmp_path / "bf" / "c")).assert_consumed()
+    for w, c in zip(bf._momentums, opt._momentums):
+        if c.dtype == "uint8":
+            absmax, _ = pairs[id(c)]
+            deq = reference.dequantize_blockwise(np.asarray(c.numpy()), np.asarray(absmax.numpy()), True)
+            _same_bits(np.asarray(w.numpy()), deq.reshape(c.shape).astype(BF16))
+
+
+@pytest.mark.parametrize("kind", ["legacy", "new", "compat_v1"])
+def test_int8_object_based_both_ways(rng, kind, tmp_path):
+    """tf_keras (legacy: slots under their variable's .OPTIMIZER_SLOT, restored as they are made;
+    new: absmax variables in the optimizer's list) and tfclip.compat.v1 eagerly: a float32-state
+    checkpoint into int8 state and back restores the slots of the reference quantizer and its
+    exact dequantization."""
+    if kind == "compat_v1":
+        make = lambda sd: tfclip.compat.v1.AdamOptimizer(0.01, state_dtype=sd)  # noqa: E731
+    else:
+        pytest.importorskip("tf_keras", reason="tf-keras (the optional Keras 2 package) is not installed")
+        import tfclip.tf_keras as tk
+
+        make = (lambda sd: tk.legacy.Adam(0.01, state_dtype=sd)) if kind == "legacy" else (  # noqa: E731
+            lambda sd: tk.Adam(0.01, state_dtype=sd))
+    init = [rng.normal(size=(300,)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)]
+    vars_ = [tf.Variable(x) for x in init]
+    fp = make(None)
+    for _ in range(2):
+        fp.apply_gradients(zip([tf.constant(rng.normal(size=x.shape).astype(np.float32)) for x in init], vars_))
+    src = tf.train.Checkpoint(opt=fp, v=vars_).save(str(tmp_path / "fp32" / "c"))
+
+    def slots(opt, vs):
+        if kind == "new":
+            return [getattr(opt, a)[opt._index(v)] for a in ("_momentums", "_velocities") for v in vs]
+        return [opt.get_slot(v, s) for s in ("m", "v") for v in vs]
+
+    vars8 = [tf.Variable(x) for x in init]
+    q8 = make("int8")
+    q8.build(vars8) if kind != "compat_v1" else q8._create_slots(vars8)
+    target = tf.train.Checkpoint(opt=q8, v=vars8)
+    assert len(tfclip.convert_checkpoint(src, tmp_path / "int8" / "c", like=target)) == 4
+    # Restored into a fresh optimizer (legacy and TF1: the slots made and restored at the step).
+    fresh = [tf.Variable(tf.zeros_like(x)) for x in init]
+    opt = make("int8")
+    tf.train.Checkpoint(opt=opt, v=fresh).restore(str(tmp_path / "int8" / "c"))
+    opt.build(fresh) if kind == "new" else (opt._create_all_weights(fresh) if kind == "legacy"
+                                            else opt._create_slots(fresh))
+    pairs = _int8_pairs(opt)
+    for c, w, signed in zip(slots(opt, fresh), slots(fp, vars_), (True, True, False, False)):
+        absmax, s = pairs[id(c)]
+        assert s == signed and c.dtype == tf.uint8
+        q, am = reference.quantize_blockwise(w.numpy(), signed)
+        _same_bits(c.numpy().ravel(), q)
+        _same_bits(absmax.numpy(), am)
+    for v, x in zip(fresh, vars_):
+        _same_bits(v.numpy(), x.numpy())
+    # And back to float32 state, dequantized exactly.
+    int8_path = tf.train.Checkpoint(opt=opt, v=fresh).save(str(tmp_path / "int8b" / "c"))
+    vars32 = [tf.Variable(x) for x in init]
+    fp2 = make(None)
+    fp2.build(vars32) if kind != "compat_v1" else fp2._create_slots(vars32)
+    assert len(tfclip.convert_checkpoint(int8_path, tmp_path / "back" / "c",
+                                         like=tf.train.Checkpoint(opt=fp2, v=vars32),
+                                         src_like=tf.train.Checkpoint(opt=opt, v=fresh))) == 4
+    fp3_vars = [tf.Variable(tf.zeros_like(x)) for x in init]
+    fp3 = make(None)
+    tf.train.Checkpoint(opt=fp3, v=fp3_vars).restore(str(tmp_path / "back" / "c"))
+    fp3.build(fp3_vars) if kind == "new" else (fp3._create_all_weights(fp3_vars) if kind == "legacy"
+                                               else fp3._create_slots(fp3_vars))
+    for w, c, signed in zip(slots(fp3, fp3_vars), slots(opt, fresh), (True, True, False, False)):
+        absmax, _ = pairs[id(c)]
+        _same_bits(w.numpy(), reference.dequantize_blockwise(c.numpy(), absmax.numpy(), signed).reshape(c.shape))
+
+
+def test_int8_errors(rng, tmp_path):
+    """A TF1 Saver's int8 checkpoint is refused by name; a layout whose counterpart is missing is
+    an error naming the tensor, and nothing is written."""
+    opt = tfclip.keras.Adam(0.01, state_dtype="int8")
+    vars_ = _keras_run(rng, opt, steps=1)
+    path = tf.train.Checkpoint(opt=opt, v=vars_).save(str(tmp_path / "a" / "c"))
+    stock = keras.optimizers.Adam(0.01)
+    stock.build(vars_[:2])  # (one variable fewer: its slots have no counterpart)
+    with pytest.raises(ValueError, match="not in the layout wanted, so not carried over"):
+        tfclip.convert_checkpoint(path, tmp_path / "out" / "c", like=tf.train.Checkpoint(opt=stock, v=vars_[:2]),
+                                  src_like=tf.train.Checkpoint(opt=opt, v=vars_))
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(ValueError, match="does not say whose int8 state"):
+        tfclip.convert_checkpoint(path, tmp_path / "out" / "c", like=tf.train.Checkpoint(opt=stock, v=vars_[:2]),
+                                  src_like=tf.train.Checkpoint(v=vars_, o=tf.Variable(np.zeros(3, np.uint8))))
+    assert not os.path.exists(tmp_path / "out")

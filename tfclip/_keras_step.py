@@ -193,9 +193,7 @@ class _FusedMixin(_optstate.NormState):
             a = self.add_variable((_rule.int8_blocks(reference_variable.shape),),
                                   initializer=keras.initializers.Constant(absmax), dtype="float32",
                                   name=f"{slot.name}_absmax")
-            if getattr(self, "_tfclip_absmax", None) is None:
-                object.__setattr__(self, "_tfclip_absmax", {})
-            self._tfclip_absmax[id(slot)] = a
+            _rule.keep_int8_slot(self, slot, a, name not in _KERAS_UNSIGNED_SLOTS)
         return slot
 
     def add_variable(self, *args, **kwargs):
@@ -328,6 +326,10 @@ class _FusedMixin(_optstate.NormState):
     def tfclip_absmax(self, slot):
         """The absmax variable of an int8-state slot variable (state_dtype="int8"), or None."""
         return (getattr(self, "_tfclip_absmax", None) or {}).get(id(slot))
+
+    def tfclip_int8_slots(self):
+        """int8 state's slots (state_dtype="int8"): `_rule.Int8Slot`s (tfclip.convert_checkpoint)."""
+        return list(getattr(self, "_tfclip_int8_slots", ()))
 
     # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
     # hyper-parameter by its attribute (a callable one called, as Keras does), the step.

@@ -2,6 +2,7 @@
 slots, made once under a lock, mirrored under tf.distribute), the op's resource inputs (kept for
 a repeated eager step), and its step through the one fused step (tfclip/_step.py). The rules
 themselves, each a constructor and a binding row: tfclip/rules.py."""
+import collections
 import numbers
 
 import tensorflow as tf
@@ -79,6 +80,25 @@ def int8_start(value, is_signed):
 def int8_blocks(shape):
     """The absmax count of int8 state for a variable of `shape`: one per QUANT_BLOCK elements."""
     return -(-tf.TensorShape(shape).num_elements() // QUANT_BLOCK)
+
+
+Int8Slot = collections.namedtuple("Int8Slot", ["codes", "absmax", "signed", "slot_of"])
+Int8Slot.__doc__ = """One int8-state slot of an optimizer: its codes and absmax variables, whether its
+code is the signed one, and `slot_of`: (the model variable, the slot name) where the optimizer
+keeps it as a slot of that variable (OptimizerV2, TF1: checkpoints key it under the variable's
+`.OPTIMIZER_SLOT`), else None (an optimizer variable of its own). tfclip.convert_checkpoint reads
+them to (de)quantize a checkpoint."""
+
+
+def keep_int8_slot(opt, codes, absmax, signed, slot_of=None):
+    """Records an int8-state slot the optimizer `opt` made (`tfclip_int8_slots()`, `tfclip_absmax`),
+    outside its tracked attributes: the variables are saved through the stock lists or slots."""
+    if getattr(opt, "_tfclip_int8_slots", None) is None:
+        object.__setattr__(opt, "_tfclip_int8_slots", [])
+        object.__setattr__(opt, "_tfclip_absmax", {})
+    if id(codes) not in opt._tfclip_absmax:  # (a slot asked for again: the one made)
+        opt._tfclip_int8_slots.append(Int8Slot(codes, absmax, signed, slot_of))
+        opt._tfclip_absmax[id(codes)] = absmax
 
 
 def int8_initial(value, shape, is_signed):

@@ -67,8 +67,9 @@ class _LegacyFusedMixin(_FusedMixin):
             initializer = _tf_keras.initializers.Constant(index)
         with _slots_as(dtype):
             slot = super().add_slot(var, slot_name, initializer, shape)
-        self._tfclip_keep_absmax(slot, super().add_slot(
-            var, f"{slot_name}_absmax", _tf_keras.initializers.Constant(absmax), [_rule.int8_blocks(var.shape)]))
+        a = super().add_slot(var, f"{slot_name}_absmax", _tf_keras.initializers.Constant(absmax),
+                             [_rule.int8_blocks(var.shape)])
+        _rule.keep_int8_slot(self, slot, a, slot_name not in _UNSIGNED_SLOTS, (var, slot_name))
         return slot
 
     def _clip_mode(self):

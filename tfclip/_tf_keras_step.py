@@ -205,22 +205,20 @@ class _FusedMixin(_optstate.NormState):
                 slot = super().add_variable_from_reference(
                     model_variable, variable_name, None, tf.fill(model_variable.shape, float(index)))
             blocks = _rule.int8_blocks(model_variable.shape)
-            self._tfclip_keep_absmax(slot, super().add_variable_from_reference(
-                model_variable, f"{variable_name}_absmax", [blocks], tf.fill([blocks], absmax)))
+            _rule.keep_int8_slot(self, slot, super().add_variable_from_reference(
+                model_variable, f"{variable_name}_absmax", [blocks], tf.fill([blocks], absmax)),
+                variable_name not in _UNSIGNED_SLOTS)
             return slot
         with _slots_as(dtype):
             return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
 
-    def _tfclip_keep_absmax(self, slot, absmax):
-        # Outside the tracked attributes: the absmax variables are in optimizer.variables (and
-        # checkpoints) through the stock list they were added to.
-        if getattr(self, "_tfclip_absmax", None) is None:
-            object.__setattr__(self, "_tfclip_absmax", {})
-        self._tfclip_absmax[id(slot)] = absmax
-
     def tfclip_absmax(self, slot):
         """The absmax variable of an int8-state slot variable (state_dtype="int8"), or None."""
         return (getattr(self, "_tfclip_absmax", None) or {}).get(id(slot))
+
+    def tfclip_int8_slots(self):
+        """int8 state's slots (state_dtype="int8"): `_rule.Int8Slot`s (tfclip.convert_checkpoint)."""
+        return list(getattr(self, "_tfclip_int8_slots", ()))
 
     def _tfclip_absmax_handles(self, tvars):
         """int8 state's absmax handles of `tvars`, slot-major (the op's `absmax` input)."""

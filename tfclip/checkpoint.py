@@ -14,13 +14,27 @@ that is float32 in one layout and bfloat16 in the other is converted: to bfloat1
 nearest even (as the fused step stores it), to float32 exactly. The object graph is the source's,
 so the new checkpoint restores as the old one did (deferred slot restoration included). Also on
 the command line: `python -m tfclip.checkpoint OLD NEW --like PATH`.
+
+int8 state (`state_dtype="int8"`) holds more than a dtype: each slot is uint8 codes with a float32
+absmax variable beside it, quantized with the signed or the unsigned code, and the absmax
+variables are optimizer variables of their own (Keras lists them among the others). So a layout
+with int8 state is described by live objects, a `tf.train.Checkpoint` over them (the optimizer
+built, its slots made): `like=` where the wanted layout has it, `src_like=` where the source has
+it. Converting into int8 quantizes each slot as the fused step does (`_core.quantize_blockwise`,
+the block's absmax, then each element's nearest code); converting out of it dequantizes exactly
+(`code[byte] * absmax`), to float32, or on to bfloat16. Then the new checkpoint is written in the
+wanted layout (its object graph, its names): every tensor of it must have its counterpart in the
+source. Object-based checkpoints only (Keras 3, tf_keras, `tfclip.compat.v1` eagerly under
+`tf.train.Checkpoint`): a TF1 `Saver`'s checkpoint of int8 state is refused.
 """
 import argparse
+import collections
 import os
 import sys
 import tempfile
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["convert_checkpoint"]
@@ -43,37 +57,90 @@ def _prefix(path):
     return path
 
 
-def _read_layout(path):
+_Layout = collections.namedtuple("_Layout", ["dtypes", "shapes", "bookkeeping", "int8"])
+# dtypes, shapes: by tensor name; bookkeeping: the values of _BOOKKEEPING's tensors; int8: {codes
+# name: (absmax name, signed)} of the live objects' int8 state (None for a path).
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _read_layout(path, int8=None):
     reader = tf.train.load_checkpoint(path)
-    return reader.get_variable_to_dtype_map(), reader.get_variable_to_shape_map()
+    dtypes = reader.get_variable_to_dtype_map()
+    return _Layout(dtypes, reader.get_variable_to_shape_map(),
+                   {n: reader.get_tensor(n) for n in _BOOKKEEPING if n in dtypes}, int8)
 
 
-def _layout(like):
-    """({tensor name: dtype}, {tensor name: shape}) of the wanted layout."""
+def _layout(like, arg="like"):
+    """The layout a checkpoint path or a tf.train.Checkpoint gives (a _Layout)."""
     if isinstance(like, (str, os.PathLike)):
         return _read_layout(_prefix(like))
     if isinstance(like, tf.train.Checkpoint):
         if not tf.executing_eagerly():
-            raise ValueError("like= as a tf.train.Checkpoint needs eager execution; in a TF1 graph "
+            raise ValueError(f"{arg}= as a tf.train.Checkpoint needs eager execution; in a TF1 graph "
                              "pass the path of a checkpoint saved in the wanted layout")
+        like.save_counter  # noqa: B018  (made now, as save() makes it: in the layout's object graph)
         with tempfile.TemporaryDirectory() as tmp:
-            return _read_layout(like.write(os.path.join(tmp, "layout")))
-    raise TypeError(f"like must be a tf.train.Checkpoint or a checkpoint path, got {type(like).__name__}")
+            return _read_layout(like.write(os.path.join(tmp, "layout")), _int8_names(like))
+    raise TypeError(f"{arg} must be a tf.train.Checkpoint or a checkpoint path, got {type(like).__name__}")
 
 
-def convert_checkpoint(src, dst, like):
+def _int8_names(root):
+    """{codes tensor name: (absmax tensor name, signed)} of the int8 state of the optimizers under
+    `root` (their `tfclip_int8_slots()`), named as `root.write` names them: each object by its
+    path from the root, breadth first, as TF's own saver walks the object graph, and a slot
+    variable of OptimizerV2 / TF1 under its variable's `.OPTIMIZER_SLOT`."""
+    view = tf.train.TrackableView(root)
+    paths, todo = {id(root): ""}, collections.deque([root])
+    optimizers = []
+    while todo:
+        obj = todo.popleft()
+        if callable(getattr(obj, "tfclip_int8_slots", None)):
+            optimizers.append(obj)
+        for name, child in view.children(obj).items():
+            if id(child) not in paths:
+                escaped = name.replace(".", "..").replace("/", ".S")  # (TF's escape of a local name)
+                paths[id(child)] = f"{paths[id(obj)]}/{escaped}" if paths[id(obj)] else escaped
+                todo.append(child)
+
+    def name_of(var, opt, slot_of, suffix=""):
+        if slot_of is None:
+            return paths[id(var)] + _VALUE
+        model_var, slot = slot_of
+        escaped = (slot + suffix).replace(".", "..").replace("/", ".S")
+        return f"{paths[id(model_var)]}/.OPTIMIZER_SLOT/{paths[id(opt)]}/{escaped}{_VALUE}"
+
+    out = {}
+    for opt in optimizers:
+        for s in opt.tfclip_int8_slots():
+            try:
+                out[name_of(s.codes, opt, s.slot_of)] = (name_of(s.absmax, opt, s.slot_of, "_absmax"), s.signed)
+            except KeyError:  # (not reached from the root: not in this checkpoint)
+                continue
+    return out
+
+
+def _is_int8(layout):
+    return {n for n, d in layout.dtypes.items() if d == tf.uint8}
+
+
+def convert_checkpoint(src, dst, like, src_like=None):
     """Write `src` as `dst`, each tensor in the dtype `like` gives it (see the module docstring).
 
     Returns the names of the tensors converted. A tensor whose dtype differs otherwise (other
-    than float32 against bfloat16), or of another shape, is a ValueError naming it; nothing is
-    written then. `like`'s tensors absent from `src` are left out (restoring reports them as
-    any checkpoint does)."""
+    than float32 against bfloat16, or int8 state against either), or of another shape, is a
+    ValueError naming it; nothing is written then. Without int8 state on either side, `like`'s
+    tensors absent from `src` are left out (restoring reports them as any checkpoint does).
+    `src_like`: a tf.train.Checkpoint over objects in `src`'s layout, needed where `src` holds
+    int8 state (what each slot's absmax and code are)."""
     src = _prefix(src)
     dst = os.fspath(dst)
-    want, want_shapes = _layout(like)
+    target = _layout(like)
+    want, want_shapes = target.dtypes, target.shapes
     reader = tf.train.load_checkpoint(src)
     have = reader.get_variable_to_dtype_map()
     shapes = reader.get_variable_to_shape_map()
+    if {n for n, d in have.items() if d == tf.uint8} != _is_int8(target):
+        return _convert_int8(src, dst, reader, target, src_like)
     if not (set(want) & set(have)) - _BOOKKEEPING:
         raise ValueError(f"convert_checkpoint: {src} and the layout wanted share no tensor name (an "
                          "object-based checkpoint, tf.train.Checkpoint's, against a name-based one, a "
@@ -98,21 +165,122 @@ def convert_checkpoint(src, dst, like):
                       stacklevel=2)
     if os.path.dirname(dst):
         tf.io.gfile.makedirs(os.path.dirname(dst))
-    _write(dst, reader, have, {name: want[name] for name in converted})
+    _write(dst, {name: reader.get_tensor(name) for name in have}, have, {name: want[name] for name in converted})
     return converted
 
 
-def _write(dst, reader, dtypes, casts):
-    """Every tensor of reader under its name into dst, those in casts cast (TF's Cast: to
-    bfloat16 rounded to nearest even). In a graph and session of its own, fed from NumPy: the
-    same eagerly and inside a TF1 program's graph, and no tensor is embedded in a graph."""
-    names = sorted(dtypes)
+def _canonical(layout):
+    """{name: its name with int8 state's absmax tensors taken out}: Keras keeps the absmax variables
+    in the optimizer's variable list (`.../_variables/N`), so a later variable's index there is
+    its index in the float32 layout plus the absmax variables before it."""
+    absmax = {a for a, _ in (layout.int8 or {}).values()}
+    taken = collections.defaultdict(list)  # list path -> absmax indices in it
+    for a in absmax:
+        path, _, last = a[:-len(_VALUE)].rpartition("/")
+        if last.isdigit():
+            taken[path].append(int(last))
+    out = {}
+    for name in layout.dtypes:
+        if name in absmax or name in _BOOKKEEPING:
+            continue
+        canon = name
+        for path, idx in taken.items():
+            head, sep, rest = name.partition(path + "/")
+            index, _, tail = rest.partition("/")
+            if head == "" and sep and index.isdigit():
+                canon = f"{path}/{int(index) - sum(i < int(index) for i in idx)}/{tail}"
+        out[name] = canon
+    return out
+
+
+def _convert_int8(src, dst, reader, target, src_like):
+    """convert_checkpoint where int8 state is on one side (or is quantized otherwise): `dst` in the
+    wanted layout, each tensor from its counterpart in `src` (see the module docstring)."""
+    from tfclip import _core
+
+    source = _Layout(reader.get_variable_to_dtype_map(), reader.get_variable_to_shape_map(), {}, None)
+    for layout, given, arg in ((source, src_like, "src_like"), (target, None, "like")):
+        if not _is_int8(layout):
+            continue
+        if arg == "src_like":
+            if given is None:
+                raise ValueError(f"convert_checkpoint: {src} holds int8 optimizer state (uint8 codes); pass "
+                                 "src_like=tf.train.Checkpoint(...) over objects in its layout (the optimizer "
+                                 "built with state_dtype='int8'): it says each slot's absmax and code")
+            layout = source._replace(int8=_layout(given, "src_like").int8)
+            source = layout
+        if layout.int8 is None:
+            raise ValueError("convert_checkpoint: the layout wanted holds int8 optimizer state (uint8 codes); "
+                             "pass like= as a tf.train.Checkpoint over the objects that will restore it, not a "
+                             "path: a path does not say each slot's absmax and code")
+        missing = sorted(_is_int8(layout) - set(layout.int8))
+        if missing:
+            raise ValueError(f"convert_checkpoint: {arg}= does not say whose int8 state these uint8 tensors are "
+                             f"(no tfclip optimizer under it made them): {', '.join(missing)}. A TF1 Saver's "
+                             "checkpoint of int8 state is not converted; object-based ones are")
+    by_canon = {c: n for n, c in _canonical(source).items()}
+    values, converted, problems, used = {}, [], [], set()
+    dtypes, casts = dict(target.dtypes), {}  # (what each value is fed as, and cast to)
+    for name, canon in _canonical(target).items():
+        s = by_canon.get(canon)
+        if s is None:
+            problems.append(f"{name}: no counterpart in {src}")
+            continue
+        used.add(s)
+        td, sd = target.dtypes[name], source.dtypes[s]
+        if source.shapes[s] != target.shapes[name]:
+            problems.append(f"{name}: shape {source.shapes[s]} in {src}, {target.shapes[name]} in the layout wanted")
+            continue
+        if td == sd and td != tf.uint8:
+            values[name] = reader.get_tensor(s)
+            continue
+        if not ({td, sd} <= {tf.float32, tf.bfloat16, tf.uint8}):
+            problems.append(f"{name}: {sd.name} in {src}, {td.name} in the layout wanted (only float32, "
+                            "bfloat16 and int8 state convert)")
+            continue
+        value = reader.get_tensor(s)
+        if sd == tf.uint8:  # dequantized: code[byte] * absmax, float32
+            absmax, signed = source.int8[s]
+            if td == tf.uint8 and target.int8[name][1] == signed:  # the same state: as it is
+                values[name], values[target.int8[name][0]] = value, reader.get_tensor(absmax)
+                continue
+            value = _core.dequantize_blockwise(value, reader.get_tensor(absmax), signed)
+        if td == tf.uint8:
+            absmax, signed = target.int8[name]
+            value = np.ascontiguousarray(np.asarray(value).astype(np.float32))  # (bfloat16 widens exactly)
+            values[name], values[absmax] = _core.quantize_blockwise(value, signed)
+        else:
+            values[name] = value
+            dtypes[name] = sd if sd != tf.uint8 else tf.float32
+            casts[name] = td
+        converted.append(name)
+    lost = sorted(set(_canonical(source)) - used)
+    if lost:
+        problems.append(f"not in the layout wanted, so not carried over: {', '.join(lost)}")
+    if problems:
+        raise ValueError("convert_checkpoint: the checkpoint does not fit the layout wanted:\n  " + "\n  ".join(problems))
+    for name, value in target.bookkeeping.items():  # the wanted layout's object graph (its names)
+        values[name] = value
+    counter = "save_counter" + _VALUE
+    if counter in source.dtypes and counter in values:
+        values[counter] = reader.get_tensor(counter)
+    if os.path.dirname(dst):
+        tf.io.gfile.makedirs(os.path.dirname(dst))
+    _write(dst, values, dtypes, casts)
+    return sorted(converted)
+
+
+def _write(dst, values, dtypes, casts=None):
+    """The tensors `values` (NumPy, by name) into the checkpoint dst, those in `casts` cast (TF's
+    Cast: to bfloat16 rounded to nearest even). In a graph and session of its own, fed from
+    NumPy: the same eagerly and inside a TF1 program's graph, and no tensor is embedded in a
+    graph."""
+    names, casts = sorted(values), casts or {}
     with tf.Graph().as_default() as graph, tf.device("CPU:0"):
         feeds, tensors = {}, []
         for name in names:
-            value = reader.get_tensor(name)
-            ph = tf.compat.v1.placeholder(dtypes[name], shape=getattr(value, "shape", ()))
-            feeds[ph] = value
+            ph = tf.compat.v1.placeholder(dtypes[name], shape=np.shape(values[name]))
+            feeds[ph] = values[name]
             tensors.append(tf.cast(ph, casts[name]) if name in casts else ph)
         save = tf.raw_ops.SaveV2(prefix=dst, tensor_names=names, shape_and_slices=[""] * len(names),
                                  tensors=tensors)
@@ -124,7 +292,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tfclip.checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="the checkpoint to convert (its prefix, or a directory: its latest)")
     p.add_argument("dst", help="the prefix to write")
-    p.add_argument("--like", required=True, help="a checkpoint in the layout wanted (its prefix or directory)")
+    p.add_argument("--like", required=True, help="a checkpoint in the layout wanted (its prefix or directory); "
+                   "int8 state on either side needs the Python API (tfclip.convert_checkpoint with live objects)")
     args = p.parse_args(argv)
     try:
         converted = convert_checkpoint(args.src, args.dst, args.like)

@@ -103,13 +103,27 @@ class _Fused(tf.compat.v1.train.Optimizer):
         unsigned = self._unsigned_slots()
         for s in self._slot_names:
             codes, absmax = _rule.int8_start(self._slot_initial(s), s not in unsigned)
-            self._get_or_make_slot_with_initializer(
+            slot = self._get_or_make_slot_with_initializer(
                 v, tf.compat.v1.constant_initializer(codes, dtype=tf.uint8), v.shape, tf.uint8, s, self._name)
             # Named <variable>/<optimizer>_<slot>_absmax: the codes keep the stock slots' names
             # (w/Adam, w/Adam_1, ...), and a Saver's checkpoint says which absmax is whose.
-            self._get_or_make_slot_with_initializer(
-                v, tf.compat.v1.constant_initializer(absmax, dtype=tf.float32), tf.TensorShape([_rule.int8_blocks(v.shape)]),
-                tf.float32, f"{s}_absmax", f"{self._name}_{s}_absmax")
+            a = self._get_or_make_slot_with_initializer(
+                v, tf.compat.v1.constant_initializer(absmax, dtype=tf.float32),
+                tf.TensorShape([_rule.int8_blocks(v.shape)]), tf.float32, f"{s}_absmax", f"{self._name}_{s}_absmax")
+            _rule.keep_int8_slot(self, slot, a, s not in unsigned, (v, s))
+
+    def _create_or_restore_slot_variable(self, slot_variable_position, slot_name, variable):
+        # A checkpoint restored eagerly before the first step makes each slot as it restores it,
+        # in the variable's dtype and shape: int8 state's slots are made here first (codes and
+        # absmax, as the step makes them), and restored into.
+        if (tf.executing_eagerly() and self._state_dtype == "int8" and not _is_ref(variable)
+                and variable.dtype.base_dtype == tf.float32 and self.get_slot(variable, slot_name) is None):
+            self._create_int8_slots(variable)
+        return super()._create_or_restore_slot_variable(slot_variable_position, slot_name, variable)
+
+    def tfclip_int8_slots(self):
+        """int8 state's slots (state_dtype="int8"): `_rule.Int8Slot`s (tfclip.convert_checkpoint)."""
+        return list(getattr(self, "_tfclip_int8_slots", ()))
 
     def _unsigned_slots(self):
         """The stock names of the slots the rule keeps >= 0 (int8 state's unsigned code)."""
