@@ -33,6 +33,7 @@ FAULTS=(
   "agc_block|TFCLIP_PLANT_AGC_BLOCK|test_agc_dense_parity"
   "q8_warp_max|TFCLIP_PLANT_Q8_WARP_MAX|test_int8_state_parity"
   "q8_code|TFCLIP_PLANT_Q8_CODE|test_int8_state_parity"
+  "grad_scale|TFCLIP_PLANT_GRAD_SCALE|test_grad_scale_on_the_device"
 )
 # What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
 declare -A WHAT=(
@@ -45,6 +46,7 @@ declare -A WHAT=(
   [agc_block]="AGC's norm pass writes every row block's partials to block 0"
   [q8_warp_max]="int8 state: each lane quantizes with its own elements' absmax, not its block's (no butterfly)"
   [q8_code]="int8 state: every slot quantized with the signed code, the second moments too"
+  [grad_scale]="the finalize's clip factors without grad_scale (the loss-scale unscale left out of the apply)"
 )
 
 mkdir -p "$BUILD/planted"

@@ -36,7 +36,7 @@ ClipOutcome ComputeClipFactors(const ClipConfig& cfg, const double* per_tensor_s
   const ClipMode mode = ActiveClipMode(cfg);
   const double gs = mode == ClipMode::kGlobalNorm ? GlobalClipScale(cfg.clip, out.global_norm) : 1.0;
   for (int i = 0; i < n; ++i) {
-    factors[i] = TensorClipFactor(mode, cfg.clip, gs, per_tensor_sumsq[i]);
+    factors[i] = TensorClipFactor(mode, cfg.clip, gs, per_tensor_sumsq[i], cfg.grad_scale);
   }
   return out;
 }

@@ -28,6 +28,14 @@ struct ClipConfig {
   // kAgc: the floor of a unit's weight norm in its bound, clip * max(||W_u||, agc_eps) (the
   // paper's and optax's default 1e-3); finite and >= 0.
   double agc_eps = 1e-3;
+  // A factor on every gradient, folded into the passes: mixed precision's loss-scale unscale
+  // (1 / loss scale), instead of a pass that writes g / scale. The gradients are read as given;
+  // the norms the step computes (or is given, use_norm) are of them and are multiplied by it,
+  // and each tensor's clip factor is multiplied by it (so the update sees g * grad_scale,
+  // clipped as stock clips g / scale). For a power of two (every dynamic loss scale) that is
+  // exact: the same bits as dividing first, barring float underflow. Finite and > 0; not with
+  // kAgc (its unit scales count the units they clip).
+  double grad_scale = 1.0;
 };
 
 // The clip folded into the apply pass, per tensor: g' = clamp(g * scale, lo, hi), with the
@@ -106,6 +114,8 @@ TFCLIP_HD int ClipConfigError(const ClipConfig& cfg) {
   if (cfg.mode != ClipMode::kNone && !(cfg.clip - cfg.clip == 0.0 && cfg.clip >= 0.0)) return 1;
   if (cfg.has_use_norm && cfg.use_norm < 0.0) return 2;
   if (cfg.mode == ClipMode::kAgc && !(cfg.agc_eps - cfg.agc_eps == 0.0 && cfg.agc_eps >= 0.0)) return 3;
+  if (!(cfg.grad_scale - cfg.grad_scale == 0.0 && cfg.grad_scale > 0.0)) return 4;
+  if (cfg.grad_scale != 1.0 && cfg.mode == ClipMode::kAgc) return 5;
   return 0;
 }
 
@@ -117,10 +127,12 @@ TFCLIP_HD double GlobalClipScale(double clip_norm, double norm) {
 }
 
 // One tensor's clip factor, given the global scale (kGlobalNorm) or its own sum of squares
-// (kNorm). The one definition of each clip mode, for the CPU driver and the CUDA finalize.
+// (kNorm) of the gradient as given, times grad_scale (ClipConfig::grad_scale). The one
+// definition of each clip mode, for the CPU driver and the CUDA finalize.
 TFCLIP_HD ClipFactor TensorClipFactor(ClipMode mode, double clip, double global_scale,
-                                      double sumsq) {
+                                      double sumsq, double grad_scale = 1.0) {
   ClipFactor f;
+  sumsq *= grad_scale * grad_scale;  // (the scaled gradient's: exact for a power of two)
   switch (mode) {
     case ClipMode::kNone: break;
     case ClipMode::kGlobalNorm: f.scale = global_scale; break;
@@ -137,6 +149,7 @@ TFCLIP_HD ClipFactor TensorClipFactor(ClipMode mode, double clip, double global_
       break;
     case ClipMode::kAgc: break;  // per unit: AgcUnitScale, in unit_scale
   }
+  f.scale *= grad_scale;
   return f;
 }
 
@@ -158,7 +171,7 @@ TFCLIP_HD double AgcUnitScale(double clip, double eps, double g2, double w2) {
 
 // The global norm a step reports: the given one, or sqrt of the summed squares.
 TFCLIP_HD double StepGlobalNorm(const ClipConfig& cfg, double total_sumsq) {
-  return cfg.has_use_norm ? cfg.use_norm : std::sqrt(total_sumsq);
+  return (cfg.has_use_norm ? cfg.use_norm : std::sqrt(total_sumsq)) * cfg.grad_scale;
 }
 
 // Whether the norm pass is needed: always, except with `use_norm` (unless clipnorm needs each

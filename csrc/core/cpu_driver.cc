@@ -70,8 +70,10 @@ double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec, doubl
   return std::sqrt(total);
 }
 
-void TensorNorms(const double* per_tensor_sumsq, int n, double* out) {
-  for (int i = 0; i < n; ++i) out[i] = per_tensor_sumsq != nullptr ? std::sqrt(per_tensor_sumsq[i]) : NAN;
+void TensorNorms(const double* per_tensor_sumsq, int n, double* out, double grad_scale) {
+  for (int i = 0; i < n; ++i) {
+    out[i] = per_tensor_sumsq != nullptr ? std::sqrt(per_tensor_sumsq[i]) * grad_scale : NAN;
+  }
 }
 
 void ScaleListCpu(const TensorView* in, const TensorView* out, int n, double scale,
@@ -140,7 +142,7 @@ StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& ex
     for (int i = 0; i < n; ++i) a.agc_clipped[i] = 0;
   }
   if (a.tensor_norms != nullptr) {
-    TensorNorms(NeedsNormPass(a.cfg) ? s->per_tensor.data() : nullptr, n, a.tensor_norms);
+    TensorNorms(NeedsNormPass(a.cfg) ? s->per_tensor.data() : nullptr, n, a.tensor_norms, a.cfg.grad_scale);
   }
   r.global_norm = oc.global_norm;
   r.nonfinite = !oc.finite;

@@ -37,7 +37,7 @@ double GlobalNormCpu(const TensorView* ts, int n, const CpuExecutor& exec,
 
 // Each tensor's L2 norm from the norm pass's per-tensor fp64 sums of squares (reduced in chunk
 // order: the same bits for any thread count), or NaN for all when no norm pass ran.
-void TensorNorms(const double* per_tensor_sumsq, int n, double* out);
+void TensorNorms(const double* per_tensor_sumsq, int n, double* out, double grad_scale = 1.0);
 
 // AGC's norm pass (agc.h) over the plan's tiles and the IndexedSlices gradients' spans.
 void AgcSumsCpu(const ApplyTensor* ts, const AgcPlan& plan, const SparsePlan& sp, double* part_g,

@@ -105,7 +105,7 @@ bool DeviceScalars::any() const {
   for (const double* p : hparams) {
     if (p != nullptr) return true;
   }
-  return clip != nullptr || use_norm != nullptr || iterations != nullptr;
+  return clip != nullptr || use_norm != nullptr || grad_scale != nullptr || iterations != nullptr;
 }
 
 int LastStepLaunches() { return g_last_launches; }
@@ -291,7 +291,8 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       ClipConfig c = args.cfg;
       c.clip = c.use_norm = status.bad_value;
       c.has_use_norm = status.bad == -2;
-      if (status.bad == -2) c.mode = ClipMode::kNone;
+      if (status.bad == -2 || status.bad == -4) c.mode = ClipMode::kNone;
+      if (status.bad == -4 || status.bad == -5) c.grad_scale = status.bad_value;
       r->error = ValidateClipConfig(c) + " (read on the device); no variable was updated";
     } else if (!status.finite) {
       r->error = NonFiniteError(status.norm);

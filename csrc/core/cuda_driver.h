@@ -62,6 +62,7 @@ struct DeviceScalars {
   const double* hparams[kNumHParams] = {};  // indexed by HP
   const double* clip = nullptr;
   const double* use_norm = nullptr;
+  const double* grad_scale = nullptr;  // ClipConfig::grad_scale (a loss scale's 1 / scale)
   // A step counter in device memory (int64): t = *iterations + step, advanced by the finalize
   // kernel when the step is applied. (StepArgs::iterations is for host counters.)
   int64_t* iterations = nullptr;

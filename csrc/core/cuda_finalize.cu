@@ -26,6 +26,7 @@ __device__ int ReadDeviceScalars(const FinalizeArgs& a, const HParams& host_hp, 
   if (a.ds.iterations != nullptr) hp.step += static_cast<double>(*a.ds.iterations);
   if (a.ds.clip != nullptr) cfg->clip = *a.ds.clip;
   if (a.ds.use_norm != nullptr) cfg->use_norm = *a.ds.use_norm;
+  if (a.ds.grad_scale != nullptr) cfg->grad_scale = *a.ds.grad_scale;
   const int k = FirstBadHParam(RuleHParams(a.rule), hp);
   if (k >= 0) {
     *bad_value = hp.Get(static_cast<HP>(k));
@@ -33,7 +34,7 @@ __device__ int ReadDeviceScalars(const FinalizeArgs& a, const HParams& host_hp, 
   }
   const int c = ClipConfigError(*cfg);
   if (c != 0) {
-    *bad_value = c == 1 ? cfg->clip : cfg->use_norm;
+    *bad_value = c == 1 ? cfg->clip : (c == 4 || c == 5) ? cfg->grad_scale : cfg->use_norm;
     return -c;
   }
   DispatchRule(a.rule, [&](auto rule_tag) { consts->Set(MakeRuleConsts<decltype(rule_tag)>(hp)); });
@@ -54,6 +55,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
   const double total = BlockSum<kFinalizeThreads>(local);
   TFCLIP_SHARED(double, s_scale);
   TFCLIP_SHARED(double, s_clip);
+  TFCLIP_SHARED(double, s_grad_scale);
   TFCLIP_SHARED(int, s_mode);
   if (threadIdx.x == 0) {
     ClipConfig cfg = a.cfg;
@@ -88,6 +90,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
     if (apply && a.ds.iterations != nullptr) *a.ds.iterations += 1;
     s_scale = scale;
     s_clip = cfg.clip;
+    s_grad_scale = cfg.grad_scale;
     s_mode = static_cast<int>(mode);
   }
   __syncthreads();
@@ -99,9 +102,14 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
   const ClipMode mode = static_cast<ClipMode>(s_mode);
   const bool sums = a.have_partials && (mode == ClipMode::kNorm || norms_out != nullptr);
   auto finish = [&](int i, double sumsq) {
+#ifdef TFCLIP_PLANT_GRAD_SCALE
+    // the clip factors without grad_scale (its default argument): the apply sees g, not g * s
     if (t.factors != nullptr) t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq);
+#else
+    if (t.factors != nullptr) t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq, s_grad_scale);
+#endif
     if (norms_out != nullptr) {
-      const double nt = a.have_partials ? sqrt(sumsq) : NAN;
+      const double nt = a.have_partials ? sqrt(sumsq) * s_grad_scale : NAN;
       if (a.out.tensor_norms_dtype == DType::kDouble) static_cast<double*>(norms_out)[i] = nt;
       else static_cast<float*>(norms_out)[i] = static_cast<float>(nt);
     }

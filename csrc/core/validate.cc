@@ -31,6 +31,9 @@ std::string ValidateClipConfig(const ClipConfig& cfg) {
     }
     case 2: return "use_norm must be >= 0 (it is a norm), got " + Fmt(cfg.use_norm);
     case 3: return "agc_eps must be finite and >= 0, got " + Fmt(cfg.agc_eps);
+    case 4: return "grad_scale must be finite and > 0 (1 / the loss scale), got " + Fmt(cfg.grad_scale);
+    case 5: return "grad_scale (a loss-scale unscale) does not combine with clip_mode 'agc'; unscale the "
+                   "gradients first";
     default: return "";
   }
 }

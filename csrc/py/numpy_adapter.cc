@@ -114,10 +114,12 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
                     const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
                     py::object clip, py::object use_norm, const std::string& nonfinite,
                     py::object indices, bool lazy, py::object iterations,
-                    py::object tensor_norms_out, double agc_eps, py::object agc_clipped_out, py::object absmax) {
+                    py::object tensor_norms_out, double agc_eps, py::object agc_clipped_out, py::object absmax,
+                    double grad_scale) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromNumpy, absmax);
   c.cfg.agc_eps = agc_eps;
+  c.cfg.grad_scale = grad_scale;
   if (!c.device_scalars.empty()) Fail("clip_apply takes numbers; device arrays go to cuda_clip_apply");
   StepArgs args = c.Args();
   int64_t* counter = nullptr;
@@ -159,6 +161,7 @@ void DefineNumpy(py::module_& m) {
         py::arg("indices") = py::none(), py::arg("lazy") = false,
         py::arg("iterations") = py::none(), py::arg("tensor_norms_out") = py::none(),
         py::arg("agc_eps") = 1e-3, py::arg("agc_clipped_out") = py::none(), py::arg("absmax") = py::none(),
+        py::arg("grad_scale") = 1.0,
         "Clip and apply in place. rule: a name of rule_table(). slots: one list of arrays per "
         "slot the step uses (momentum: [accum]; adam: [m, v] or [m, v, vhat]). hparams: the "
         "rule's hyper-parameters and flags by name (rule_table(); missing ones take the table's "
@@ -173,8 +176,9 @@ void DefineNumpy(py::module_& m) {
         "int64 array of len(grads), given each tensor's count of clipped units. absmax: None, or "
         "int8 optimizer state (csrc/core/quant8.h): one list per slot of one float32 array of "
         "ceil(size / 256) elements per variable (None for a variable whose state is not int8), "
-        "that variable's slots[k][i] then a uint8 array of code indices. Returns "
-        "(global_norm, applied).");
+        "that variable's slots[k][i] then a uint8 array of code indices. grad_scale: a factor on "
+        "every gradient folded into the passes (a loss scale's 1/scale; ClipConfig::grad_scale): "
+        "the norms are the scaled gradients'. Returns (global_norm, applied).");
   m.def("set_num_threads", [](int n) { g_num_threads = n; }, py::arg("n"),
         "Threads for the CPU passes (0: all cores). Results do not depend on it.");
   m.def("num_threads", &NumThreads);
