@@ -33,6 +33,8 @@ REF_ATTRS = [("ref", [])]  # the ref op's, last
 RESOURCE_ATTRS = [("Nabsmax", 0)]  # the resource op's, last (int8 state's absmax count)
 COMMON_INPUTS_AFTER_HPARAMS = ["indices", "clip", "use_norm", "iterations"]
 RESOURCE_INPUTS = ["absmax"]  # the resource op's, last: int8 state (a ref op's slots stay as they are)
+TAIL_ATTRS = [("Ngrad_scale", 0)]  # both ops', after those: the loss-scale unscale's count
+TAIL_INPUTS = ["grad_scale"]  # both ops', last: [] or [the loss-scale unscale]
 
 
 def _ops():
@@ -74,6 +76,7 @@ def test_inputs_in_order(rule, row, ref_op, op_def):
     for s in row["slots"]:
         want += [s] + ([s + "_ref"] if ref_op else [])
     want += ["grad"] + list(row["hparams"]) + COMMON_INPUTS_AFTER_HPARAMS + ([] if ref_op else RESOURCE_INPUTS)
+    want += TAIL_INPUTS
     assert [a.name for a in op_def.input_arg] == want
 
 
@@ -83,7 +86,7 @@ def test_attrs_in_order_with_defaults(rule, row, ref_op, op_def):
     for s in row["slots"]:
         want += ["N_" + s] + (["T" + s + "_ref"] if ref_op else [])
     want += list(row["flags"])
-    common = COMMON_ATTRS + (REF_ATTRS if ref_op else RESOURCE_ATTRS)
+    common = COMMON_ATTRS + (REF_ATTRS if ref_op else RESOURCE_ATTRS) + TAIL_ATTRS
     want += [n for n, _ in common]
     assert [a.name for a in op_def.attr] == want
     attrs = {a.name: a for a in op_def.attr}
@@ -116,9 +119,9 @@ def _description():
 
 def test_description_lists_what_the_ops_have():
     attrs, outputs, inputs = _description()
-    assert attrs == [n for n, _ in COMMON_ATTRS + REF_ATTRS + RESOURCE_ATTRS]
+    assert attrs == [n for n, _ in COMMON_ATTRS + REF_ATTRS + RESOURCE_ATTRS + TAIL_ATTRS]
     assert outputs == list(_opcall.ClipApplyResult._fields)
-    assert inputs == ["var", "var_ref", "grad"] + COMMON_INPUTS_AFTER_HPARAMS + RESOURCE_INPUTS
+    assert inputs == ["var", "var_ref", "grad"] + COMMON_INPUTS_AFTER_HPARAMS + RESOURCE_INPUTS + TAIL_INPUTS
 
 
 def _splat_keys(node):
@@ -176,7 +179,7 @@ def test_python_callers_pass_what_the_ops_take():
             # ... and it passes every common input (they have no defaults).
             missing = set(COMMON_INPUTS_AFTER_HPARAMS) - kws
             assert not missing, f"{where} does not pass {sorted(missing)} to {op_def.name}"
-            assert kws - set(COMMON_INPUTS_AFTER_HPARAMS + RESOURCE_INPUTS) <= common_attrs, where
+            assert kws - set(COMMON_INPUTS_AFTER_HPARAMS + RESOURCE_INPUTS + TAIL_INPUTS) <= common_attrs, where
 
 
 def test_output_shapes():

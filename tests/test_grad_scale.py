@@ -149,3 +149,97 @@ def test_grad_scale_non_finite_and_errors(rng):
         _core.clip_apply("adam", v, grads, sl, RULES["adam"], clip_mode="agc", clip=0.01, grad_scale=SCALE)
     for a, b in zip(v + sum(sl, []), vars_ + sum(slots, [])):
         _same_bits(a, b)
+
+
+# ---------------------------------------------------------------- the op: tfclip.fused_clip_apply
+import tensorflow as tf  # noqa: E402
+
+import tfclip  # noqa: E402
+from tfclip import _loader  # noqa: E402
+
+TF_RULES = {
+    "adam": lambda: tfclip.rules.Adam(0.01, amsgrad=True),
+    "sgd_momentum": lambda: tfclip.rules.SGD(0.05, momentum=0.9, nesterov=True),
+    "lamb": lambda: tfclip.rules.Lamb(0.01, weight_decay=0.01),
+    "adam_int8": lambda: tfclip.rules.Adam(0.01, state_dtype="int8"),
+}
+
+
+def _tf_problem(rng):
+    init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30), ()]]
+    grads = [[np.asarray(rng.normal(size=x.shape) / SCALE, np.float32) for x in init] for _ in range(3)]
+    return init, grads
+
+
+def _run(make, init, grads, how, folded, **kw):
+    """Three steps; the variables, the rule's state and each step's (norm, applied, tensor norms)."""
+    vars_, rule = [tf.Variable(x) for x in init], make()
+
+    def step(gs):
+        if folded:
+            return tfclip.fused_clip_apply(zip(gs, vars_), rule, grad_scale=tf.constant(SCALE, tf.float32), **kw)
+        return tfclip.fused_clip_apply(zip([g * SCALE for g in gs], vars_), rule, **kw)
+
+    run = {"eager": step, "function": tf.function(step), "xla": tf.function(step, jit_compile=True)}[how]
+    outs = []
+    for g in grads:
+        r = run([tf.constant(x) for x in g])
+        outs.append((float(r.global_norm), bool(r.applied), r.tensor_norms.numpy()))
+    state = [v.numpy() for v in vars_] + [s.numpy() for v in vars_ for s in list(rule.slots(v).values())
+                                          + list(rule.absmax(v).values())] + [rule.iterations.numpy()]
+    return outs, state
+
+
+@pytest.mark.parametrize("name", sorted(TF_RULES))
+@pytest.mark.parametrize("how", ["eager", "function", "xla"])
+@pytest.mark.parametrize("clip", [dict(global_clipnorm=1.0), dict(clipnorm=0.5), dict(clipvalue=1e-3), {}])
+def test_fused_clip_apply_grad_scale_is_the_unscaled_step(rng, name, how, clip):
+    """fused_clip_apply(..., grad_scale=1/scale) on loss-scaled gradients against the same call
+    on the gradients TF unscaled first (g * s, exact for a power of two): the same bits, norms and
+    state, eagerly, in a tf.function and under XLA (the custom calls carry it as the last scalar)."""
+    if how == "xla" and not _loader.xla_kernels():
+        pytest.skip("this build has no XLA kernels (tests/test_xla.py says why)")
+    init, grads = _tf_problem(rng)
+    a = _run(TF_RULES[name], init, grads, how, True, **clip)
+    b = _run(TF_RULES[name], init, grads, how, False, **clip)
+    for (na, aa, ta), (nb, ab, tb) in zip(a[0], b[0]):
+        assert na == nb and aa and ab
+        _same_bits(ta, tb)
+    for x, y in zip(a[1], b[1]):
+        _same_bits(x, y)
+
+
+def test_fused_clip_apply_grad_scale_with_an_adaptive_clip_and_indexed_slices(rng):
+    """ZClip's threshold follows the unscaled norms (its norm op's, times the scale), and an
+    IndexedSlices gradient's values are scaled as a dense one's."""
+    init = rng.normal(size=(10, 4)).astype(np.float32)
+    steps = [(tf.constant(rng.normal(size=(3, 4)) / SCALE, tf.float32), tf.constant([1, 7, 1])) for _ in range(4)]
+    out = []
+    for folded in (True, False):
+        v, rule = tf.Variable(init), tfclip.rules.Adam(0.01)
+        clip = tfclip.clipping.ZClip(warmup_steps=2)
+        for vals, idx in steps:
+            g = tf.IndexedSlices(vals if folded else vals * SCALE, idx, tf.constant([10, 4]))
+            r = tfclip.fused_clip_apply([(g, v)], rule, clip=clip, **({"grad_scale": SCALE} if folded else {}))
+        out.append((v.numpy(), float(r.global_norm)))
+    _same_bits(out[0][0], out[1][0])
+    assert out[0][1] == out[1][1]
+
+
+def test_fused_clip_apply_grad_scale_non_finite_and_errors(rng):
+    """An inf in the loss-scaled gradients: nothing written, the counter stays (the loss scale's
+    back-off case). A bad grad_scale is an error naming it, and nothing is written."""
+    v, rule = tf.Variable(rng.normal(size=(5,)).astype(np.float32)), tfclip.rules.Adam(0.01)
+    before = v.numpy()
+    r = tfclip.fused_clip_apply([(tf.constant([1.0, np.inf, 0, 0, 0]), v)], rule, grad_scale=SCALE)
+    assert not bool(r.applied) and float(r.global_norm) == np.inf and int(rule.iterations.numpy()) == 0
+    _same_bits(v.numpy(), before)
+    for bad in (0.0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="grad_scale must be finite and > 0"):
+            tfclip.fused_clip_apply([(tf.ones([5]), v)], rule, grad_scale=bad)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="grad_scale must be finite and > 0"):
+        tfclip.fused_clip_apply([(tf.ones([5]), v)], rule, grad_scale=tf.constant(0.0))
+    with pytest.raises(ValueError, match="does not combine with AGC"):
+        tfclip.fused_clip_apply([(tf.ones([5]), v)], rule, clip=tfclip.clipping.AGC(0.01), grad_scale=SCALE)
+    _same_bits(v.numpy(), before)
+    assert int(rule.iterations.numpy()) == 0

@@ -248,6 +248,20 @@ def test_use_norm_same_bits(rng, mode):
     t.assert_same("use_norm")
 
 
+@pytest.mark.parametrize("mode", ["global_norm", "norm", "none"])
+def test_grad_scale_same_bits(rng, mode):
+    """The loss-scale unscale folded in (grad_scale; the custom calls' last scalar, where the op
+    has one): the XLA step is the eager op's, bit for bit, on every TF's XLA path (the matrix
+    runs this file on 2.16's legacy calls and 2.17's first typed FFI)."""
+    var0, steps = problem(rng)
+    t = Twin(lambda: tfclip.rules.Adam(0.01), var0, [tf.float32] * len(var0))
+    kw = {"global_norm": {"global_clipnorm": 0.7}, "norm": {"clipnorm": 0.4}, "none": {}}[mode]
+    for grads in steps:
+        xr, er = t.step([tf.constant(g * 2.0 ** 10, tf.float32) for g in grads], grad_scale=2.0 ** -10, **kw)
+        assert_results_equal(xr, er)
+    t.assert_same("grad_scale")
+
+
 def test_tensor_norms_are_each_gradients_norm(rng):
     var0, steps = problem(rng, steps=1)
     t = Twin(lambda: tfclip.rules.SGD(0.1), var0, [tf.float32] * len(var0))

@@ -208,8 +208,9 @@ def apply(rule, var, slots, grad, hparams, flags=None, *, refs=None, **common):
     grad: the gradient values (see op_grads). hparams: every hyper-parameter the rule takes, by
     the table's name (numbers, tensors or variables; optional ones, Adam's beta powers, may be
     left out); flags: its bool options by attr name. common: the inputs and attrs every apply op
-    has (clip, use_norm, iterations, clip_mode, nonfinite, indices, sparse, lazy, ...), and int8
-    state's `absmax` handles (slot-major; the resource op only).
+    has (clip, use_norm, iterations, clip_mode, nonfinite, indices, sparse, lazy, ...), int8
+    state's `absmax` handles (slot-major; the resource op only) and `grad_scale` ([] or [the
+    loss-scale unscale, a float64 scalar]).
     """
     row = RULES[rule]
     names = row["hparams"]
@@ -231,14 +232,15 @@ def apply(rule, var, slots, grad, hparams, flags=None, *, refs=None, **common):
     for f in row["flags"]:
         kw[f] = bool(flags.get(f, False))
     absmax = list(common.pop("absmax", ()))  # int8 state's (csrc/core/apply_op.h): the resource op's
+    grad_scale = list(common.pop("grad_scale", ()))  # [] or [the loss-scale unscale] (apply_op.h)
     if refs is None:
-        return _op(rule)(var=var, grad=grad, absmax=absmax, **kw, **common)
+        return _op(rule)(var=var, grad=grad, absmax=absmax, grad_scale=grad_scale, **kw, **common)
     if absmax:
         raise ValueError("int8 optimizer state is for resource variables; TF1 ref variables keep their slots")
     for s in row["slots"]:
         kw[s + "_ref"] = ref_slots.get(s, [])
-    return _op(rule, "ref_op")(var=var, var_ref=list(ref_vars), grad=grad, ref=list(positions), **kw,
-                               **common)
+    return _op(rule, "ref_op")(var=var, var_ref=list(ref_vars), grad=grad, ref=list(positions),
+                               grad_scale=grad_scale, **kw, **common)
 
 
 def _slot_dict(rule, row, slots):

@@ -57,7 +57,7 @@ StepResult.outputs = property(lambda self: ClipApplyResult(*self[:4]))
 
 
 def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfinite="skip", lazy=False,
-        keras_sparse_squares=False, all_dense=False):
+        keras_sparse_squares=False, all_dense=False, grad_scale=None):
     """One fused step over `grads` (tensors or IndexedSlices, aligned with the groups'
     positions): see the module docstring.
 
@@ -66,11 +66,19 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     norm given by the caller (no norm pass). keras_sparse_squares: Keras 3's stock update of an
     IndexedSlices gradient: a repeated row feeds the sum of its slices' squares, unless a
     global-norm clip scaled (so densified) it. all_dense: the caller checked that every gradient
-    is a dense eager tensor (the eager fast path).
+    is a dense eager tensor (the eager fast path). grad_scale: a factor on every gradient
+    folded into the passes (a loss scale's 1 / scale; ClipConfig::grad_scale): the step is the
+    one on grads * grad_scale, and the norms it reports are theirs (use_norm, given, is of the
+    gradients as given).
     """
     agc, adaptive = {}, None
     if isinstance(clip_obj, _clipping.AGC):  # unit-wise, inside the op's own passes
         clip_mode, clip, agc = clip_obj.op_args()
+    if grad_scale is not None:
+        if agc:
+            raise ValueError("grad_scale (a loss-scale unscale) does not combine with AGC (its unit "
+                             "scales count the units they clip); unscale the gradients first")
+        grad_scale = _opcall.scalar(grad_scale, "grad_scale")
     given = use_norm is not None
     pass_norms = None
     if given:
@@ -81,8 +89,8 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
         values = grads if all_dense else _opcall.op_grads(grads)[0]
         use_norm, pass_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
         given = True
-    if clip_obj is not None and not agc:
-        adaptive = clip_obj.step(use_norm)
+    if clip_obj is not None and not agc:  # (its threshold follows the scaled gradients' norms)
+        adaptive = clip_obj.step(use_norm if grad_scale is None else use_norm * grad_scale)
         clip_mode, clip = "global_norm", adaptive.clip
     clip = _opcall.scalar(clip, "clip")
     norm_input = use_norm if given else _opcall.scalar(0.0, "use_norm")
@@ -94,7 +102,8 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
         outs.append(_opcall.apply(g.kind, g.var, g.slots, values, g.hparams, g.flags, refs=g.refs,
                                   iterations=list(g.iterations), absmax=g.absmax, clip=clip, use_norm=norm_input,
                                   clip_mode=clip_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy,
-                                  **({"sum_of_squares": True} if squares else {}), **agc, **sparse_kw))
+                                  **({"sum_of_squares": True} if squares else {}), **agc, **sparse_kw,
+                                  **({"grad_scale": [grad_scale]} if grad_scale is not None else {})))
     norm, applied, tensor_norms, clipped_units = outs[0]
     if len(groups) > 1:
         order = [i for g in groups for i in g.positions]
@@ -102,7 +111,7 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
         if pass_norms is None:
             tensor_norms = in_order([o[2] for o in outs], order)
     if pass_norms is not None:
-        tensor_norms = tf.cast(pass_norms, tf.float32)
+        tensor_norms = tf.cast(pass_norms if grad_scale is None else pass_norms * grad_scale, tf.float32)
     update = None
     if adaptive is not None:
         clip_obj._remember(adaptive)

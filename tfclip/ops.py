@@ -1,5 +1,6 @@
 """The fused ops: global norm, clip by global norm (with its gradient), and clip-and-apply."""
 import collections
+import math
 import numbers
 
 import tensorflow as tf
@@ -174,6 +175,7 @@ def fused_clip_apply(
     use_norm=None,
     nonfinite="skip",
     lazy_sparse=False,
+    grad_scale=None,
     name=None,
 ):
     """Clip gradients and apply an update rule to their variables, in one fused step.
@@ -211,6 +213,13 @@ def fused_clip_apply(
         rows' slots), like TF1's `LazyAdamOptimizer`: much less memory traffic for a large
         embedding table, but not the stock result (untouched rows' slots do not decay and
         weight decay skips them).
+      grad_scale: a factor on every gradient, folded into the two passes: with loss scaling
+        (`mixed_float16`), `1 / loss_scale`, instead of unscaling the gradients first. The step
+        is the one on `g * grad_scale` (bit for bit for a power of two, as every dynamic loss
+        scale is), its norms are theirs, and an inf/NaN in the scaled gradients is a non-finite
+        step (`nonfinite="skip"`: the loss scale's back-off case). A number or a scalar tensor,
+        finite and > 0; not with AGC. (`use_norm`, if given, is the norm of the gradients as
+        given.)
 
     Returns:
       `ClipApplyResult(global_norm, applied, tensor_norms, clipped_units)`: the pre-clip global
@@ -242,6 +251,9 @@ def fused_clip_apply(
     _opcall.check_policy(nonfinite)
     if isinstance(use_norm, numbers.Real) and use_norm < 0:  # NaN is the nonfinite policy's
         raise ValueError(f"use_norm must be >= 0, got {use_norm}")
+    if isinstance(grad_scale, numbers.Real) and not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"grad_scale must be finite and > 0 (1 / the loss scale), got {grad_scale}")
+    scale_kw = {} if grad_scale is None else {"grad_scale": grad_scale}
 
     pairs = list(grads_and_vars)
     if not pairs:
@@ -254,13 +266,13 @@ def fused_clip_apply(
     grads, variables = split
     if not fast:
         mirrored = _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
-                                  bool(lazy_sparse), name)
+                                  bool(lazy_sparse), name, scale_kw)
         if mirrored is not None:
             return mirrored
     if fast:  # eager: no name scope (eager ops keep no names)
         try:
             return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
-                               bool(lazy_sparse), all_dense=True)
+                               bool(lazy_sparse), all_dense=True, **scale_kw)
         except (tf.errors.InvalidArgumentError, TypeError, ValueError):
             error = _pairs_error(pairs)  # the full check's error naming the bad pair, if any
             if error is None:
@@ -268,7 +280,7 @@ def fused_clip_apply(
         raise error
     with tf.name_scope(name or f"clip_apply_{rule.kind}"):
         return rule._apply(grads, variables, clip_mode, clip, use_norm, nonfinite,
-                           bool(lazy_sparse))
+                           bool(lazy_sparse), **scale_kw)
 
 
 def _adaptive_clip(clip, rule, **fixed):
@@ -298,7 +310,7 @@ def _adaptive_clip(clip, rule, **fixed):
 # so every copy gets the same bits. Variables that are not mirrored are refused, by name.
 
 
-def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite, lazy, name):
+def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite, lazy, name, scale_kw):
     """The step under a strategy of more than one replica, or None where a plain step serves
     (no strategy, one replica, or, in the cross-replica context, no distributed variable)."""
     if not tf.distribute.has_strategy():
@@ -310,7 +322,7 @@ def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
     if replica is None and not any(isinstance(v, tf.distribute.DistributedValues) for v in variables):
         return None
     _check_mirrored(variables, strategy, replica is not None)
-    step = dict(clip_mode=clip_mode, clip=clip, nonfinite=nonfinite, lazy_sparse=lazy)
+    step = dict(clip_mode=clip_mode, clip=clip, nonfinite=nonfinite, lazy_sparse=lazy, **scale_kw)
     scope = name or f"clip_apply_{rule.kind}"
 
     def merge(strategy, grads, use_norm):

@@ -33,6 +33,9 @@ std::string ApplyOpAttrs::Check() const {
   if (num_iterations > 1) {
     return "iterations takes at most one variable, got " + std::to_string(num_iterations);
   }
+  if (num_grad_scale > 1) {
+    return "grad_scale takes at most one scalar, got " + std::to_string(num_grad_scale);
+  }
   std::string e = CheckPositions("sparse", sparse, num_grads);
   if (e.empty()) e = CheckPositions("ref", ref, num_grads);
   return e;

@@ -37,6 +37,7 @@ struct ApplyOpAttrs {
   bool sum_of_squares = false;  // sum_of_squares
   std::vector<int32_t> ref;     // ref (ref op only): the ref variables' positions, ascending
   int num_absmax = 0;           // Nabsmax (resource op only): int8 state's absmax variables
+  int num_grad_scale = 0;       // Ngrad_scale: 0, or 1 grad_scale (ClipConfig::grad_scale)
 
   // The rule's bool attrs (its flags, from the rule table; not rows of kApplyAttrs): the
   // FlagBit mask of those set.
@@ -152,6 +153,7 @@ inline constexpr ApplyAttrDef kApplyAttrs[] = {
     BoolAttr("sum_of_squares", "false", &ApplyOpAttrs::sum_of_squares),
     IntListAttr("ref", "[]", &ApplyOpAttrs::ref, ApplyOps::kRefOnly),
     IntAttr("Nabsmax", "int >= 0", "0", &ApplyOpAttrs::num_absmax, ApplyOps::kResourceOnly),
+    IntAttr("Ngrad_scale", "int >= 0", "0", &ApplyOpAttrs::num_grad_scale),
 };
 
 // The inputs, in order. A row of kind kRuleSlots or kRuleHParams stands for the rule's own.
@@ -187,6 +189,9 @@ inline constexpr ApplyInputDef kApplyInputs[] = {
     // slot list in order, the absmax of each such variable in gradient order. Last, with a
     // default count of 0: graphs saved before it still load.
     {ApplyInputKind::kInput, "absmax", "Nabsmax * resource", ApplyOps::kResourceOnly, true},
+    // The loss-scale unscale folded into the passes (ClipConfig::grad_scale: 1 / loss scale),
+    // a scalar, or none (1). A list of 0 or 1, last, for the same reason as absmax.
+    {ApplyInputKind::kInput, "grad_scale", "Ngrad_scale * double", ApplyOps::kBoth},
 };
 
 // The outputs, in order, with their shapes.

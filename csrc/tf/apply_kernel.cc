@@ -95,6 +95,7 @@ class ClipApplyOp : public OpKernel {
     lazy_ = attrs.lazy;
     has_iterations_ = attrs.num_iterations > 0;
     num_absmax_ = attrs.num_absmax;
+    has_grad_scale_ = attrs.num_grad_scale > 0;
     hp_.sum_of_squares = attrs.sum_of_squares;
     for (int k = 0; k < kNumFlags; ++k) {
       if ((rule_.flags >> k) & 1u) hp_.SetFlag(static_cast<Flag>(k), (attrs.flags >> k) & 1u);
@@ -222,6 +223,20 @@ class ClipApplyOp : public OpKernel {
     } else {
       TF_RETURN_IF_ERROR(ScalarInput(ctx, "clip", &args->cfg.clip));
       TF_RETURN_IF_ERROR(ScalarInput(ctx, "use_norm", &args->cfg.use_norm));
+    }
+    if (has_grad_scale_) {
+      tf::OpInputList gs;
+      TF_RETURN_IF_ERROR(ctx->input_list("grad_scale", &gs));
+      if (!tf::TensorShapeUtils::IsScalar(gs[0].shape())) {
+        return tf::errors::InvalidArgument("grad_scale must be a scalar, got shape ", gs[0].shape().DebugString());
+      }
+      if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+        ds->grad_scale = reinterpret_cast<const double*>(gs[0].tensor_data().data());
+#endif
+      } else {
+        args->cfg.grad_scale = gs[0].scalar<double>()();
+      }
     }
     return absl::OkStatus();
   }
@@ -462,6 +477,7 @@ class ClipApplyOp : public OpKernel {
   bool lazy_ = false;
   bool has_iterations_ = false;  // an `iterations` input: see ops.cc
   int num_absmax_ = 0;           // the `absmax` input's count (int8 state): see apply_op.h
+  bool has_grad_scale_ = false;  // the `grad_scale` input (ClipConfig::grad_scale)
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
   bool with_refs_ = false;  // TfclipClipApplyRef<Op>

@@ -136,10 +136,13 @@ FfiStatus ApplyCall::Decode(const FfiFrame& f) {
   }
   FfiBuffer sc;
   TFCLIP_FFI_RETURN_IF_ERROR(f.Arg(ScalarsArg(), &sc));
-  if (sc.dtype != XLA_FFI_DataType_F64 || sc.element_count() != NumHParams() + 2) {
+  // (grad_scale, the last, only where the op has one: calls without it keep their layout.)
+  if (sc.dtype != XLA_FFI_DataType_F64 ||
+      (sc.element_count() != NumHParams() + 2 && sc.element_count() != NumHParams() + 3)) {
     return FfiStatus::Internal("tfclip_apply: bad scalars operand");
   }
   scalars = sc.data;
+  has_grad_scale = sc.element_count() == NumHParams() + 3;
   const size_t r0 = static_cast<size_t>((nslots + 1) * n);
   void** outs[] = {&applied_out, &norm_out, &tensor_norms_out, &clipped_out, &iterations_out};
   for (size_t k = 0; k < 4 + (has_iterations ? 1u : 0u); ++k) {
@@ -237,6 +240,7 @@ void ApplyCall::ReadHostScalars(StepArgs* a) const {
   }
   a->cfg.clip = s[j];
   a->cfg.use_norm = s[j + 1];
+  if (has_grad_scale) a->cfg.grad_scale = s[j + 2];
 }
 
 }  // namespace xla_glue

@@ -47,7 +47,9 @@ struct ApplyCall {
   std::vector<int64_t> sparse;  // group positions of the IndexedSlices gradients
   uint32_t hmask = 0;           // the rule's hyper-parameters (HPBit mask)
   StepArgs step;                // rule, flags, clip mode, policy, lazy (no tensors, no scalars)
-  const void* scalars = nullptr;  // f64[popcount(hmask) + 2]: hyper-parameters, clip, use_norm
+  // f64[popcount(hmask) + 2 (+ 1)]: hyper-parameters, clip, use_norm (, grad_scale)
+  const void* scalars = nullptr;
+  bool has_grad_scale = false;  // the scalars end with grad_scale (ClipConfig::grad_scale)
   const void* iterations_in = nullptr;
   void* applied_out = nullptr;       // pred[]
   void* norm_out = nullptr;          // f32[]
@@ -62,7 +64,7 @@ struct ApplyCall {
   // Variable i's int8 state (its slot 0 is u8): the first nslots / 2 state lists are the codes,
   // the others their absmax (custom_calls.h).
   FfiStatus Int8State(const FfiFrame& f, int i, ApplyTensor* t) const;
-  // Hyper-parameters, clip and use_norm from the host scalars buffer into a->hp, a->cfg.
+  // Hyper-parameters, clip, use_norm (and grad_scale) from the host scalars buffer into a->hp, a->cfg.
   void ReadHostScalars(StepArgs* a) const;
   // Index of the first scalar operand.
   size_t ScalarsArg() const { return static_cast<size_t>((nslots + 2) * n) + sparse.size(); }

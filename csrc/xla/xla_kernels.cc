@@ -201,6 +201,7 @@ class ClipApplyXla : public XlaOpKernel {
     sum_of_squares_ = attrs.sum_of_squares;
     has_iterations_ = attrs.num_iterations > 0;
     num_absmax_ = attrs.num_absmax;
+    has_grad_scale_ = attrs.num_grad_scale > 0;
     const std::vector<int32_t>& sparse = attrs.sparse;
     sparse_of_.assign(static_cast<size_t>(n_), -1);
     for (size_t k = 0; k < sparse.size(); ++k) sparse_of_[sparse[k]] = static_cast<int>(k);
@@ -356,6 +357,13 @@ class ClipApplyXla : public XlaOpKernel {
           xla::OptimizationBarrier(xla::Tuple(b, {use_norm, xla::GetTupleElement(norm_call, 0)})), 0);
     }
     scalars.push_back(xla::Reshape(use_norm, {1}));
+    xla::XlaOp grad_scale;
+    if (has_grad_scale_) {  // (last: a call without it keeps the layout; custom_calls.h)
+      int start, stop;
+      OP_REQUIRES_OK(ctx, InputRange("grad_scale", &start, &stop));
+      grad_scale = ctx->Input(start);
+      scalars.push_back(xla::Reshape(grad_scale, {1}));
+    }
     const xla::XlaOp scalar_vec = xla::ConcatInDim(b, scalars, 0);
     xla::XlaOp counter;
     int counter_index = -1;
@@ -468,8 +476,13 @@ class ClipApplyXla : public XlaOpKernel {
     }
     // Each gradient's norm: the norm call's, or (use_norm given) what each group's step wrote
     // (NaN, or its own norms where clipnorm needs them).
-    ctx->SetOutput(kApplyOutTensorNorms, cfg_.has_use_norm ? xla::ConcatInDim(b, group_norms, 0)
-                                                           : xla::GetTupleElement(norm_call, 2));
+    // The norm call's are of the gradients as given: times grad_scale, as the step's own.
+    xla::XlaOp norms = cfg_.has_use_norm ? xla::ConcatInDim(b, group_norms, 0) : xla::GetTupleElement(norm_call, 2);
+    if (has_grad_scale_ && !cfg_.has_use_norm) {
+      norms = xla::ConvertElementType(
+          xla::Mul(xla::ConvertElementType(norms, xla::F64), grad_scale), xla::F32);
+    }
+    ctx->SetOutput(kApplyOutTensorNorms, norms);
     // Each variable's count of AGC's clipped units, the groups' in order.
     ctx->SetOutput(kApplyOutClippedUnits, xla::ConcatInDim(b, group_clipped, 0));
   }
@@ -556,6 +569,7 @@ class ClipApplyXla : public XlaOpKernel {
   std::vector<std::string> slots_;
   int nslots_ = 0;
   int num_absmax_ = 0;  // int8 state's absmax variables (the absmax input, slot-major)
+  bool has_grad_scale_ = false;  // the grad_scale input (ClipConfig::grad_scale)
   int n_ = 0;
   int64_t flags_ = 0;
   ClipConfig cfg_;

@@ -154,6 +154,29 @@ def test_handler_matches_cpu_driver(rng, rule, mode, scratch):
             np.testing.assert_allclose(got.reshape(np.shape(want)), want, rtol=4e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("scratch", ["xla", "own", "legacy"])
+@pytest.mark.parametrize("mode", ["none", "global_norm", "value"])
+def test_handler_grad_scale(rng, scratch, mode):
+    """The loss-scale unscale as the last scalar (an op with grad_scale): the handler reads it on
+    the device, and the step is the CPU driver's with that grad_scale."""
+    shapes = [(5,), (3, 4), (), (1000,)]
+    vars_, grads, slots, values, hp = _problem(rng, "adam", shapes, np.float32, np.float32)
+    grads = [np.asarray(g * np.float32(2.0 ** 12)) for g in grads]
+    clip = {"none": 0.0, "global_norm": 0.7, "value": 0.3}[mode]
+    use_norm = core.global_norm(grads)  # (of the gradients as given: the step scales it)
+    vars_d = [to_dev(v) for v in vars_]
+    slots_d = [[to_dev(s) for s in sl] for sl in slots]
+    err, applied, norm, tn, counter = call_handler("adam", vars_d, slots_d, [to_dev(g) for g in grads],
+                                                   values + [clip, use_norm, 2.0 ** -12], 0, shapes,
+                                                   np.float32, np.float32, mode, "skip", scratch=scratch)
+    assert err is None, err
+    want_norm, want_applied = core.clip_apply("adam", vars_, grads, slots, hp, mode, clip,
+                                              iterations=np.array([0], np.int64), grad_scale=2.0 ** -12)
+    assert applied and want_applied and norm == np.float32(want_norm)
+    for d, want in zip([*vars_d, *[x for sl in slots_d for x in sl]], [*vars_, *[x for sl in slots for x in sl]]):
+        _same_bits(to_host(d, np.float32), want)
+
+
 def test_handler_mixed_dtypes(rng):
     shapes = [(7,), (2, 3)]
     for var_dt, grad_dt in [(np.float32, BF16), (np.float32, np.float16), (np.float64, np.float64)]:
