@@ -59,11 +59,12 @@ import tensorflow as tf  # noqa: E402
 
 from tfclip import _opcall, _step  # noqa: E402
 from tfclip._keras_logger import GradientNormLogger  # noqa: E402, F401  (tfclip.keras.GradientNormLogger)
+from tfclip._keras_loss_scale import LossScaleOptimizer  # noqa: E402, F401  (tfclip.keras.LossScaleOptimizer)
 from tfclip._keras_step import _check_betas, _FusedMixin  # noqa: E402
 from tfclip._step import STEP, Binding  # noqa: E402
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
-           "Lamb", "GradientNormLogger", "get"] + (
+           "Lamb", "GradientNormLogger", "LossScaleOptimizer", "get"] + (
     ["ScheduleFreeAdamW"] if hasattr(keras.optimizers, "ScheduleFreeAdamW") else [])
 
 
@@ -282,5 +283,5 @@ _CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, F
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 
 # Registered so model.save / keras.models.load_model find them without custom_objects.
-for _cls in _CLASSES:
+for _cls in _CLASSES + (LossScaleOptimizer,):
     keras.saving.register_keras_serializable(package="tfclip")(_cls)
