@@ -49,7 +49,7 @@ from tfclip._step import STEP, Binding
 from tfclip._tf_keras_legacy import _LEGACY_CLASSES, legacy
 from tfclip._tf_keras_step import _FusedMixin, _tf_keras
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "legacy",
+__all__ = ["LossScaleOptimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "legacy",
            "get"]
 
 _stock = _tf_keras.optimizers
@@ -202,8 +202,10 @@ def get(identifier):
     return _stock.get(identifier)
 
 
+from tfclip._tf_keras_loss_scale import LossScaleOptimizer  # noqa: E402  (tfclip.tf_keras.LossScaleOptimizer)
+
 # Registered so tf_keras's load_model finds them without custom_objects.
-for _cls in _CLASSES:
+for _cls in _CLASSES + (LossScaleOptimizer,):
     _tf_keras.utils.register_keras_serializable(package="tfclip")(_cls)
 for _cls in _LEGACY_CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip", name="legacy." + _cls.__name__)(_cls)

@@ -1,0 +1,118 @@
+"""tfclip.tf_keras.LossScaleOptimizer (issue 47): tf_keras's dynamic loss scaling with the unscale
+and the finite check folded into a tfclip.tf_keras optimizer's passes in `minimize`
+(tfclip/_tf_keras_loss_scale.py).
+
+The reference is the stock tf_keras.mixed_precision.LossScaleOptimizer around the same tfclip
+optimizer: the scaled loss's gradients times 1 / scale (written), all checked for inf/NaN, then
+the inner step or, for a non-finite one, none. Step for step through growth and back-off, the
+variables, slots, iterations, loss scale and counter must have the same bits."""
+import numpy as np
+import pytest
+
+tf_keras = pytest.importorskip("tf_keras", reason="tf-keras (the optional Keras 2 package) is not installed: "
+                               "pip install '.[tf-keras]' to test tfclip.tf_keras")
+import tensorflow as tf  # noqa: E402
+
+import tfclip.tf_keras as tk  # noqa: E402
+from tfclip import _loader  # noqa: E402
+
+INNER = {
+    "adam_clip": lambda: tk.Adam(0.01, global_clipnorm=1.0),
+    "sgd_momentum": lambda: tk.SGD(0.05, momentum=0.9),
+    "adamw_schedule": lambda: tk.AdamW(tf_keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5),
+                                       weight_decay=0.05, clipnorm=0.5),
+    "adam_int8": lambda: tk.Adam(0.01, global_clipnorm=1.0, state_dtype="int8"),
+}
+
+
+def _same_bits(a, b, what=""):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert a.tobytes() == b.tobytes(), (what, np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+
+
+def _run(wrapper, make_inner, init, coefs, how):
+    vars_ = [tf.Variable(x) for x in init]
+    opt = wrapper(make_inner(), initial_scale=2.0 ** 15, dynamic_growth_steps=3)
+
+    def step(cs):
+        # a loss whose gradients are the coefficients (times the loss scale)
+        loss = lambda: sum(tf.reduce_sum(v * c) for v, c in zip(vars_, cs))  # noqa: E731
+        opt.minimize(loss, vars_)
+
+    run = {"eager": step, "function": tf.function(step), "xla": tf.function(step, jit_compile=True)}[how]
+    trace = []
+    for c in coefs:
+        run([tf.constant(x) for x in c])
+        trace.append([v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables]
+                     + [opt.loss_scale.numpy(), opt.dynamic_counter.numpy()])
+    return opt, trace
+
+
+@pytest.mark.parametrize("inner", sorted(INNER))
+@pytest.mark.parametrize("how", ["eager", "function", "xla"])
+def test_folded_is_the_stock_wrapper_step_for_step(rng, inner, how):
+    if how == "xla" and not _loader.xla_kernels():
+        pytest.skip("this build has no XLA kernels (tests/test_xla.py says why)")
+    init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
+    coefs = []
+    for k in range(9):
+        c = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+        if k in (2, 6):
+            c[1].flat[3] = np.inf
+        coefs.append(c)
+    ours, got = _run(tk.LossScaleOptimizer, INNER[inner], init, coefs, how)
+    stock, want = _run(tf_keras.mixed_precision.LossScaleOptimizer, INNER[inner], init, coefs, how)
+    assert ours.fold_refusal() is None
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same_bits(x, y, f"step {k}")
+    # 2**15; steps 0, 1 count; 2 backs off (2**14); 3, 4, 5 grow it (2**15); 6 backs off; 7, 8 count.
+    assert float(ours.loss_scale.numpy()) == 2.0 ** 14 and int(ours.dynamic_counter.numpy()) == 2
+    assert int(ours.iterations.numpy()) == 9  # (tf_keras counts the skipped steps too)
+
+
+def test_model_fit_under_mixed_float16(rng):
+    tf_keras.utils.set_random_seed(3)
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x = rng.normal(size=(256, 8)).astype(np.float32)
+        y = (x @ rng.normal(size=(8, 1))).astype(np.float32)
+        model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16, activation="relu"),
+                                     tf_keras.layers.Dense(1, dtype="float32")])
+        opt = tk.LossScaleOptimizer(tk.Adam(0.01, global_clipnorm=1.0))
+        model.compile(optimizer=opt, loss="mse")
+        assert model.optimizer is opt
+        hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0).history["loss"]
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    assert hist[-1] < 0.5 * hist[0]
+    assert int(opt.iterations.numpy()) == 32
+
+
+def test_refusals_and_config():
+    with pytest.raises(TypeError, match="wraps the new tf_keras optimizers"):
+        tk.LossScaleOptimizer(tk.legacy.Adam(0.01))
+    assert "use_ema" in tk.LossScaleOptimizer(tk.Adam(0.01, use_ema=True)).fold_refusal()
+    assert "not a tfclip.tf_keras one" in tk.LossScaleOptimizer(tf_keras.optimizers.Adam()).fold_refusal()
+    opt = tk.LossScaleOptimizer(tk.Adam(0.01), initial_scale=512.0, dynamic_growth_steps=5)
+    back = tk.LossScaleOptimizer.from_config(opt.get_config())
+    assert type(back.inner_optimizer) is tk.Adam and back.initial_scale == 512.0 and back.dynamic_growth_steps == 5
+
+
+def test_the_folded_step_has_no_pass_of_its_own(rng):
+    """The stock wrapper's minimize holds an IsFinite per gradient (and one more for the grown
+    scale); the folded one only that last: the op decides, and scales inside its passes."""
+    init = [rng.normal(size=s).astype(np.float32) for s in [(30,), (4, 5)]]
+
+    def ops_of(wrapper):
+        vars_ = [tf.Variable(x) for x in init]
+        opt = wrapper(tk.Adam(0.01, global_clipnorm=1.0))
+        f = tf.function(lambda: opt.minimize(lambda: sum(tf.reduce_sum(v * v) for v in vars_), vars_))
+        gd = f.get_concrete_function().graph.as_graph_def()
+        return [n.op for n in gd.node] + [n.op for fn in gd.library.function for n in fn.node_def]
+
+    stock, ours = ops_of(tf_keras.mixed_precision.LossScaleOptimizer), ops_of(tk.LossScaleOptimizer)
+    assert stock.count("IsFinite") == len(init) + 1 and ours.count("IsFinite") == 1
+    assert sum(t.startswith("TfclipClipApply") for t in ours) == 1
