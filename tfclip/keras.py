@@ -35,6 +35,10 @@ tfclip. `GradientNormLogger` writes them to TensorBoard. Differences, on purpose
 - **Threads**: one optimizer stepped eagerly by several threads builds once and runs one step
   at a time (stock Keras builds in each thread that finds it unbuilt).
 
+`LossScaleOptimizer` (mixed_float16's dynamic loss scaling; tfclip/_keras_loss_scale.py) is the
+stock wrapper with its unscale and finite check folded into a tfclip optimizer's two passes: pass
+it to `model.compile`, which keeps a LossScaleOptimizer it is given.
+
 Extra, off by default: `state_dtype="bfloat16"` (SGD with momentum, Adam, AdamW, RMSprop, Adagrad,
 Adadelta, Adamax, Nadam, Lion, Lamb) makes the slot variables of float32 variables bfloat16, half
 the optimizer state's bytes: each slot is read to float32, updated as a float32 slot, and rounded

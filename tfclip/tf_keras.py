@@ -27,7 +27,9 @@ slots stored as bfloat16; "int8": as uint8 codes with a float32 absmax variable 
 value per 256 elements, `tfclip_absmax(slot)`, saved with the optimizer; all classes but Ftrl;
 docs/low-precision-state.md).
 `global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and `clip_scale_sum` are tfclip's
-own variables, outside `optimizer.variables` and checkpoints.
+own variables, outside `optimizer.variables` and checkpoints. `LossScaleOptimizer` (for the new
+optimizers) folds mixed_float16's unscale and finite check into `minimize`'s one fused step
+(tfclip/_tf_keras_loss_scale.py).
 
 `Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
 stock advances its momentum-cache product once per variable there).
