@@ -27,7 +27,7 @@ tfclip.keras.Adam(...)))`.
 import keras
 import tensorflow as tf
 
-from tfclip import _keras_step
+from tfclip import _keras_step, _step
 from tfclip import clipping as _clipping
 
 
@@ -66,12 +66,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # The scale before this step's update (stock divides by it); 1 / scale in float64 is
         # exact for a power of two.
         grad_scale = 1.0 / tf.cast(_keras_step._tf_var(self.dynamic_scale), tf.float64)
-        object.__setattr__(inner, "_tfclip_loss_scale", grad_scale)
-        try:
-            inner.apply(grads, trainable_variables=trainable_variables)
-        finally:
-            object.__setattr__(inner, "_tfclip_loss_scale", None)
-        applied = inner.__dict__.pop("_tfclip_loss_scale_applied")
+        applied = _step.with_loss_scale(inner, grad_scale,
+                                        lambda: inner.apply(grads, trainable_variables=trainable_variables))
         # Stock calls the inner step only for finite gradients: a skipped one does not count.
         inner.iterations.assign_add(tf.cast(applied, inner.iterations.dtype) - 1)
 

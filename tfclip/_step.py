@@ -119,6 +119,19 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     return StepResult(norm, applied, tensor_norms, clipped_units, clip_mode, clip, adaptive, update)
 
 
+def with_loss_scale(opt, grad_scale, apply):
+    """Runs `apply()`, the optimizer's own apply call, with a loss scale's unscale `grad_scale`
+    folded into its fused step (the drop-ins' step passes `opt._tfclip_loss_scale` to `run` and
+    keeps its `applied` in `opt._tfclip_loss_scale_applied`); returns whether the step was
+    applied. tfclip.keras's and tfclip.tf_keras's LossScaleOptimizer call it."""
+    object.__setattr__(opt, "_tfclip_loss_scale", grad_scale)
+    try:
+        apply()
+    finally:
+        object.__setattr__(opt, "_tfclip_loss_scale", None)
+    return opt.__dict__.pop("_tfclip_loss_scale_applied")
+
+
 def partition(keys):
     """The groups of a step: [(key, [indices])] for the variables' keys, sorted by key (one op
     each, in that order)."""

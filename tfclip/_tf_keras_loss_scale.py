@@ -19,7 +19,7 @@ import tf_keras
 from tf_keras.src.mixed_precision import loss_scale_optimizer as _lso
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _tf_keras_step
+from tfclip import _step, _tf_keras_step
 from tfclip import clipping as _clipping
 
 
@@ -79,12 +79,8 @@ class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
         grads_and_vars = self.inner_optimizer.aggregate_gradients(grads_and_vars)
         inner = self.inner_optimizer
         grad_scale = 1.0 / tf.cast(self.loss_scale, tf.float64)  # (exact for a power of two)
-        object.__setattr__(inner, "_tfclip_loss_scale", grad_scale)
-        try:
-            inner.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
-        finally:
-            object.__setattr__(inner, "_tfclip_loss_scale", None)
-        applied = inner.__dict__.pop("_tfclip_loss_scale_applied")
+        applied = _step.with_loss_scale(
+            inner, grad_scale, lambda: inner.apply_gradients(grads_and_vars, skip_gradients_aggregation=True))
         if not isinstance(self._loss_scale, _lso._DynamicLossScaleState):
             return None  # a fixed loss scale
         state = self._loss_scale
