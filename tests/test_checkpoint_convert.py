@@ -304,9 +304,10 @@ def test_int8_object_based_both_ways(rng, kind, tmp_path):
         _same_bits(w.numpy(), reference.dequantize_blockwise(c.numpy(), absmax.numpy(), signed).reshape(c.shape))
 
 
-def test_int8_errors(rng, tmp_path):
-    """A TF1 Saver's int8 checkpoint is refused by name; a layout whose counterpart is missing is
-    an error naming the tensor, and nothing is written."""
+def test_int8_errors_and_other_uint8_variables(rng, tmp_path):
+    """A layout whose counterpart is missing is an error naming it, and nothing is written; a
+    src_like holding no tfclip optimizer with int8 state is refused; a uint8 variable of the
+    model's own (not int8 state) is copied as it is."""
     opt = tfclip.keras.Adam(0.01, state_dtype="int8")
     vars_ = _keras_run(rng, opt, steps=1)
     path = tf.train.Checkpoint(opt=opt, v=vars_).save(str(tmp_path / "a" / "c"))
@@ -316,7 +317,18 @@ def test_int8_errors(rng, tmp_path):
         tfclip.convert_checkpoint(path, tmp_path / "out" / "c", like=tf.train.Checkpoint(opt=stock, v=vars_[:2]),
                                   src_like=tf.train.Checkpoint(opt=opt, v=vars_))
     assert not os.path.exists(tmp_path / "out")
-    with pytest.raises(ValueError, match="does not say whose int8 state"):
+    with pytest.raises(ValueError, match="holds no tfclip optimizer with int8 state"):
         tfclip.convert_checkpoint(path, tmp_path / "out" / "c", like=tf.train.Checkpoint(opt=stock, v=vars_[:2]),
                                   src_like=tf.train.Checkpoint(v=vars_, o=tf.Variable(np.zeros(3, np.uint8))))
     assert not os.path.exists(tmp_path / "out")
+    # A model's own uint8 variable beside int8 state, into a stock float32 layout: copied.
+    flag = tf.Variable(np.arange(5, dtype=np.uint8))
+    src = tf.train.Checkpoint(opt=opt, v=vars_, flag=flag).save(str(tmp_path / "b" / "c"))
+    back = keras.optimizers.Adam(0.01)
+    back.build(vars_)
+    flag2 = tf.Variable(np.zeros(5, np.uint8))
+    like = tf.train.Checkpoint(opt=back, v=vars_, flag=flag2)
+    tfclip.convert_checkpoint(src, tmp_path / "fp" / "c", like=like,
+                              src_like=tf.train.Checkpoint(opt=opt, v=vars_, flag=flag))
+    like.restore(str(tmp_path / "fp" / "c")).assert_consumed()
+    _same_bits(flag2.numpy(), np.arange(5, dtype=np.uint8))

@@ -502,6 +502,22 @@ def test_compat_v1_int8_state(rng, name, tmp_path):
     assert f"a0/{a.get_name()}_{slot_names[0]}_absmax" in names
 
 
+def test_compat_v1_int8_state_indexed_slices_are_densified(rng):
+    """An embedding's IndexedSlices gradient on an int8-state variable is applied as its dense
+    sum (duplicate rows summed), as the other front doors apply it."""
+    init = rng.normal(size=(10, 4)).astype(np.float32)
+    vals = tf.constant(rng.normal(size=(3, 4)).astype(np.float32))
+    idx = tf.constant([1, 7, 1])
+    a, b = tf.Variable(init), tf.Variable(init)
+    oa = tfclip.compat.v1.AdamOptimizer(0.01, state_dtype="int8")
+    ob = tfclip.compat.v1.AdamOptimizer(0.01, state_dtype="int8")
+    oa.apply_gradients([(tf.IndexedSlices(vals, idx, tf.constant([10, 4])), a)])
+    ob.apply_gradients([(tf.math.unsorted_segment_sum(vals, idx, 10), b)])
+    _same_bits(a.numpy(), b.numpy())
+    for s in ("m", "v", "m_absmax", "v_absmax"):
+        _same_bits(oa.get_slot(a, s).numpy(), ob.get_slot(b, s).numpy())
+
+
 def test_compat_v1_int8_state_refuses_ref_variables():
     with tf.Graph().as_default():
         v = tf.compat.v1.Variable([1.0, 2.0], use_resource=False)

@@ -25,6 +25,15 @@ INNER = {
 }
 
 
+def _count_folds(monkeypatch):
+    """A list that gets an entry each time a step is built with the unscale folded in."""
+    from tfclip import _step
+
+    calls, real = [], _step.with_loss_scale
+    monkeypatch.setattr(_step, "with_loss_scale", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def _same_bits(a, b, what=""):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype and a.shape == b.shape, what
@@ -102,9 +111,11 @@ def test_the_folded_step_has_no_pass_of_its_own(rng):
     assert sum(t.startswith("TfclipClipApply") for t in ours) == 1
 
 
-def test_model_fit_under_mixed_float16(rng):
+def test_model_fit_under_mixed_float16(rng, monkeypatch):
     """model.fit with mixed_float16 and tfclip's wrapper given to compile (which keeps a
-    LossScaleOptimizer it is given): it trains, the scale stays a power of two."""
+    LossScaleOptimizer it is given): the fold runs (the step is built through it), it trains,
+    the scale stays a power of two."""
+    folded = _count_folds(monkeypatch)
     keras.utils.set_random_seed(2)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -118,7 +129,7 @@ def test_model_fit_under_mixed_float16(rng):
         hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0).history["loss"]
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    assert hist[-1] < 0.5 * hist[0]
+    assert hist[-1] < 0.5 * hist[0] and folded
     scale = float(opt.dynamic_scale.numpy())
     assert scale == 2.0 ** round(np.log2(scale))
     assert int(opt.iterations.numpy()) <= 32
@@ -134,6 +145,11 @@ def test_config_round_trip_and_refusals(rng):
     assert "use_ema" in tfclip.keras.LossScaleOptimizer(tfclip.keras.Adam(use_ema=True)).fold_refusal(g, [])
     assert "AGC" in tfclip.keras.LossScaleOptimizer(
         tfclip.keras.Adam(clip=tfclip.clipping.AGC(0.01))).fold_refusal(g, [])
+    assert "not a power of two" in tfclip.keras.LossScaleOptimizer(
+        tfclip.keras.Adam(), initial_scale=1000.0).fold_refusal(g, [])
+    constrained = [keras.Variable(np.zeros(3, np.float32))]
+    constrained[0].constraint = keras.constraints.NonNeg()  # (as Layer.add_weight sets it)
+    assert "constraint" in tfclip.keras.LossScaleOptimizer(tfclip.keras.Adam()).fold_refusal(g, constrained)
 
 
 def test_refused_fold_runs_the_stock_wrapper(rng):
@@ -147,3 +163,22 @@ def test_refused_fold_runs_the_stock_wrapper(rng):
     for a, b in zip(got, want):
         for x, y in zip(a, b):
             _same_bits(x, y)
+
+
+def test_the_unscale_being_folded_is_the_building_threads_own():
+    """Another thread stepping the same inner optimizer meanwhile does not see it (nor, eagerly,
+    run at the same time: the optimizer's lock), and it is gone afterwards."""
+    import threading
+
+    from tfclip import _step
+
+    opt, seen = tfclip.keras.Adam(0.01), []
+
+    def apply():
+        t = threading.Thread(target=lambda: seen.append(_step.loss_scale(opt)))
+        t.start()
+        t.join()
+        seen.append(_step.loss_scale(opt))
+
+    assert bool(_step.with_loss_scale(opt, 0.5, apply))  # (no fused step ran: counted as applied)
+    assert seen == [None, 0.5] and _step.loss_scale(opt) is None

@@ -25,6 +25,15 @@ INNER = {
 }
 
 
+def _count_folds(monkeypatch):
+    """A list that gets an entry each time a step is built with the unscale folded in."""
+    from tfclip import _step
+
+    calls, real = [], _step.with_loss_scale
+    monkeypatch.setattr(_step, "with_loss_scale", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def _same_bits(a, b, what=""):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype and a.shape == b.shape, what
@@ -44,8 +53,11 @@ def _run(wrapper, make_inner, init, coefs, how):
     trace = []
     for c in coefs:
         run([tf.constant(x) for x in c])
+        # (a schedule's value as of the last applied step too: checkpointed, and opt.learning_rate)
+        lr = getattr(opt.inner_optimizer, "_current_learning_rate", None)
         trace.append([v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables]
-                     + [opt.loss_scale.numpy(), opt.dynamic_counter.numpy()])
+                     + [opt.loss_scale.numpy(), opt.dynamic_counter.numpy()]
+                     + ([lr.numpy()] if isinstance(lr, tf.Variable) else []))
     return opt, trace
 
 
@@ -73,7 +85,9 @@ def test_folded_is_the_stock_wrapper_step_for_step(rng, inner, how):
     assert int(ours.iterations.numpy()) == 9  # (tf_keras counts the skipped steps too)
 
 
-def test_model_fit_under_mixed_float16(rng):
+def test_model_fit_under_mixed_float16(rng, monkeypatch):
+    """model.fit (minimize) with tfclip's wrapper given to compile: the fold runs, it trains."""
+    folded = _count_folds(monkeypatch)
     tf_keras.utils.set_random_seed(3)
     tf_keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -87,14 +101,31 @@ def test_model_fit_under_mixed_float16(rng):
         hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0).history["loss"]
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
-    assert hist[-1] < 0.5 * hist[0]
+    assert hist[-1] < 0.5 * hist[0] and folded
     assert int(opt.iterations.numpy()) == 32
+
+
+def test_a_constrained_variable_runs_the_stock_passes(rng):
+    """Stock leaves a constrained variable be on a skipped step; the folded step would run its
+    constraint: minimize takes the stock passes, with the stock results."""
+    init = [rng.normal(size=(20,)).astype(np.float32)]
+    out = []
+    for wrapper in (tk.LossScaleOptimizer, tf_keras.mixed_precision.LossScaleOptimizer):
+        v = tf.Variable(init[0], constraint=lambda w: tf.clip_by_norm(w, 1.0))
+        opt = wrapper(tk.Adam(0.01))
+        for k in range(3):
+            c = tf.constant(np.inf if k == 1 else 1.0, tf.float32)
+            opt.minimize(lambda: tf.reduce_sum(v * c), [v])
+        out.append(v.numpy())
+    _same_bits(out[0], out[1])
 
 
 def test_refusals_and_config():
     with pytest.raises(TypeError, match="wraps the new tf_keras optimizers"):
         tk.LossScaleOptimizer(tk.legacy.Adam(0.01))
     assert "use_ema" in tk.LossScaleOptimizer(tk.Adam(0.01, use_ema=True)).fold_refusal()
+    assert "fixed loss scale" in tk.LossScaleOptimizer(tk.Adam(0.01), dynamic=False, initial_scale=128).fold_refusal()
+    assert "not a power of two" in tk.LossScaleOptimizer(tk.Adam(0.01), initial_scale=1000.0).fold_refusal()
     assert "not a tfclip.tf_keras one" in tk.LossScaleOptimizer(tf_keras.optimizers.Adam()).fold_refusal()
     opt = tk.LossScaleOptimizer(tk.Adam(0.01), initial_scale=512.0, dynamic_growth_steps=5)
     back = tk.LossScaleOptimizer.from_config(opt.get_config())

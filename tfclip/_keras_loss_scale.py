@@ -17,8 +17,9 @@ follow the stock wrapper around the same tfclip optimizer step for step, bit for
 The stock path runs instead (the same results, the passes unfolded) around an optimizer that is
 not tfclip's, and where the fold cannot apply: under a strategy whose replicas meet in
 `merge_call` (MirroredStrategy), with `use_ema`, `gradient_accumulation_steps`, a
-`loss_scale_factor` of the inner optimizer, variables with `overwrite_with_gradient`, AGC
-(`clip=tfclip.clipping.AGC(...)`), or an XLA step tfclip's kernels cannot run.
+`loss_scale_factor` of the inner optimizer, variables with `overwrite_with_gradient` or a
+constraint (stock leaves them be on a skipped step), AGC (`clip=tfclip.clipping.AGC(...)`), an
+`initial_scale` that is no power of two, or an XLA step tfclip's kernels cannot run.
 
 `model.compile` wraps its optimizer in the stock wrapper under `mixed_float16` unless it is given
 a LossScaleOptimizer: pass this one, `model.compile(optimizer=tfclip.keras.LossScaleOptimizer(
@@ -49,9 +50,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return "the inner optimizer has a loss_scale_factor"
         if isinstance(inner.clip, _clipping.AGC):
             return "AGC's unit scales count the units they clip, from the unscaled gradients"
+        if not _step.power_of_two(self.initial_scale):
+            return (f"initial_scale {self.initial_scale} is not a power of two (the fold's g * (1 / scale) "
+                    "is the stock g / scale only for one)")
         tvars = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         if any(getattr(v, "overwrite_with_gradient", False) for v in tvars):
             return "a variable has overwrite_with_gradient (the stock wrapper does not unscale its gradient)"
+        if any(getattr(v, "constraint", None) is not None for v in tvars):
+            return "a variable has a constraint (stock skips it with the step; the folded step runs it)"
         if _keras_step._in_xla_context():
             why = _keras_step._xla_fallback_reason(inner, [g for g in grads if g is not None],
                                                    [_keras_step._tf_var(v) for v in tvars])

@@ -277,7 +277,7 @@ class _FusedMixin(_optstate.NormState):
         # build without them takes the stock ops there, and says so once.
         why = _xla_fallback_reason(self, grads, tvars) if _in_xla_context() else None
         if why is not None:
-            if getattr(self, "_tfclip_loss_scale", None) is not None:  # (its wrapper checked first)
+            if _step.loss_scale(self) is not None:  # (its wrapper checked first)
                 raise RuntimeError(f"tfclip.keras.LossScaleOptimizer folded its unscale into a step that "
                                    f"cannot run tfclip's kernels: {why}")
             _warn_xla_fallback(why)
@@ -311,12 +311,12 @@ class _FusedMixin(_optstate.NormState):
         # Inside tfclip.keras.LossScaleOptimizer (tfclip/_keras_loss_scale.py): the unscale is
         # folded in, and a non-finite step is skipped (the loss scale backs off), whatever
         # `nonfinite` says, as the stock wrapper skips the inner step.
-        loss_scale = getattr(self, "_tfclip_loss_scale", None)
+        loss_scale = _step.loss_scale(self)
         result = _step.run(grads, groups, mode, clip, clip_obj=self.clip,
                            nonfinite=self.nonfinite if loss_scale is None else "skip",
                            lazy=self.lazy_sparse, keras_sparse_squares=True, grad_scale=loss_scale)
         if loss_scale is not None:
-            object.__setattr__(self, "_tfclip_loss_scale_applied", result.applied)
+            _step.loss_scale_applied(self, result.applied)
         self._record_norms(result.global_norm, result.applied, result.tensor_norms, keras_vars,
                            result.clip_mode, result.clip,
                            None if result.adaptive is None else result.adaptive.threshold, result.clipped_units)

@@ -25,6 +25,7 @@ Imports flow one way: the front doors import this module; it imports `_opcall`, 
 import collections
 import contextlib
 import math
+import threading
 
 import tensorflow as tf
 
@@ -119,17 +120,44 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     return StepResult(norm, applied, tensor_norms, clipped_units, clip_mode, clip, adaptive, update)
 
 
+# The loss-scale unscales being folded into a step, per thread (as a step is built: eagerly or
+# traced), by the optimizer's id: [grad_scale, the step's `applied`].
+_LOSS_SCALE = threading.local()
+
+
 def with_loss_scale(opt, grad_scale, apply):
     """Runs `apply()`, the optimizer's own apply call, with a loss scale's unscale `grad_scale`
-    folded into its fused step (the drop-ins' step passes `opt._tfclip_loss_scale` to `run` and
-    keeps its `applied` in `opt._tfclip_loss_scale_applied`); returns whether the step was
-    applied. tfclip.keras's and tfclip.tf_keras's LossScaleOptimizer call it."""
-    object.__setattr__(opt, "_tfclip_loss_scale", grad_scale)
+    folded into its fused step (the drop-ins' step reads it with `loss_scale(opt)` and gives
+    back its `applied` with `loss_scale_applied`); returns whether the step was applied (True
+    where no fused step ran: no gradients, as stock then counts the step). Eagerly under the
+    optimizer's lock: one thread's scale never meets another's step. tfclip.keras's and
+    tfclip.tf_keras's LossScaleOptimizer call it."""
+    folding = _LOSS_SCALE.__dict__.setdefault("by_id", {})
+    entry = folding[id(opt)] = [grad_scale, None]
+    lock = _opcall.state_lock(opt) if tf.executing_eagerly() else contextlib.nullcontext()
     try:
-        apply()
+        with lock:
+            apply()
     finally:
-        object.__setattr__(opt, "_tfclip_loss_scale", None)
-    return opt.__dict__.pop("_tfclip_loss_scale_applied")
+        folding.pop(id(opt), None)
+    return tf.constant(True) if entry[1] is None else entry[1]
+
+
+def power_of_two(x):
+    """Whether the number x is a power of two (a loss scale whose unscale folds exactly)."""
+    m, _ = math.frexp(float(x))
+    return m == 0.5
+
+
+def loss_scale(opt):
+    """The unscale `with_loss_scale` is folding into `opt`'s step in this thread, or None."""
+    entry = getattr(_LOSS_SCALE, "by_id", {}).get(id(opt))
+    return None if entry is None else entry[0]
+
+
+def loss_scale_applied(opt, applied):
+    """The folded step's `applied`, for `with_loss_scale`."""
+    getattr(_LOSS_SCALE, "by_id", {})[id(opt)][1] = applied
 
 
 def partition(keys):

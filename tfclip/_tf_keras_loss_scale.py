@@ -11,7 +11,8 @@ loss scale's update is the stock one (`_DynamicLossScaleState.update`: grow by `
 `growth_steps` applied steps, back off to at least 1 after a non-finite one; `iterations`
 advance either way, as stock). `apply_gradients` given gradients already unscaled (a custom loop
 calling `get_unscaled_gradients`) and the cases the fold cannot take (an inner optimizer not
-tfclip's, `use_ema`, AGC, a strategy whose replicas meet in merge_call, an XLA step without
+tfclip's, `use_ema`, AGC, a fixed loss scale, an `initial_scale` that is no power of two, a
+variable with a constraint, a strategy whose replicas meet in merge_call, an XLA step without
 tfclip's kernels) run the stock wrapper's passes.
 """
 import tensorflow as tf
@@ -51,6 +52,11 @@ class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
             return "the inner optimizer has use_ema (stock skips its average on a skipped step)"
         if isinstance(inner.clip, _clipping.AGC):
             return "AGC's unit scales count the units they clip, from the unscaled gradients"
+        if not self.dynamic:
+            return "a fixed loss scale (stock applies every step under the inner optimizer's own policy)"
+        if not _step.power_of_two(self.initial_scale):
+            return (f"initial_scale {self.initial_scale} is not a power of two (the fold's g * (1 / scale) "
+                    "is the stock one only for one)")
         if inner._mesh or inner._run_with_dtensor:
             return "DTensor"
         if not tf.__internal__.distribute.strategy_supports_no_merge_call():
@@ -66,6 +72,11 @@ class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
         with tape:
             loss = self.get_scaled_loss(loss)
         grads_and_vars = self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
+        if any(getattr(v, "constraint", None) is not None for _, v in grads_and_vars):
+            # (stock leaves a constrained variable be on a skipped step; the folded step runs
+            # the constraint): the stock passes, as stock minimize
+            grads = self.get_unscaled_gradients([g for g, _ in grads_and_vars])
+            return self.apply_gradients(zip(grads, [v for _, v in grads_and_vars]))
         self._gradients_have_been_unscaled = True  # (inside the step: no warning)
         return self._apply_scaled(grads_and_vars)
 
@@ -79,10 +90,14 @@ class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
         grads_and_vars = self.inner_optimizer.aggregate_gradients(grads_and_vars)
         inner = self.inner_optimizer
         grad_scale = 1.0 / tf.cast(self.loss_scale, tf.float64)  # (exact for a power of two)
+        # A schedule's value as of the last applied step: stock recomputes it only in the inner
+        # apply_gradients, which a skipped step never reaches.
+        lr_var = getattr(inner, "_current_learning_rate", None)
+        lr_before = tf.identity(lr_var) if isinstance(lr_var, tf.Variable) else None
         applied = _step.with_loss_scale(
             inner, grad_scale, lambda: inner.apply_gradients(grads_and_vars, skip_gradients_aggregation=True))
-        if not isinstance(self._loss_scale, _lso._DynamicLossScaleState):
-            return None  # a fixed loss scale
+        if lr_before is not None:
+            tf.cond(applied, lambda: _graph_op(tf.no_op()), lambda: _graph_op(lr_var.assign(lr_before)))
         state = self._loss_scale
 
         def finite():

@@ -373,12 +373,12 @@ class _FusedMixin(_optstate.NormState):
         mode, clip = self._clip_mode()
         # Inside tfclip.tf_keras.LossScaleOptimizer (tfclip/_tf_keras_loss_scale.py): the unscale
         # folded in, a non-finite step skipped (the loss scale backs off) whatever `nonfinite` says.
-        loss_scale = getattr(self, "_tfclip_loss_scale", None)
+        loss_scale = _step.loss_scale(self)
         result = _step.run(grads, groups, mode, clip, clip_obj=self.clip,
                            nonfinite=self.nonfinite if loss_scale is None else "skip",
                            lazy=self._tfclip_lazy(), grad_scale=loss_scale)
         if loss_scale is not None:
-            object.__setattr__(self, "_tfclip_loss_scale_applied", result.applied)
+            _step.loss_scale_applied(self, result.applied)
         self._record_norms(result.global_norm, result.applied, result.tensor_norms, tvars, result.clip_mode,
                            result.clip, None if result.adaptive is None else result.adaptive.threshold,
                            result.clipped_units)

@@ -199,8 +199,10 @@ def _convert_int8(src, dst, reader, target, src_like):
     from tfclip import _core
 
     source = _Layout(reader.get_variable_to_dtype_map(), reader.get_variable_to_shape_map(), {}, None)
-    for layout, given, arg in ((source, src_like, "src_like"), (target, None, "like")):
-        if not _is_int8(layout):
+    # A side whose uint8 tensors the other side lacks holds int8 state (a uint8 variable of the
+    # model's own is on both): described by live objects.
+    for layout, given, arg, other in ((source, src_like, "src_like", target), (target, None, "like", source)):
+        if not _is_int8(layout) - _is_int8(other):
             continue
         if arg == "src_like":
             if given is None:
@@ -213,11 +215,11 @@ def _convert_int8(src, dst, reader, target, src_like):
             raise ValueError("convert_checkpoint: the layout wanted holds int8 optimizer state (uint8 codes); "
                              "pass like= as a tf.train.Checkpoint over the objects that will restore it, not a "
                              "path: a path does not say each slot's absmax and code")
-        missing = sorted(_is_int8(layout) - set(layout.int8))
-        if missing:
-            raise ValueError(f"convert_checkpoint: {arg}= does not say whose int8 state these uint8 tensors are "
-                             f"(no tfclip optimizer under it made them): {', '.join(missing)}. A TF1 Saver's "
-                             "checkpoint of int8 state is not converted; object-based ones are")
+        if not layout.int8:
+            raise ValueError(f"convert_checkpoint: {arg}= holds no tfclip optimizer with int8 state, yet the "
+                             f"checkpoint has uint8 tensors ({', '.join(sorted(_is_int8(layout)))}). A TF1 "
+                             "Saver's checkpoint of int8 state is not converted; object-based ones are")
+        # (any other uint8 tensor is a variable of its own: copied as it is)
     by_canon = {c: n for n, c in _canonical(source).items()}
     values, converted, problems, used = {}, [], [], set()
     dtypes, casts = dict(target.dtypes), {}  # (what each value is fed as, and cast to)
@@ -231,27 +233,30 @@ def _convert_int8(src, dst, reader, target, src_like):
         if source.shapes[s] != target.shapes[name]:
             problems.append(f"{name}: shape {source.shapes[s]} in {src}, {target.shapes[name]} in the layout wanted")
             continue
-        if td == sd and td != tf.uint8:
+        q_src, q_tgt = s in (source.int8 or {}), name in (target.int8 or {})  # int8 state's codes?
+        if td == sd and not q_src and not q_tgt:
             values[name] = reader.get_tensor(s)
             continue
-        if not ({td, sd} <= {tf.float32, tf.bfloat16, tf.uint8}):
-            problems.append(f"{name}: {sd.name} in {src}, {td.name} in the layout wanted (only float32, "
+        kinds = {"int8 state" if q else d.name for q, d in ((q_src, sd), (q_tgt, td))}
+        if not kinds <= {"float32", "bfloat16", "int8 state"}:
+            problems.append(f"{name}: {'int8 state' if q_src else sd.name} in {src}, "
+                            f"{'int8 state' if q_tgt else td.name} in the layout wanted (only float32, "
                             "bfloat16 and int8 state convert)")
             continue
         value = reader.get_tensor(s)
-        if sd == tf.uint8:  # dequantized: code[byte] * absmax, float32
+        if q_src:  # dequantized: code[byte] * absmax, float32
             absmax, signed = source.int8[s]
-            if td == tf.uint8 and target.int8[name][1] == signed:  # the same state: as it is
+            if q_tgt and target.int8[name][1] == signed:  # the same state: as it is
                 values[name], values[target.int8[name][0]] = value, reader.get_tensor(absmax)
                 continue
             value = _core.dequantize_blockwise(value, reader.get_tensor(absmax), signed)
-        if td == tf.uint8:
+        if q_tgt:
             absmax, signed = target.int8[name]
             value = np.ascontiguousarray(np.asarray(value).astype(np.float32))  # (bfloat16 widens exactly)
             values[name], values[absmax] = _core.quantize_blockwise(value, signed)
         else:
             values[name] = value
-            dtypes[name] = sd if sd != tf.uint8 else tf.float32
+            dtypes[name] = tf.float32 if q_src else sd
             casts[name] = td
         converted.append(name)
     lost = sorted(set(_canonical(source)) - used)

@@ -314,15 +314,23 @@ class _Fused(tf.compat.v1.train.Optimizer):
             hparams["weight_decay"] = 0.0  # (the TF1 classes have none)
         hparams = {k: _f64(v, k) for k, v in hparams.items()}
         names = [stock for _, stock in binding.slot_names(self)]  # in the op's order
+        given = list(var_list)  # (the gradients' order)
         positions = [i for i, v in enumerate(var_list) if _is_ref(v)]
         refs = None
         if positions:  # TF1 ref variables: the ref op, which takes them with any resources
             ref_vars = [var_list[i] for i in positions]
             var_list = [v for v in var_list if not _is_ref(v)]
             refs = (positions, ref_vars, [[self._slot_of(v, s, True) for v in ref_vars] for s in names])
-        # int8 state's absmax slots, slot-major (the op's `absmax` input)
-        absmax = [self.get_slot(v, f"{s}_absmax").handle for s in names for v in var_list
-                  if self.get_slot(v, s).dtype.base_dtype == tf.uint8]
+        # int8 state's absmax slots, slot-major (the op's `absmax` input); such a variable's
+        # IndexedSlices gradient applied densified (the core requantizes whole blocks), as the
+        # other front doors do
+        int8 = [self.get_slot(v, names[0]).dtype.base_dtype == tf.uint8 if names and not _is_ref(v) else False
+                for v in var_list]
+        absmax = [self.get_slot(v, f"{s}_absmax").handle for s in names for v, q in zip(var_list, int8) if q]
+        if any(int8):
+            dense = {id(v) for v, q in zip(var_list, int8) if q}
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and id(v) in dense else g
+                     for g, v in zip(grads, given)]
         group = _step.Group(kind, [v.handle for v in var_list],
                             [[self._slot_of(v, s, False).handle for v in var_list] for s in names],
                             hparams, flags, refs=refs, absmax=absmax)
