@@ -26,6 +26,17 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture
+def folded_steps(monkeypatch):
+    """A list that gets an entry each time a LossScaleOptimizer builds a step with its unscale
+    folded in (tfclip._step.with_loss_scale): the fold ran, not the stock passes."""
+    from tfclip import _step
+
+    calls, real = [], _step.with_loss_scale
+    monkeypatch.setattr(_step, "with_loss_scale", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 # ---------------------------------------------------------------- tests/gpu: no silent skips
 # The CUDA parity suite cannot skip silently where it is required to run: with
 # TFCLIP_REQUIRE_GPU=1 (CI's emulated run, GPU hosts) a skipped test there is a failure, except

@@ -108,16 +108,6 @@ _KERAS_UNSIGNED_SLOTS = frozenset({"velocity", "velocity_hat", "accumulator", "a
                                    "accumulated_delta_var", "u", "norm"})  # (Adamax: "norm")
 
 
-def _initial_number(initializer):
-    """A slot initializer's constant (the stock classes pass "zeros" or a Constant)."""
-    if isinstance(initializer, str) and initializer == "zeros":
-        return 0.0
-    value = getattr(initializer, "value", None)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"int8 optimizer state starts from a constant; got the initializer {initializer!r}")
-
-
 class _FusedMixin(_optstate.NormState):
     """The fused update every drop-in shares (see the module docstring)."""
 
@@ -182,7 +172,7 @@ class _FusedMixin(_optstate.NormState):
         if dtype == tf.as_dtype(reference_variable.dtype) or name in ("average", "gradient_accumulator"):
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         if dtype == tf.uint8:  # int8 state: the codes, and their absmax beside them
-            index, absmax = _rule.int8_start(_initial_number(initializer), name not in _KERAS_UNSIGNED_SLOTS)
+            index, absmax = _rule.int8_start(_rule.initial_number(initializer), name not in _KERAS_UNSIGNED_SLOTS)
             initializer = keras.initializers.Constant(index)
         object.__setattr__(self, "_tfclip_slot_dtype", dtype.name)
         try:

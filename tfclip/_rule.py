@@ -77,6 +77,22 @@ def int8_start(value, is_signed):
     raise ValueError(f"a slot kept >= 0 cannot start at {value}")
 
 
+def initial_number(initial):
+    """A slot's constant start, which int8 state starts from, as the stock slot makers give it:
+    None or "zeros" (0), a number, a constant tensor of one value, or an initializer holding a
+    number (`.value`: Keras's and TF's Constant)."""
+    if initial is None or (isinstance(initial, str) and initial == "zeros"):
+        return 0.0
+    value = getattr(initial, "value", initial)  # (an initializer's constant)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, tf.Tensor):
+        a = tf.get_static_value(value)
+        if a is not None and a.size and (a == a.flat[0]).all():
+            return float(a.flat[0])
+    raise ValueError(f"int8 optimizer state starts from a constant; got the initial value {initial!r}")
+
+
 def int8_blocks(shape):
     """The absmax count of int8 state for a variable of `shape`: one per QUANT_BLOCK elements."""
     return -(-tf.TensorShape(shape).num_elements() // QUANT_BLOCK)

@@ -10,9 +10,9 @@ import tensorflow as tf
 from tfclip import _opcall, _rule, _step
 from tfclip import clipping as _clipping
 from tfclip._step import Binding
-from tfclip._tf_keras_step import (_UNSIGNED_SLOTS, _FusedMixin, _in_xla_context, _initial_number,
-                                   _optimizer_utils, _outer_graph, _refuse_stock_step, _slots_as,
-                                   _state_variable, _tf_keras, _xla_kernels)
+from tfclip._tf_keras_step import (_UNSIGNED_SLOTS, _FusedMixin, _in_xla_context, _optimizer_utils,
+                                   _outer_graph, _refuse_stock_step, _slots_as, _state_variable, _tf_keras,
+                                   _xla_kernels)
 
 _legacy_stock = _tf_keras.optimizers.legacy
 _LEGACY_WARNED = set()
@@ -63,7 +63,7 @@ class _LegacyFusedMixin(_FusedMixin):
                 return super().add_slot(var, slot_name, initializer, shape)
         absmax = 0.0  # (restored with the codes)
         if not isinstance(initializer, tf.__internal__.tracking.CheckpointInitialValueCallable):
-            index, absmax = _rule.int8_start(_initial_number(initializer), slot_name not in _UNSIGNED_SLOTS)
+            index, absmax = _rule.int8_start(_rule.initial_number(initializer), slot_name not in _UNSIGNED_SLOTS)
             initializer = _tf_keras.initializers.Constant(index)
         with _slots_as(dtype):
             slot = super().add_slot(var, slot_name, initializer, shape)

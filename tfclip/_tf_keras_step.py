@@ -93,21 +93,6 @@ _UNSIGNED_SLOTS = frozenset({"v", "vhat", "u", "accumulator", "velocity", "accum
                              "rms", "accum_grad", "accum_var"})  # the legacy ones beside them
 
 
-def _initial_number(initial):
-    """A slot's constant start (int8 state starts from one): None or "zeros" (0), a number, a
-    constant tensor of one value, or an initializer holding a number (`.value`)."""
-    if initial is None or (isinstance(initial, str) and initial == "zeros"):
-        return 0.0
-    value = getattr(initial, "value", initial)  # (an initializer's constant)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, tf.Tensor):
-        a = tf.get_static_value(value)
-        if a is not None and a.size and (a == a.flat[0]).all():
-            return float(a.flat[0])
-    raise ValueError(f"int8 optimizer state starts from a constant; got the initial value {initial!r}")
-
-
 def _state_variable(value, name, dtype):
     """One of tfclip's own optimizer variables: not trainable, one value for all replicas."""
     with tf.init_scope():
@@ -200,7 +185,7 @@ class _FusedMixin(_optstate.NormState):
         if dtype == true or variable_name == "average":
             return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
         if dtype == tf.uint8:  # int8 state: the codes (an index into the code), then their absmax
-            index, absmax = _rule.int8_start(_initial_number(initial_value), variable_name not in _UNSIGNED_SLOTS)
+            index, absmax = _rule.int8_start(_rule.initial_number(initial_value), variable_name not in _UNSIGNED_SLOTS)
             with _slots_as(dtype):
                 slot = super().add_variable_from_reference(
                     model_variable, variable_name, None, tf.fill(model_variable.shape, float(index)))

@@ -119,7 +119,8 @@ def _int8_names(root):
     return out
 
 
-def _is_int8(layout):
+def _uint8_names(layout):
+    """The names of a layout's uint8 tensors (int8 state's codes, or a variable's own)."""
     return {n for n, d in layout.dtypes.items() if d == tf.uint8}
 
 
@@ -139,7 +140,7 @@ def convert_checkpoint(src, dst, like, src_like=None):
     reader = tf.train.load_checkpoint(src)
     have = reader.get_variable_to_dtype_map()
     shapes = reader.get_variable_to_shape_map()
-    if {n for n, d in have.items() if d == tf.uint8} != _is_int8(target):
+    if {n for n, d in have.items() if d == tf.uint8} != _uint8_names(target):
         return _convert_int8(src, dst, reader, target, src_like)
     if not (set(want) & set(have)) - _BOOKKEEPING:
         raise ValueError(f"convert_checkpoint: {src} and the layout wanted share no tensor name (an "
@@ -202,7 +203,7 @@ def _convert_int8(src, dst, reader, target, src_like):
     # A side whose uint8 tensors the other side lacks holds int8 state (a uint8 variable of the
     # model's own is on both): described by live objects.
     for layout, given, arg, other in ((source, src_like, "src_like", target), (target, None, "like", source)):
-        if not _is_int8(layout) - _is_int8(other):
+        if not _uint8_names(layout) - _uint8_names(other):
             continue
         if arg == "src_like":
             if given is None:
@@ -217,7 +218,7 @@ def _convert_int8(src, dst, reader, target, src_like):
                              "path: a path does not say each slot's absmax and code")
         if not layout.int8:
             raise ValueError(f"convert_checkpoint: {arg}= holds no tfclip optimizer with int8 state, yet the "
-                             f"checkpoint has uint8 tensors ({', '.join(sorted(_is_int8(layout)))}). A TF1 "
+                             f"checkpoint has uint8 tensors ({', '.join(sorted(_uint8_names(layout)))}). A TF1 "
                              "Saver's checkpoint of int8 state is not converted; object-based ones are")
         # (any other uint8 tensor is a variable of its own: copied as it is)
     by_canon = {c: n for n, c in _canonical(source).items()}
