@@ -623,7 +623,7 @@ def overhead_table(args, rng):
 
     def raw_op(var, m, v):
         return ops.tfclip_clip_apply_adam(var=var, m=m, v=v, vhat=[], grad=grads, indices=[],
-                                          iterations=[], absmax=[], grad_scale=[], clip_mode="global_norm", **hp)
+                                          iterations=[], absmax=[], grad_scale=[], rounding=[], clip_mode="global_norm", **hp)
 
     @tf.function
     def in_function():

@@ -34,6 +34,7 @@ FAULTS=(
   "q8_warp_max|TFCLIP_PLANT_Q8_WARP_MAX|test_int8_state_parity"
   "q8_code|TFCLIP_PLANT_Q8_CODE|test_int8_state_parity"
   "grad_scale|TFCLIP_PLANT_GRAD_SCALE|test_grad_scale_on_the_device"
+  "round_tensor|TFCLIP_PLANT_ROUND_TENSOR|test_cuda_draws_the_cpu_bits"
 )
 # What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
 declare -A WHAT=(
@@ -47,6 +48,7 @@ declare -A WHAT=(
   [q8_warp_max]="int8 state: each lane quantizes with its own elements' absmax, not its block's (no butterfly)"
   [q8_code]="int8 state: every slot quantized with the signed code, the second moments too"
   [grad_scale]="the finalize's clip factors without grad_scale (the loss-scale unscale left out of the apply)"
+  [round_tensor]="stochastic rounding: the dense apply draws every variable's bits as the first variable's (its position left out)"
 )
 
 mkdir -p "$BUILD/planted"

@@ -264,3 +264,42 @@ def dequantize_blockwise(q, absmax, signed, block=256):
     """code[q] * the block's absmax, in float32."""
     q = np.asarray(q).ravel()
     return (dynamic_code(signed)[q] * np.repeat(np.asarray(absmax, np.float32), block)[:q.size]).astype(np.float32)
+
+
+# ---------------------------------------------------------------- stochastic rounding
+# Philox4x32-10 (Salmon et al., SC 2011) and bfloat16 stochastic rounding from their definitions,
+# in NumPy, independent of csrc/core/rounding.h (tests/test_stochastic_rounding.py).
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key):
+    """The four output words (uint32 arrays) of counters `counter` (four uint32 arrays or ints)
+    under key (k0, k1)."""
+    c = [np.asarray(x, np.uint64) & np.uint64(_U32) for x in counter]
+    k0, k1 = int(key[0]) & _U32, int(key[1]) & _U32
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _U32, (k1 + _PHILOX_W[1]) & _U32
+        p0 = c[0] * np.uint64(_PHILOX_M[0])
+        p1 = c[2] * np.uint64(_PHILOX_M[1])
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p1 & np.uint64(_U32),
+             (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1), p0 & np.uint64(_U32)]
+    return [x.astype(np.uint32) for x in c]
+
+
+def stochastic_round_bf16(x, seed, step, tensor):
+    """float32 array x rounded to bfloat16 bits (uint16) as tfclip rounds a variable's update:
+    element i draws the high 16 bits of Philox's first word of counter (i mod 2^32, i >> 32,
+    tensor, step mod 2^32) under key (seed mod 2^32, seed >> 32), adds them to x's low 16 bits
+    and keeps the high half; NaN rounds to nearest (quiet)."""
+    x = np.ascontiguousarray(x, np.float32).ravel()
+    i = np.arange(x.size, dtype=np.uint64)
+    r = philox4x32_10([i & np.uint64(_U32), i >> np.uint64(32), np.full_like(i, tensor), np.full_like(i, step & _U32)],
+                      (seed & _U32, seed >> 32))[0].astype(np.uint64) >> np.uint64(16)
+    u = x.view(np.uint32).astype(np.uint64)
+    out = ((u + r) >> np.uint64(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    out[nan] = ((u[nan] >> np.uint64(16)) | np.uint64(0x40)).astype(np.uint16)
+    return out

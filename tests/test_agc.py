@@ -325,7 +325,7 @@ def _ops():
 
 
 def raw_sgd(variables, grads, clip=0.05, indices=(), sparse=(), **kw):
-    return _ops().tfclip_clip_apply_sgd(absmax=[], grad_scale=[], 
+    return _ops().tfclip_clip_apply_sgd(absmax=[], grad_scale=[], rounding=[], 
         var=[v.handle for v in variables], grad=grads, lr=tf.constant(LR, F64),
         weight_decay=tf.constant(0.0, F64), clip=tf.constant(clip, F64),
         use_norm=tf.constant(0.0, F64), indices=list(indices), sparse=list(sparse), iterations=[],
@@ -512,7 +512,7 @@ def test_clipped_units_zero_in_other_modes(rng, jit):
     tvars = [tf.Variable(w) for w in w0]
     for mode in ("global_norm", "norm", "value", "none"):
         def step():
-            return _ops().tfclip_clip_apply_sgd(absmax=[], grad_scale=[], 
+            return _ops().tfclip_clip_apply_sgd(absmax=[], grad_scale=[], rounding=[], 
                 var=[v.handle for v in tvars], grad=[tf.constant(x) for x in g], lr=tf.constant(LR, F64),
                 weight_decay=tf.constant(0.0, F64), clip=tf.constant(1.0, F64),
                 use_norm=tf.constant(0.0, F64), indices=[], sparse=[], iterations=[], clip_mode=mode)

@@ -597,7 +597,7 @@ def _raw_apply(name, handles, grads, iterations=(), nonfinite="skip", **hp_over)
     hp = {**hp, **{k: v for k, v in hp_over.items() if k in hp}}
     kw = {k: (tf.constant(v, F64) if isinstance(v, float) else v) for k, v in hp.items()}
     return getattr(tfclip._loader.ops(), op)(
-        var=handles["var"], **{s: handles[s] for s in slot_inputs}, grad=grads, indices=[], absmax=[], grad_scale=[],
+        var=handles["var"], **{s: handles[s] for s in slot_inputs}, grad=grads, indices=[], absmax=[], grad_scale=[], rounding=[],
         iterations=list(iterations), clip=tf.constant(0.5, F64), use_norm=tf.constant(0.0, F64),
         clip_mode="global_norm", nonfinite=nonfinite, **kw)
 

@@ -33,8 +33,10 @@ REF_ATTRS = [("ref", [])]  # the ref op's, last
 RESOURCE_ATTRS = [("Nabsmax", 0)]  # the resource op's, last (int8 state's absmax count)
 COMMON_INPUTS_AFTER_HPARAMS = ["indices", "clip", "use_norm", "iterations"]
 RESOURCE_INPUTS = ["absmax"]  # the resource op's, last: int8 state (a ref op's slots stay as they are)
-TAIL_ATTRS = [("Ngrad_scale", 0)]  # both ops', after those: the loss-scale unscale's count
-TAIL_INPUTS = ["grad_scale"]  # both ops', last: [] or [the loss-scale unscale]
+TAIL_ATTRS = [("Ngrad_scale", 0), ("Nrounding", 0)]  # both ops', after those: the loss-scale unscale's
+# count, stochastic rounding's (0 or 2)
+TAIL_INPUTS = ["grad_scale", "rounding"]  # both ops', last: [] or [the loss-scale unscale], [] or
+# [seed, step]
 
 
 def _ops():

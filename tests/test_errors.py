@@ -27,7 +27,7 @@ def _sgd_raw(variables, grads, lr=0.1, **kw):
     kw.setdefault("use_norm", tf.constant(0.0, tf.float64))
     kw.setdefault("indices", [])
     kw.setdefault("iterations", [])
-    return OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], var=[v.handle for v in variables], grad=grads,
+    return OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], rounding=[], var=[v.handle for v in variables], grad=grads,
                                      lr=tf.constant(lr, tf.float64),
                                      weight_decay=tf.constant(0.0, tf.float64), **kw)
 
@@ -159,7 +159,7 @@ def test_op_same_variable_twice_is_caught_after_good_steps_of_the_same_kernel(rn
 
 
 def _momentum_raw(var, accum, grads, iterations=(), step_lr=0.1):
-    return OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], 
+    return OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], rounding=[], 
         var=var, accum=accum, grad=grads, lr=tf.constant(step_lr, tf.float64),
         momentum=tf.constant(0.9, tf.float64), weight_decay=tf.constant(0.0, tf.float64),
         clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64), indices=[],
@@ -223,7 +223,7 @@ def test_op_step_counter_bad_or_misused_is_named_and_writes_nothing(rng):
     m = [tf.Variable(tf.zeros(v.shape)) for v in variables]
     vv = [tf.Variable(tf.zeros(v.shape)) for v in variables]
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"step must be .*\(iterations \+ step = -2\)"):
-        OPS.tfclip_clip_apply_adam(absmax=[], grad_scale=[], 
+        OPS.tfclip_clip_apply_adam(absmax=[], grad_scale=[], rounding=[], 
             var=lists[0], m=[x.handle for x in m], v=[x.handle for x in vv], vhat=[], grad=grads,
             lr=f64(0.1), beta_1=f64(0.9), beta_2=f64(0.999), epsilon=f64(1e-7), weight_decay=f64(0.0),
             step=f64(1.0), beta_1_power=f64(float("nan")), beta_2_power=f64(float("nan")), clip=f64(0.0), use_norm=f64(0.0), indices=[],
@@ -258,7 +258,7 @@ def test_op_same_variable_twice_is_an_error_not_a_hang(rng):
         _sgd_raw([variables[0], variables[1], variables[0]], [tf.ones([3]), tf.ones([4]), tf.ones([3])])
     # A variable passed as its own slot is caught too.
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[0\] and vars\[0\]"):
-        OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], 
+        OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], rounding=[], 
             var=[variables[0].handle], accum=[variables[0].handle], grad=[tf.ones([3])],
             lr=tf.constant(0.1, tf.float64), momentum=tf.constant(0.9, tf.float64),
             weight_decay=tf.constant(0.0, tf.float64), clip=tf.constant(0.0, tf.float64),
@@ -276,11 +276,11 @@ def test_op_slot_of_wrong_shape_or_dtype_writes_nothing(rng):
                 clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64), indices=[],
                 iterations=[])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[2\] is float\[5\] but vars\[2\] is float\[2,2\]"):
-        OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], var=[v.handle for v in variables],
+        OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], rounding=[], var=[v.handle for v in variables],
                                        accum=[a.handle for a in accum], **args)
     accum[2] = tf.Variable(tf.zeros([2, 2], tf.float64))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"accum\[2\] is double"):
-        OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], var=[v.handle for v in variables],
+        OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], rounding=[], var=[v.handle for v in variables],
                                        accum=[a.handle for a in accum], **args)
     _unchanged(variables, before)
     _unchanged(accum[:2], acc_before[:2])
@@ -289,7 +289,7 @@ def test_op_slot_of_wrong_shape_or_dtype_writes_nothing(rng):
 def test_op_non_scalar_hyperparameter(rng):
     variables = _vars(rng)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"lr must be a scalar, got shape \[2\]"):
-        OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], var=[variables[0].handle], grad=[tf.ones([3])],
+        OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], rounding=[], var=[variables[0].handle], grad=[tf.ones([3])],
                                   lr=tf.constant([0.1, 0.1], tf.float64),
                                   weight_decay=tf.constant(0.0, tf.float64),
                                   clip=tf.constant(0.0, tf.float64), use_norm=tf.constant(0.0, tf.float64),

@@ -45,12 +45,12 @@ class Env:
     def raw_sgd(self, grads, var=None, **kw):
         kw.setdefault("indices", [])
         kw.setdefault("iterations", [])
-        return OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], 
+        return OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], rounding=[], 
             var=[v.handle for v in (var or self.vars)], grad=grads, lr=tf.constant(0.1, F64),
             weight_decay=tf.constant(0.0, F64), clip=tf.constant(0.0, F64), use_norm=tf.constant(0.0, F64), **kw)
 
     def raw_momentum(self, accum, grads=None):
-        return OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], 
+        return OPS.tfclip_clip_apply_momentum(absmax=[], grad_scale=[], rounding=[], 
             var=[v.handle for v in self.vars], accum=[a.handle for a in accum], grad=grads or self.grads(),
             indices=[], iterations=[], lr=tf.constant(0.1, F64), momentum=tf.constant(0.9, F64),
             weight_decay=tf.constant(0.0, F64), clip=tf.constant(0.0, F64), use_norm=tf.constant(0.0, F64))
@@ -123,12 +123,12 @@ CASES = [
     ("op_slot_dtype", lambda e: e.raw_momentum(e.momentum[:2] + [tf.Variable(tf.zeros([2, 2], F64))]),
      IAE, r"accum\[2\] is double"),
     ("op_var_as_own_slot", lambda e: e.raw_momentum(e.momentum[:2] + [e.vars[2]]), IAE, r"accum\[2\] and vars\[2\]"),
-    ("op_uninitialized", lambda e: OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[],   # a handle never assigned
+    ("op_uninitialized", lambda e: OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], rounding=[],   # a handle never assigned
         var=[v.handle for v in e.vars[:2]] + [tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[2, 2], shared_name="tfclip_uninit")],
         grad=e.grads(), indices=[], iterations=[], lr=tf.constant(0.1, F64), weight_decay=tf.constant(0.0, F64),
         clip=tf.constant(0.0, F64), use_norm=tf.constant(0.0, F64)),
      tf.errors.FailedPreconditionError, r"vars\[2\] is not initialized"),
-    ("op_lr_vector", lambda e: OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], 
+    ("op_lr_vector", lambda e: OPS.tfclip_clip_apply_sgd(absmax=[], grad_scale=[], rounding=[], 
         var=[v.handle for v in e.vars], grad=e.grads(), indices=[], iterations=[], lr=tf.constant([0.1, 0.1], F64),
         weight_decay=tf.constant(0.0, F64), clip=tf.constant(0.0, F64), use_norm=tf.constant(0.0, F64)),
      IAE, r"lr must be a scalar, got shape \[2\]"),

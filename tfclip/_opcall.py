@@ -209,8 +209,9 @@ def apply(rule, var, slots, grad, hparams, flags=None, *, refs=None, **common):
     the table's name (numbers, tensors or variables; optional ones, Adam's beta powers, may be
     left out); flags: its bool options by attr name. common: the inputs and attrs every apply op
     has (clip, use_norm, iterations, clip_mode, nonfinite, indices, sparse, lazy, ...), int8
-    state's `absmax` handles (slot-major; the resource op only) and `grad_scale` ([] or [the
-    loss-scale unscale, a float64 scalar]).
+    state's `absmax` handles (slot-major; the resource op only), `grad_scale` ([] or [the
+    loss-scale unscale, a float64 scalar]) and `rounding` ([] or [seed, step], float64 scalars:
+    bfloat16 variables round stochastically, csrc/core/rounding.h).
     """
     row = RULES[rule]
     names = row["hparams"]
@@ -233,14 +234,16 @@ def apply(rule, var, slots, grad, hparams, flags=None, *, refs=None, **common):
         kw[f] = bool(flags.get(f, False))
     absmax = list(common.pop("absmax", ()))  # int8 state's (csrc/core/apply_op.h): the resource op's
     grad_scale = list(common.pop("grad_scale", ()))  # [] or [the loss-scale unscale] (apply_op.h)
+    rounding = list(common.pop("rounding", ()))  # [] or [seed, step] (apply_op.h)
     if refs is None:
-        return _op(rule)(var=var, grad=grad, absmax=absmax, grad_scale=grad_scale, **kw, **common)
+        return _op(rule)(var=var, grad=grad, absmax=absmax, grad_scale=grad_scale, rounding=rounding, **kw,
+                         **common)
     if absmax:
         raise ValueError("int8 optimizer state is for resource variables; TF1 ref variables keep their slots")
     for s in row["slots"]:
         kw[s + "_ref"] = ref_slots.get(s, [])
     return _op(rule, "ref_op")(var=var, var_ref=list(ref_vars), grad=grad, ref=list(positions),
-                               grad_scale=grad_scale, **kw, **common)
+                               grad_scale=grad_scale, rounding=rounding, **kw, **common)
 
 
 def _slot_dict(rule, row, slots):

@@ -341,7 +341,7 @@ class Rule:
         return self._clip_and_step(grads, variables, *args, **kwargs)
 
     def _clip_and_step(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
-                       all_dense=False, grad_scale=None):
+                       all_dense=False, grad_scale=None, rounding_seed=None):
         """The rule's step through the one fused step (tfclip/_step.py): the rule's own part is its
         state (slots, counter, Nadam's product) and its hyper-parameters."""
         clip_obj = None
@@ -366,7 +366,9 @@ class Rule:
         group = _step.Group(self.kind, var_handles, self._op_slots(slot_lists), hparams, flags,
                             iterations=() if counter is None else (counter,), absmax=absmax)
         result = _step.run(grads, [group], clip_mode, clip, clip_obj=clip_obj, use_norm=use_norm,
-                           nonfinite=nonfinite, lazy=lazy_sparse, all_dense=all_dense, grad_scale=grad_scale)
+                           nonfinite=nonfinite, lazy=lazy_sparse, all_dense=all_dense, grad_scale=grad_scale,
+                           rounding=None if rounding_seed is None else
+                           (rounding_seed, tf.cast(self.iterations, tf.float64) + 1.0))
         after = self._after_step(result.applied)
         if counter is None:
             after.append(self.iterations.assign_add(tf.cast(result.applied, tf.int64), read_value=False))

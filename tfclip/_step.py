@@ -25,6 +25,7 @@ Imports flow one way: the front doors import this module; it imports `_opcall`, 
 import collections
 import contextlib
 import math
+import numbers
 import threading
 
 import tensorflow as tf
@@ -58,7 +59,7 @@ StepResult.outputs = property(lambda self: ClipApplyResult(*self[:4]))
 
 
 def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfinite="skip", lazy=False,
-        keras_sparse_squares=False, all_dense=False, grad_scale=None):
+        keras_sparse_squares=False, all_dense=False, grad_scale=None, rounding=None):
     """One fused step over `grads` (tensors or IndexedSlices, aligned with the groups'
     positions): see the module docstring.
 
@@ -70,7 +71,10 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     is a dense eager tensor (the eager fast path). grad_scale: a factor on every gradient
     folded into the passes (a loss scale's 1 / scale; ClipConfig::grad_scale): the step is the
     one on grads * grad_scale, and the norms it reports are theirs (use_norm, given, is of the
-    gradients as given).
+    gradients as given). rounding: None, or (seed, step) where bfloat16 variables round
+    stochastically (csrc/core/rounding.h): the seed (`check_rounding`) and the step number (a
+    tensor or number, the optimizer's iterations + 1); group k's op takes seed + k * 2^32, so
+    no two variables of a step draw the same bits.
     """
     agc, adaptive = {}, None
     if isinstance(clip_obj, _clipping.AGC):  # unit-wise, inside the op's own passes
@@ -96,15 +100,20 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     clip = _opcall.scalar(clip, "clip")
     norm_input = use_norm if given else _opcall.scalar(0.0, "use_norm")
     squares = keras_sparse_squares and clip_mode != "global_norm"
+    if rounding is not None:
+        seed, rstep = rounding
+        rstep = _opcall.scalar(rstep, "rounding_step")
     outs = []
-    for g in groups:
+    for k, g in enumerate(groups):
         part = grads if len(groups) == 1 else [grads[i] for i in g.positions]
         values, sparse_kw = (part, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(part)
         outs.append(_opcall.apply(g.kind, g.var, g.slots, values, g.hparams, g.flags, refs=g.refs,
                                   iterations=list(g.iterations), absmax=g.absmax, clip=clip, use_norm=norm_input,
                                   clip_mode=clip_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy,
                                   **({"sum_of_squares": True} if squares else {}), **agc, **sparse_kw,
-                                  **({"grad_scale": [grad_scale]} if grad_scale is not None else {})))
+                                  **({"grad_scale": [grad_scale]} if grad_scale is not None else {}),
+                                  **({"rounding": [_opcall.scalar(float(seed + k * 2 ** 32), "rounding_seed"), rstep]}
+                                     if rounding is not None else {})))
     norm, applied, tensor_norms, clipped_units = outs[0]
     if len(groups) > 1:
         order = [i for g in groups for i in g.positions]
@@ -158,6 +167,18 @@ def loss_scale(opt):
 def loss_scale_applied(opt, applied):
     """The folded step's `applied`, for `with_loss_scale`."""
     getattr(_LOSS_SCALE, "by_id", {})[id(opt)][1] = applied
+
+
+def check_rounding(stochastic_rounding, rounding_seed):
+    """The front doors' `stochastic_rounding` and `rounding_seed`, checked: (bool, int), or a
+    TypeError / ValueError naming what is wrong."""
+    if not isinstance(stochastic_rounding, bool):
+        raise TypeError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")
+    if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, numbers.Integral):
+        raise TypeError(f"rounding_seed must be an int, got {rounding_seed!r}")
+    if not 0 <= rounding_seed < 2 ** 32:
+        raise ValueError(f"rounding_seed must be in [0, 2**32), got {rounding_seed}")
+    return stochastic_rounding, int(rounding_seed)
 
 
 def partition(keys):

@@ -8,7 +8,7 @@ from tensorflow.python.distribute import values as _dist_values
 from tensorflow.python.framework.ops import EagerTensor
 
 import tfclip._eager as _eager
-from tfclip import _loader, _opcall, clipping
+from tfclip import _loader, _opcall, _step, clipping
 from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
 from tfclip.rules import Rule
 
@@ -176,6 +176,8 @@ def fused_clip_apply(
     nonfinite="skip",
     lazy_sparse=False,
     grad_scale=None,
+    stochastic_rounding=False,
+    rounding_seed=0,
     name=None,
 ):
     """Clip gradients and apply an update rule to their variables, in one fused step.
@@ -220,6 +222,13 @@ def fused_clip_apply(
         step (`nonfinite="skip"`: the loss scale's back-off case). A number or a scalar tensor,
         finite and > 0; not with AGC. (`use_norm`, if given, is the norm of the gradients as
         given.)
+      stochastic_rounding: for bfloat16 variables (pure-bf16 training, no float32 master
+        weights): each updated value is rounded to bfloat16 stochastically, up with probability
+        its distance from the value below over the gap, so an update below half a bf16 ulp
+        survives on average instead of vanishing. The random bits are Philox4x32-10's of
+        (rounding_seed, the rule's step, the variable's position, the element): reproducible, the
+        same on CPU, CUDA and under XLA. Other variables are stored as always.
+      rounding_seed: stochastic rounding's seed, an int in [0, 2**32).
 
     Returns:
       `ClipApplyResult(global_norm, applied, tensor_norms, clipped_units)`: the pre-clip global
@@ -254,6 +263,9 @@ def fused_clip_apply(
     if isinstance(grad_scale, numbers.Real) and not (math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"grad_scale must be finite and > 0 (1 / the loss scale), got {grad_scale}")
     scale_kw = {} if grad_scale is None else {"grad_scale": grad_scale}
+    stochastic_rounding, rounding_seed = _step.check_rounding(stochastic_rounding, rounding_seed)
+    if stochastic_rounding:
+        scale_kw["rounding_seed"] = rounding_seed
 
     pairs = list(grads_and_vars)
     if not pairs:

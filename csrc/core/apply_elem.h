@@ -55,10 +55,13 @@ struct ElemNorms {
 // storage types V and S (S: V, or bfloat16 for a float variable's bf16 state, SlotStorage),
 // updated in place. A trust-ratio rule (rules.h) updates the slots only, and returns the
 // element's w and u: its variable is written by TrustElem, a pass later.
+// `at`: where element i sits in its tensor, less i (a pass over a vector of loaded values
+// indexes them from 0): what a bfloat16 variable's stochastic rounding draws for (StoreVar,
+// csrc/core/rounding.h).
 template <typename Rule, int kSlots, typename V, typename Grads, typename S>
 TFCLIP_HD ElemNorms<typename Elem<V>::Math> ApplyElem(const ConstsOf<Rule, V>& c,
                                                       const Grads& grads, V* var, S* s0, S* s1,
-                                                      S* s2, int64_t i) {
+                                                      S* s2, int64_t i, int64_t at = 0) {
   using M = typename Elem<V>::Math;
   static_assert(kSlots >= Rule::kMinSlots && kSlots <= Rule::kMaxSlots, "slot count of the rule");
   static_assert(std::is_same<typename Elem<S>::Math, M>::value, "slots in the variable's math type");
@@ -68,7 +71,7 @@ TFCLIP_HD ElemNorms<typename Elem<V>::Math> ApplyElem(const ConstsOf<Rule, V>& c
   if (kSlots > 2) s[2] = Elem<S>::Load(s2[i]);
   M v = DecayVar(c, Elem<V>::Load(var[i]));
   grads.template Feed<Rule>(c, RuleStep<Rule, M>{c, v, s});
-  if constexpr (!Rule::kTrustRatio) var[i] = Elem<V>::Store(v);
+  if constexpr (!Rule::kTrustRatio) var[i] = StoreVar<V>(c.round, v, i + at);
   if (kSlots > 0) s0[i] = Elem<S>::Store(s[0]);
   if (kSlots > 1) s1[i] = Elem<S>::Store(s[1]);
   if (kSlots > 2) s2[i] = Elem<S>::Store(s[2]);
@@ -105,7 +108,7 @@ TFCLIP_HD void TrustElem(const ConstsOf<Rule, V>& c,
   if (kSlots > 2) s[2] = Elem<S>::Load(s2[i]);
   M v = DecayVar(c, Elem<V>::Load(var[i]));
   Rule::Trust(c, ratio_lr, v, s);
-  var[i] = Elem<V>::Store(v);
+  var[i] = StoreVar<V>(c.round, v, i);
 }
 
 // Calls fn(std::integral_constant<int, k>{}) for the runtime slot count k of `Rule`, from the

@@ -36,6 +36,9 @@ std::string ApplyOpAttrs::Check() const {
   if (num_grad_scale > 1) {
     return "grad_scale takes at most one scalar, got " + std::to_string(num_grad_scale);
   }
+  if (num_rounding != 0 && num_rounding != 2) {
+    return "rounding takes none or two scalars (seed, step), got " + std::to_string(num_rounding);
+  }
   std::string e = CheckPositions("sparse", sparse, num_grads);
   if (e.empty()) e = CheckPositions("ref", ref, num_grads);
   return e;

@@ -38,6 +38,7 @@ struct ApplyOpAttrs {
   std::vector<int32_t> ref;     // ref (ref op only): the ref variables' positions, ascending
   int num_absmax = 0;           // Nabsmax (resource op only): int8 state's absmax variables
   int num_grad_scale = 0;       // Ngrad_scale: 0, or 1 grad_scale (ClipConfig::grad_scale)
+  int num_rounding = 0;         // Nrounding: 0, or 2 (stochastic rounding's seed and step)
 
   // The rule's bool attrs (its flags, from the rule table; not rows of kApplyAttrs): the
   // FlagBit mask of those set.
@@ -154,6 +155,7 @@ inline constexpr ApplyAttrDef kApplyAttrs[] = {
     IntListAttr("ref", "[]", &ApplyOpAttrs::ref, ApplyOps::kRefOnly),
     IntAttr("Nabsmax", "int >= 0", "0", &ApplyOpAttrs::num_absmax, ApplyOps::kResourceOnly),
     IntAttr("Ngrad_scale", "int >= 0", "0", &ApplyOpAttrs::num_grad_scale),
+    IntAttr("Nrounding", "int >= 0", "0", &ApplyOpAttrs::num_rounding),
 };
 
 // The inputs, in order. A row of kind kRuleSlots or kRuleHParams stands for the rule's own.
@@ -192,6 +194,10 @@ inline constexpr ApplyInputDef kApplyInputs[] = {
     // The loss-scale unscale folded into the passes (ClipConfig::grad_scale: 1 / loss scale),
     // a scalar, or none (1). A list of 0 or 1, last, for the same reason as absmax.
     {ApplyInputKind::kInput, "grad_scale", "Ngrad_scale * double", ApplyOps::kBoth},
+    // Stochastic rounding of bfloat16 variables (csrc/core/rounding.h): none (round to nearest),
+    // or two scalars, the seed and the step (HParams::rounding_seed, rounding_step). Last, for
+    // the same reason.
+    {ApplyInputKind::kInput, "rounding", "Nrounding * double", ApplyOps::kBoth},
 };
 
 // The outputs, in order, with their shapes.

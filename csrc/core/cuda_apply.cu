@@ -25,9 +25,14 @@ namespace {
 template <typename Rule, typename V, typename G, int kSlots, typename S = V>
 TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__ cp,
                                            const DevTensor& t, const ClipFactor* __restrict__ fp,
-                                           int64_t b, int64_t e, Crew crew) {
+                                           int64_t b, int64_t e, Crew crew, int tensor) {
   using M = typename Elem<V>::Math;
-  const ConstsOf<Rule, V> c = *cp;
+#ifdef TFCLIP_PLANT_ROUND_TENSOR
+  // Every tensor's stochastic rounding draws the first tensor's bits (its position left out).
+  const ConstsOf<Rule, V> c = WithTensor(*cp, 0 * tensor);
+#else
+  const ConstsOf<Rule, V> c = WithTensor(*cp, tensor);  // (its stochastic rounding, rounding.h)
+#endif
   const ClipFactor f = *fp;
   constexpr int kV = 4;
   TrustAcc acc;
@@ -59,7 +64,7 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__
 #pragma unroll
         for (int q = 0; q < kV; ++q) {
           const M g = ClipGrad<G, M>(gv.v[q], grad.scale, grad.lo, grad.hi);
-          acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, vv.v, sv[0].v, sv[1].v, sv[2].v, q));
+          acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{g}, vv.v, sv[0].v, sv[1].v, sv[2].v, q, i));
         }
         if constexpr (!Rule::kTrustRatio) *reinterpret_cast<Vec<V, kV>*>(var + i) = vv;
 #pragma unroll
@@ -95,9 +100,10 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__
 // a step of crew.size % units with one compare per element.
 template <typename Rule, typename V, int kSlots, typename S = V>
 TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRangeAgc(const ConstsOf<Rule, V>* __restrict__ cp,
-                                              const DevTensor& t, int64_t b, int64_t e, Crew crew) {
+                                              const DevTensor& t, int64_t b, int64_t e, Crew crew,
+                                              int tensor) {
   using M = typename Elem<V>::Math;
-  const ConstsOf<Rule, V> c = *cp;
+  const ConstsOf<Rule, V> c = WithTensor(*cp, tensor);
   TrustAcc acc;
   V* var = static_cast<V*>(t.var);
   S* s0 = static_cast<S*>(t.slots[0]);
@@ -185,7 +191,7 @@ TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict
         g = grad(i);
       }
       float* sk[kMaxSlots] = {&s[0][j], kSlots > 1 ? &s[1][j] : nullptr, kSlots > 2 ? &s[2][j] : nullptr};
-      ApplyElem<Rule, kSlots>(c, DenseGrad<float>{g}, var + i, sk[0], sk[1], sk[2], 0);
+      ApplyElem<Rule, kSlots>(c, DenseGrad<float>{g}, var + i, sk[0], sk[1], sk[2], 0, i);
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) m[k] = AbsmaxAdd(m[k], s[k][j]);
     }
@@ -228,14 +234,14 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
     } else if (ten.bf16_slots) {  // a float variable with bfloat16 slots (any gradient, any clip)
       const auto* cf = &ConstsFor<float>(*consts);
       acc = ten.unit_scale != nullptr
-                ? ApplyRangeAgc<Rule, float, kSlots, bfloat16>(cf, ten, ch.begin, ch.end, crew)
+                ? ApplyRangeAgc<Rule, float, kSlots, bfloat16>(cf, ten, ch.begin, ch.end, crew, ch.tensor)
                 : ApplyRange<Rule, float, AnyGrad, kSlots, bfloat16>(cf, ten, &t.factors[ch.tensor],
-                                                                     ch.begin, ch.end, crew);
+                                                                     ch.begin, ch.end, crew, ch.tensor);
     } else if (ten.unit_scale != nullptr) {  // AGC: per-unit scales
       DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
         using V = decltype(vtag);
         acc = ApplyRangeAgc<Rule, V, kSlots>(&ConstsFor<V>(*consts), ten, ch.begin,
-                                             ch.end, crew);
+                                             ch.end, crew, ch.tensor);
       });
     } else {
       DispatchPair(static_cast<DType>(ten.var_dtype), static_cast<DType>(ten.grad_dtype),
@@ -243,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
                      using V = decltype(vtag);
                      acc = ApplyRange<Rule, V, decltype(gtag), kSlots>(
                          &ConstsFor<V>(*consts), ten, &t.factors[ch.tensor],
-                         ch.begin, ch.end, crew);
+                         ch.begin, ch.end, crew, ch.tensor);
                    });
     }
     if constexpr (Rule::kTrustRatio) {
@@ -287,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) TrustKernel(Table t, DevSparse sp, i
       DispatchState(static_cast<DType>(ten.var_dtype), ten.bf16_slots != 0, [&](auto vtag, auto stag) {
         using V = decltype(vtag);
         using S = decltype(stag);
-        const auto& c = ConstsFor<V>(consts);
+        const auto c = WithTensor(ConstsFor<V>(consts), tensor);
         const auto ratio_lr = TrustRatioLr(c, t.trust_sums[2 * tensor], t.trust_sums[2 * tensor + 1]);
         V* var = static_cast<V*>(ten.var);
         const S* s0 = static_cast<const S*>(ten.slots[0]);

@@ -105,7 +105,8 @@ bool DeviceScalars::any() const {
   for (const double* p : hparams) {
     if (p != nullptr) return true;
   }
-  return clip != nullptr || use_norm != nullptr || grad_scale != nullptr || iterations != nullptr;
+  return clip != nullptr || use_norm != nullptr || grad_scale != nullptr || rounding[0] != nullptr ||
+         rounding[1] != nullptr || rounding[2] != nullptr || iterations != nullptr;
 }
 
 int LastStepLaunches() { return g_last_launches; }
@@ -287,6 +288,8 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
     r->nonfinite = !status.finite;
     if (status.bad > 0) {
       r->error = HParamError(status.bad - 1, status.bad_value) + " (read on the device); no variable was updated";
+    } else if (status.bad == -6 || status.bad == -7) {
+      r->error = RoundingMessage(-5 - status.bad, status.bad_value) + " (read on the device); no variable was updated";
     } else if (status.bad < 0) {
       ClipConfig c = args.cfg;
       c.clip = c.use_norm = status.bad_value;

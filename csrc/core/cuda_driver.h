@@ -63,6 +63,9 @@ struct DeviceScalars {
   const double* clip = nullptr;
   const double* use_norm = nullptr;
   const double* grad_scale = nullptr;  // ClipConfig::grad_scale (a loss scale's 1 / scale)
+  // Stochastic rounding's seed, step and first tensor position (HParams::rounding_seed,
+  // rounding_step, rounding_tensor).
+  const double* rounding[3] = {nullptr, nullptr, nullptr};
   // A step counter in device memory (int64): t = *iterations + step, advanced by the finalize
   // kernel when the step is applied. (StepArgs::iterations is for host counters.)
   int64_t* iterations = nullptr;

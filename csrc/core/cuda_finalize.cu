@@ -27,10 +27,18 @@ __device__ int ReadDeviceScalars(const FinalizeArgs& a, const HParams& host_hp, 
   if (a.ds.clip != nullptr) cfg->clip = *a.ds.clip;
   if (a.ds.use_norm != nullptr) cfg->use_norm = *a.ds.use_norm;
   if (a.ds.grad_scale != nullptr) cfg->grad_scale = *a.ds.grad_scale;
+  if (a.ds.rounding[0] != nullptr) hp.rounding_seed = *a.ds.rounding[0];
+  if (a.ds.rounding[1] != nullptr) hp.rounding_step = *a.ds.rounding[1];
+  if (a.ds.rounding[2] != nullptr) hp.rounding_tensor = *a.ds.rounding[2];
   const int k = FirstBadHParam(RuleHParams(a.rule), hp);
   if (k >= 0) {
     *bad_value = hp.Get(static_cast<HP>(k));
     return 1 + k;
+  }
+  const int r = RoundingError(hp);  // stochastic rounding's [seed, step] (rounding.h)
+  if (r != 0) {
+    *bad_value = r == 1 ? hp.rounding_seed : hp.rounding_step;
+    return -5 - r;  // -6, -7
   }
   const int c = ClipConfigError(*cfg);
   if (c != 0) {

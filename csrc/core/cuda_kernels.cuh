@@ -133,7 +133,8 @@ struct DevStatus {
   double scale;  // the clip op's scale (kGlobalNorm)
   int finite;
   int apply;
-  int bad;           // a bad value read on the device: 1 + HP index, or -1 clip, -2 use_norm
+  int bad;           // a bad value read on the device: 1 + HP index, or -1 clip, -2 use_norm,
+                     // -3..-5 ClipConfigError, -6/-7 stochastic rounding's seed/step
   double bad_value;
 };
 

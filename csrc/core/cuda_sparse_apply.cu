@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) SparseApplyKernel(Table t, DevSparse
                  [&](auto vtag, auto gtag) {
                    using V = decltype(vtag);
                    acc = SparseUnitDev<Rule, V, decltype(gtag), kSlots>(
-                       ConstsFor<V>(consts), ten, f, sp, u);
+                       WithTensor(ConstsFor<V>(consts), u.tensor), ten, f, sp, u);
                  });
   }
   if constexpr (Rule::kTrustRatio) {

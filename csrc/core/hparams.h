@@ -89,6 +89,11 @@ struct HParams {
   // Second) takes the sum of the duplicates' squares (stock Keras when nothing densifies the gradient first) instead of the square of
   // their sum (a dense gradient's result; TF1 Adam; Keras after global_clipnorm densified it).
   bool sum_of_squares = false;
+  // Stochastic rounding of bfloat16 variables (the apply ops' `rounding` input, [seed, step];
+  // csrc/core/rounding.h): a NaN seed (the default) is off, round to nearest.
+  double rounding_seed = NAN;
+  double rounding_step = 0.0;
+  double rounding_tensor = 0.0;  // the step's first tensor's position (an XLA group call's)
 
   TFCLIP_HD double Get(HP h) const {
     switch (h) {
@@ -160,6 +165,15 @@ TFCLIP_HD int FirstBadHParam(uint32_t mask, const HParams& hp) {
     }
   }
   return -1;
+}
+
+// The `rounding` input's values: 0 when they are fine (or off: a NaN seed), 1 for a bad seed, 2
+// for a bad step. Each must be an integer in [0, 2^53] (csrc/core/rounding.h, kMaxRoundingWord).
+TFCLIP_HD int RoundingError(const HParams& hp) {
+  auto ok = [](double v) { return v >= 0.0 && v <= 9007199254740992.0 && v == std::floor(v); };
+  if (hp.rounding_seed != hp.rounding_seed) return 0;
+  if (!ok(hp.rounding_seed)) return 1;
+  return ok(hp.rounding_step) ? 0 : 2;
 }
 
 }  // namespace tfclip

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "csrc/core/hparams.h"
+#include "csrc/core/rounding.h"
 #include "csrc/core/types.h"
 
 namespace tfclip {
@@ -41,6 +42,7 @@ template <typename M>
 struct StepBase {
   M lr, weight_decay;
   bool decay, sum_of_squares;
+  RoundKey round;  // a bfloat16 variable's stochastic rounding (rounding.h; per tensor: WithTensor)
 };
 
 template <typename M>
@@ -49,6 +51,17 @@ TFCLIP_HD void MakeStepBase(const HParams& hp, StepBase<M>* c) {
   c->weight_decay = static_cast<M>(hp.weight_decay);
   c->decay = hp.weight_decay != 0.0;
   c->sum_of_squares = hp.sum_of_squares;
+  c->round = MakeRoundKey(hp.rounding_seed, hp.rounding_step, hp.rounding_tensor);
+}
+
+// A step's constants for the tensor at position `tensor` of the step: stochastic rounding's
+// key names it (csrc/core/rounding.h), counted from the step's first (HParams::rounding_tensor).
+// Every pass over a bfloat16 variable takes its constants through it.
+template <typename C>
+TFCLIP_HD C WithTensor(const C& c, int tensor) {
+  C k = c;
+  k.round.tensor = c.round.tensor + static_cast<uint32_t>(tensor);
+  return k;
 }
 
 // A beta power given as it is (TF1's accumulators), else beta^t.

@@ -50,9 +50,17 @@ std::string HParamError(int k, double v) {
   return os.str();
 }
 
+std::string RoundingMessage(int bad, double value) {
+  if (bad == 0) return "";
+  return std::string("stochastic rounding's ") + (bad == 1 ? "seed" : "step") +
+         " must be an integer in [0, 2^53], got " + Fmt(value);
+}
+
 std::string ValidateHParams(RuleKind rule, const HParams& hp) {
   const int k = FirstBadHParam(RuleHParams(rule), hp);
-  return k < 0 ? "" : HParamError(k, hp.Get(static_cast<HP>(k)));
+  if (k >= 0) return HParamError(k, hp.Get(static_cast<HP>(k)));
+  const int r = RoundingError(hp);
+  return RoundingMessage(r, r == 1 ? hp.rounding_seed : hp.rounding_step);
 }
 
 }  // namespace tfclip

@@ -18,5 +18,7 @@ std::string ValidateClipConfig(const ClipConfig& cfg);
 std::string ValidateHParams(RuleKind rule, const HParams& hp);
 // The message for hyper-parameter `k` with value v (k from FirstBadHParam).
 std::string HParamError(int k, double v);
+// The message for RoundingError's `bad` (1: the seed, 2: the step) with value v; "" for 0.
+std::string RoundingMessage(int bad, double value);
 
 }  // namespace tfclip

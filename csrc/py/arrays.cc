@@ -189,6 +189,15 @@ void SetSparse(const py::handle& h, const Array& var, const Array& values, size_
   for (size_t d = 1; d < var.shape.size(); ++d) t->width *= var.shape[d];
 }
 
+std::pair<py::object, py::object> RoundingPair(const py::object& rounding) {
+  if (!py::isinstance<py::tuple>(rounding) && !py::isinstance<py::list>(rounding)) {
+    Fail("rounding must be None or a (seed, step) pair");
+  }
+  py::sequence s = py::reinterpret_borrow<py::sequence>(rounding);
+  if (py::len(s) != 2) Fail("rounding must be None or a (seed, step) pair, got " + std::to_string(py::len(s)) + " values");
+  return {s[0], s[1]};
+}
+
 ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
                        const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
                        py::object clip, py::object use_norm, const std::string& nonfinite,

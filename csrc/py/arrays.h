@@ -66,6 +66,9 @@ struct ApplyCall {
   StepArgs Args() const;
 };
 
+// clip_apply's `rounding`: a (seed, step) pair, or a TypeError naming what is wrong.
+std::pair<py::object, py::object> RoundingPair(const py::object& rounding);
+
 ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, const py::list& grads_l,
                        const py::list& slots_l, const py::dict& hparams, const std::string& clip_mode,
                        py::object clip, py::object use_norm, const std::string& nonfinite,

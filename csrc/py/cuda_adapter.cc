@@ -359,7 +359,8 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
                            const std::string& nonfinite, py::object indices, bool lazy,
                            py::object iterations, py::object norm_out, py::object applied_out,
                            py::object stream_o, py::object tensor_norms_out, double agc_eps,
-                           py::object agc_clipped_out, py::object absmax, py::object grad_scale) {
+                           py::object agc_clipped_out, py::object absmax, py::object grad_scale,
+                           py::object rounding) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromCuda, absmax);
   c.cfg.agc_eps = agc_eps;
@@ -368,6 +369,19 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
     ds.grad_scale = static_cast<const double*>(DeviceScalarPtr(grad_scale, "grad_scale", "f8"));
   } else {
     c.cfg.grad_scale = grad_scale.cast<double>();
+  }
+  if (!rounding.is_none()) {  // (seed, step): numbers, or 1-element float64 device arrays
+    const auto r = RoundingPair(rounding);
+    const py::object parts[2] = {r.first, r.second};
+    double* fields[2] = {&c.hp.rounding_seed, &c.hp.rounding_step};
+    for (int k = 0; k < 2; ++k) {
+      if (IsDeviceScalar(parts[k])) {
+        ds.rounding[k] = static_cast<const double*>(DeviceScalarPtr(parts[k], k == 0 ? "rounding seed" : "rounding step", "f8"));
+        if (k == 0) c.hp.rounding_seed = 0.0;  // on: the device's value replaces it
+      } else {
+        *fields[k] = parts[k].cast<double>();
+      }
+    }
   }
   for (const auto& [k, o] : c.device_scalars) {
     if (k == kClipScalar) {
@@ -482,7 +496,7 @@ void DefineCuda(py::module_& m) {
         py::arg("norm_out") = py::none(), py::arg("applied_out") = py::none(),
         py::arg("stream") = py::none(), py::arg("tensor_norms_out") = py::none(),
         py::arg("agc_eps") = 1e-3, py::arg("agc_clipped_out") = py::none(), py::arg("absmax") = py::none(),
-        py::arg("grad_scale") = 1.0,
+        py::arg("grad_scale") = 1.0, py::arg("rounding") = py::none(),
         "clip_apply on CUDA arrays. With norm_out/applied_out (device scalars) nothing waits "
         "and None is returned; else (global_norm, applied) after a wait. nonfinite='raise' "
         "always waits. bfloat16 arrays are passed as uint16 views. indices (host NumPy arrays, "
@@ -496,7 +510,8 @@ void DefineCuda(py::module_& m) {
         "of len(grads), given each tensor's count of units clip_mode='agc' scaled down, counted "
         "on the device (0 in the other modes), written with tensor_norms_out. absmax: int8 "
         "optimizer state's absmax device arrays, as clip_apply (the codes uint8 device arrays). "
-        "grad_scale: as clip_apply, a number or a 1-element float64 device array.");
+        "grad_scale: as clip_apply, a number or a 1-element float64 device array. rounding: as "
+        "clip_apply, each of (seed, step) a number or a 1-element float64 device array.");
   m.def("cuda_allocations", &cuda::Allocations,
         "Device and pinned-host allocations _core has made so far (its workspace ring, scratch "
         "and cuda_malloc): a step of a size seen before allocates nothing.");

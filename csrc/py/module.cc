@@ -13,6 +13,7 @@
 #include "csrc/core/clip.h"
 #include "csrc/core/hparams.h"
 #include "csrc/core/quant8.h"
+#include "csrc/core/rounding.h"
 #include "csrc/core/rule_table.h"
 
 namespace py = pybind11;
@@ -139,6 +140,15 @@ PYBIND11_MODULE(_core, m) {
   m.def("rule_table", &RuleTable, "Each rule's op, slot inputs, hyper-parameters and flags.");
   m.def("hparam_table", &HParamTable, "Each hyper-parameter's name in messages, default and range (lo, hi, open ends).");
   m.def("ffi_codes", &FfiCodes, "The XLA custom calls' numbers for rules, flags, clip modes and non-finite policies.");
+  m.def("philox4x32_10",
+        [](std::vector<uint32_t> counter, std::vector<uint32_t> key) {
+          if (counter.size() != 4 || key.size() != 2) throw py::value_error("philox4x32_10 takes 4 counter and 2 key words");
+          const Philox4 r = Philox4x32_10(Philox4{{counter[0], counter[1], counter[2], counter[3]}}, key[0], key[1]);
+          return std::vector<uint32_t>{r.v[0], r.v[1], r.v[2], r.v[3]};
+        },
+        py::arg("counter"), py::arg("key"),
+        "The core's Philox4x32-10 (csrc/core/rounding.h), stochastic rounding's generator: four "
+        "output words of a counter's four words under a key's two.");
   m.def("dynamic_code", &DynamicCodePy, py::arg("signed"),
         "The 8-bit dynamic code (256 float32 values, ascending; csrc/core/quant8.h).");
   m.def("quantize_blockwise", &QuantizeBlockwisePy, py::arg("x"), py::arg("signed"),

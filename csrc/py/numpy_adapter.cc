@@ -115,11 +115,16 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
                     py::object clip, py::object use_norm, const std::string& nonfinite,
                     py::object indices, bool lazy, py::object iterations,
                     py::object tensor_norms_out, double agc_eps, py::object agc_clipped_out, py::object absmax,
-                    double grad_scale) {
+                    double grad_scale, py::object rounding) {
   ApplyCall c = PrepareApply(rule_name, vars_l, grads_l, slots_l, hparams, clip_mode, clip,
                              use_norm, nonfinite, indices, lazy, &FromNumpy, absmax);
   c.cfg.agc_eps = agc_eps;
   c.cfg.grad_scale = grad_scale;
+  if (!rounding.is_none()) {
+    const auto r = RoundingPair(rounding);
+    c.hp.rounding_seed = r.first.cast<double>();
+    c.hp.rounding_step = r.second.cast<double>();
+  }
   if (!c.device_scalars.empty()) Fail("clip_apply takes numbers; device arrays go to cuda_clip_apply");
   StepArgs args = c.Args();
   int64_t* counter = nullptr;
@@ -161,7 +166,7 @@ void DefineNumpy(py::module_& m) {
         py::arg("indices") = py::none(), py::arg("lazy") = false,
         py::arg("iterations") = py::none(), py::arg("tensor_norms_out") = py::none(),
         py::arg("agc_eps") = 1e-3, py::arg("agc_clipped_out") = py::none(), py::arg("absmax") = py::none(),
-        py::arg("grad_scale") = 1.0,
+        py::arg("grad_scale") = 1.0, py::arg("rounding") = py::none(),
         "Clip and apply in place. rule: a name of rule_table(). slots: one list of arrays per "
         "slot the step uses (momentum: [accum]; adam: [m, v] or [m, v, vhat]). hparams: the "
         "rule's hyper-parameters and flags by name (rule_table(); missing ones take the table's "
@@ -178,7 +183,10 @@ void DefineNumpy(py::module_& m) {
         "ceil(size / 256) elements per variable (None for a variable whose state is not int8), "
         "that variable's slots[k][i] then a uint8 array of code indices. grad_scale: a factor on "
         "every gradient folded into the passes (a loss scale's 1/scale; ClipConfig::grad_scale): "
-        "the norms are the scaled gradients'. Returns (global_norm, applied).");
+        "the norms are the scaled gradients'. rounding: None (bfloat16 variables round to "
+        "nearest), or (seed, step), integers in [0, 2^53]: bfloat16 variables round "
+        "stochastically, from Philox bits of (seed, step, the variable's position, the element) "
+        "(csrc/core/rounding.h). Returns (global_norm, applied).");
   m.def("set_num_threads", [](int n) { g_num_threads = n; }, py::arg("n"),
         "Threads for the CPU passes (0: all cores). Results do not depend on it.");
   m.def("num_threads", &NumThreads);

@@ -96,6 +96,7 @@ class ClipApplyOp : public OpKernel {
     has_iterations_ = attrs.num_iterations > 0;
     num_absmax_ = attrs.num_absmax;
     has_grad_scale_ = attrs.num_grad_scale > 0;
+    has_rounding_ = attrs.num_rounding > 0;
     hp_.sum_of_squares = attrs.sum_of_squares;
     for (int k = 0; k < kNumFlags; ++k) {
       if ((rule_.flags >> k) & 1u) hp_.SetFlag(static_cast<Flag>(k), (attrs.flags >> k) & 1u);
@@ -236,6 +237,24 @@ class ClipApplyOp : public OpKernel {
 #endif
       } else {
         args->cfg.grad_scale = gs[0].scalar<double>()();
+      }
+    }
+    if (has_rounding_) {  // stochastic rounding's seed and step (csrc/core/rounding.h)
+      tf::OpInputList rs;
+      TF_RETURN_IF_ERROR(ctx->input_list("rounding", &rs));
+      double* fields[2] = {&args->hp.rounding_seed, &args->hp.rounding_step};
+      for (int k = 0; k < 2; ++k) {
+        if (!tf::TensorShapeUtils::IsScalar(rs[k].shape())) {
+          return tf::errors::InvalidArgument("rounding's ", k == 0 ? "seed" : "step", " must be a scalar, got shape ",
+                                             rs[k].shape().DebugString());
+        }
+        if constexpr (kGpu<D>) {
+#if TFCLIP_WITH_CUDA
+          ds->rounding[k] = reinterpret_cast<const double*>(rs[k].tensor_data().data());
+#endif
+        } else {
+          *fields[k] = rs[k].scalar<double>()();
+        }
       }
     }
     return absl::OkStatus();
@@ -478,6 +497,7 @@ class ClipApplyOp : public OpKernel {
   bool has_iterations_ = false;  // an `iterations` input: see ops.cc
   int num_absmax_ = 0;           // the `absmax` input's count (int8 state): see apply_op.h
   bool has_grad_scale_ = false;  // the `grad_scale` input (ClipConfig::grad_scale)
+  bool has_rounding_ = false;    // the `rounding` input (stochastic rounding's seed and step)
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
   bool with_refs_ = false;  // TfclipClipApplyRef<Op>

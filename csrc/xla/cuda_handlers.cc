@@ -148,6 +148,9 @@ FfiStatus ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const FfiFrame& 
   ds.clip = s + j;
   ds.use_norm = s + j + 1;
   if (call.has_grad_scale) ds.grad_scale = s + j + 2;
+  if (call.has_rounding) {
+    for (int k = 0; k < 3; ++k) ds.rounding[k] = s + j + 3 + k;
+  }
   if (call.has_iterations) {
     // The call's own copy of the count (every group reads the same one), advanced by the
     // finalize kernel when the step is applied; group 0's becomes the variable's value.

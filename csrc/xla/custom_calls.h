@@ -18,10 +18,11 @@
 //                  attrs:    use_given_norm
 // tfclip_apply     one group of at most kGroupVars variables of an apply op
 //                  operands: var[g], slot_0[g] .. slot_{s-1}[g], grad[g], indices (int64, one per
-//                            sparse entry), scalars f64[h + 2] or f64[h + 3] (the rule's
-//                            hyper-parameters in HP order, clip, use_norm, and where the op has
-//                            one grad_scale: its length says), then iterations s64[] if
-//                            has_iterations
+//                            sparse entry), scalars f64[h + 2], f64[h + 3] or f64[h + 6] (the
+//                            rule's hyper-parameters in HP order, clip, use_norm; where the op
+//                            has one grad_scale; where it has stochastic rounding, grad_scale
+//                            (1 if none), seed, step and the call's first variable's position in
+//                            the op: its length says), then iterations s64[] if has_iterations
 //                  results:  var[g], slot_0[g] .. (each aliased to its operand: in place),
 //                            applied pred[], norm f32[], tensor_norms f32[g], clipped_units
 //                            s64[g] (AGC's count of clipped units per variable, 0 in the other

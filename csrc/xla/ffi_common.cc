@@ -136,13 +136,16 @@ FfiStatus ApplyCall::Decode(const FfiFrame& f) {
   }
   FfiBuffer sc;
   TFCLIP_FFI_RETURN_IF_ERROR(f.Arg(ScalarsArg(), &sc));
-  // (grad_scale, the last, only where the op has one: calls without it keep their layout.)
+  // (grad_scale, then stochastic rounding's seed, step and the call's first tensor position,
+  // only where the op has them: calls without them keep their layout.)
+  const int64_t h = static_cast<int64_t>(NumHParams());
   if (sc.dtype != XLA_FFI_DataType_F64 ||
-      (sc.element_count() != NumHParams() + 2 && sc.element_count() != NumHParams() + 3)) {
+      (sc.element_count() != h + 2 && sc.element_count() != h + 3 && sc.element_count() != h + 6)) {
     return FfiStatus::Internal("tfclip_apply: bad scalars operand");
   }
   scalars = sc.data;
-  has_grad_scale = sc.element_count() == NumHParams() + 3;
+  has_grad_scale = sc.element_count() >= h + 3;
+  has_rounding = sc.element_count() == h + 6;
   const size_t r0 = static_cast<size_t>((nslots + 1) * n);
   void** outs[] = {&applied_out, &norm_out, &tensor_norms_out, &clipped_out, &iterations_out};
   for (size_t k = 0; k < 4 + (has_iterations ? 1u : 0u); ++k) {
@@ -241,6 +244,11 @@ void ApplyCall::ReadHostScalars(StepArgs* a) const {
   a->cfg.clip = s[j];
   a->cfg.use_norm = s[j + 1];
   if (has_grad_scale) a->cfg.grad_scale = s[j + 2];
+  if (has_rounding) {
+    a->hp.rounding_seed = s[j + 3];
+    a->hp.rounding_step = s[j + 4];
+    a->hp.rounding_tensor = s[j + 5];
+  }
 }
 
 }  // namespace xla_glue

@@ -50,6 +50,8 @@ struct ApplyCall {
   // f64[popcount(hmask) + 2 (+ 1)]: hyper-parameters, clip, use_norm (, grad_scale)
   const void* scalars = nullptr;
   bool has_grad_scale = false;  // the scalars end with grad_scale (ClipConfig::grad_scale)
+  // ... then stochastic rounding's seed, step and this call's first tensor position (HParams)
+  bool has_rounding = false;
   const void* iterations_in = nullptr;
   void* applied_out = nullptr;       // pred[]
   void* norm_out = nullptr;          // f32[]

@@ -202,6 +202,7 @@ class ClipApplyXla : public XlaOpKernel {
     has_iterations_ = attrs.num_iterations > 0;
     num_absmax_ = attrs.num_absmax;
     has_grad_scale_ = attrs.num_grad_scale > 0;
+    has_rounding_ = attrs.num_rounding > 0;
     const std::vector<int32_t>& sparse = attrs.sparse;
     sparse_of_.assign(static_cast<size_t>(n_), -1);
     for (size_t k = 0; k < sparse.size(); ++k) sparse_of_[sparse[k]] = static_cast<int>(k);
@@ -364,6 +365,16 @@ class ClipApplyXla : public XlaOpKernel {
       grad_scale = ctx->Input(start);
       scalars.push_back(xla::Reshape(grad_scale, {1}));
     }
+    if (has_rounding_) {
+      // Stochastic rounding's seed and step, then each group call's first variable (its
+      // tensors' positions in the op: the same bits as one op call), after a grad_scale (1
+      // where the op has none): the scalars are h + 6 long (custom_calls.h).
+      if (!has_grad_scale_) scalars.push_back(xla::ConstantR1<double>(b, {1.0}));
+      int start, stop;
+      OP_REQUIRES_OK(ctx, InputRange("rounding", &start, &stop));
+      scalars.push_back(xla::Reshape(ctx->Input(start), {1}));
+      scalars.push_back(xla::Reshape(ctx->Input(start + 1), {1}));
+    }
     const xla::XlaOp scalar_vec = xla::ConcatInDim(b, scalars, 0);
     xla::XlaOp counter;
     int counter_index = -1;
@@ -417,7 +428,8 @@ class ClipApplyXla : public XlaOpKernel {
           group_sparse.push_back(i - g0);
         }
       }
-      ops.push_back(scalar_vec);
+      ops.push_back(has_rounding_ ? xla::ConcatInDim(b, {scalar_vec, xla::ConstantR1<double>(b, {double(g0)})}, 0)
+                                  : scalar_vec);
       if (has_iterations_) {
         // Group 0's advanced counter is the variable's new value: aliased to the counter operand
         // (in place; XLA copies the count first where later groups still read it).
@@ -570,6 +582,7 @@ class ClipApplyXla : public XlaOpKernel {
   int nslots_ = 0;
   int num_absmax_ = 0;  // int8 state's absmax variables (the absmax input, slot-major)
   bool has_grad_scale_ = false;  // the grad_scale input (ClipConfig::grad_scale)
+  bool has_rounding_ = false;    // the rounding input (stochastic rounding's seed and step)
   int n_ = 0;
   int64_t flags_ = 0;
   ClipConfig cfg_;

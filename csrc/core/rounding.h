@@ -1,0 +1,106 @@
+// tfclip core: stochastic rounding of bfloat16 variables (opt-in; the apply ops' `rounding`
+// input, docs/low-precision-state.md "bfloat16 weights, stochastic rounding").
+//
+// Pure-bf16 training keeps no float32 master weights: an update smaller than half a bf16 ulp of
+// its weight rounds away to nothing under round-to-nearest, every step, and training stalls.
+// Rounded stochastically, x goes up to the next bf16 value with probability (x - lo) / (hi - lo)
+// and down to lo otherwise, so the expected stored value is x: small updates survive on average.
+//
+// The random bits come from Philox4x32-10 (Salmon, Moraes, Dror, Shaw, "Parallel random
+// numbers: as easy as 1, 2, 3", SC 2011), a counter-based generator: a keyed bijection of a
+// 128-bit counter, no state. Element i of the step's tensor t (its position in the op's variable
+// list) at step s takes counter (i mod 2^32, i / 2^32, t, s mod 2^32) under key (seed mod 2^32,
+// seed / 2^32), and the high 16 bits of the first output word. So the bits depend on (seed, step,
+// tensor, element) alone: the same on the CPU, on CUDA and under XLA, for any thread count or
+// chunking. tests/test_stochastic_rounding.py checks the generator against Random123's
+// known-answer vectors and the rounding against a NumPy reference.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "csrc/core/types.h"
+
+namespace tfclip {
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+// Philox4x32 with 10 rounds: the multipliers and Weyl key increments of the paper.
+TFCLIP_HD Philox4 Philox4x32_10(Philox4 c, uint32_t k0, uint32_t k1) {
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {  // the key is bumped before every round but the first
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c.v[0];
+    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c.v[2];
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+    c = Philox4{{hi1 ^ c.v[1] ^ k0, lo1, hi0 ^ c.v[3] ^ k1, lo0}};
+  }
+  return c;
+}
+
+// A step's key: off, or the seed's words, the step's low word and the tensor's position (set
+// per tensor by the passes: WithTensor).
+struct RoundKey {
+  bool on = false;
+  uint32_t k0 = 0, k1 = 0, step = 0, tensor = 0;
+};
+
+// The largest seed or step the `rounding` input takes: every integer up to it is a double.
+constexpr double kMaxRoundingWord = 9007199254740992.0;  // 2^53
+
+// A seed or step value as the integer it is (checked by RoundingError where the value is read
+// on the host; a bad value read on the device is refused there too, so this never sees one).
+TFCLIP_HD uint64_t RoundingWord(double v) {
+  return v >= 0.0 && v <= kMaxRoundingWord ? static_cast<uint64_t>(v) : 0u;
+}
+
+// The key from the `rounding` input's values (a NaN seed: off, round to nearest), and the
+// position of the step's first tensor (0 but in an XLA call of a later group of the op's).
+TFCLIP_HD RoundKey MakeRoundKey(double seed, double step, double first_tensor) {
+  RoundKey k;
+  if (seed != seed) return k;
+  const uint64_t s = RoundingWord(seed);
+  k.on = true;
+  k.k0 = static_cast<uint32_t>(s);
+  k.k1 = static_cast<uint32_t>(s >> 32);
+  k.step = static_cast<uint32_t>(RoundingWord(step));
+  k.tensor = static_cast<uint32_t>(RoundingWord(first_tensor));
+  return k;
+}
+
+// The 16 random bits of element i (the high half of Philox's first word).
+TFCLIP_HD uint32_t RoundBits(const RoundKey& k, int64_t i) {
+  const uint64_t u = static_cast<uint64_t>(i);
+  const Philox4 c{{static_cast<uint32_t>(u), static_cast<uint32_t>(u >> 32), k.tensor, k.step}};
+  return Philox4x32_10(c, k.k0, k.k1).v[0] >> 16;
+}
+
+// x rounded to bfloat16 with the 16 random bits r: r added to x's low 16 bits carries into the
+// kept half with probability (low bits) / 2^16, then the low half is dropped. On the magnitude
+// bits, so a negative x rounds away from zero with that probability too; inf stays inf; a
+// finite x above bf16's largest finite value may carry to inf, as its distance says. NaN is
+// rounded as Elem<bfloat16>::Store rounds it (quiet, sign kept).
+TFCLIP_HD bfloat16 StochasticRoundBf16(float x, uint32_t r) {
+  const uint32_t u = FloatBits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return Elem<bfloat16>::Store(x);
+  return bfloat16{static_cast<uint16_t>((u + r) >> 16)};
+}
+
+// What the passes store into variable element i (its position in its tensor) of storage type V
+// from its new value v: a bfloat16 variable under an on key rounds stochastically; everything
+// else as Elem<V>::Store.
+template <typename V, typename M>
+TFCLIP_HD V StoreVar(const RoundKey& k, M v, int64_t i) {
+  if constexpr (std::is_same<V, bfloat16>::value) {
+    if (k.on) return StochasticRoundBf16(v, RoundBits(k, i));
+  }
+  return Elem<V>::Store(v);
+}
+
+}  // namespace tfclip
