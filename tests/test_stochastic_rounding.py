@@ -101,6 +101,21 @@ def test_rounding_against_the_reference(name, mode):
         np.testing.assert_array_equal(_bits(b).ravel(), want)
 
 
+def test_xla_group_calls_draw_the_op_positions():
+    """Under XLA an op of more than 64 variables is several custom calls (csrc/xla/custom_calls.h,
+    kGroupVars); each call's variables still draw by their position in the op: the bits of the
+    eager op, which is one call."""
+    w, g = _data(4, [(33,)] * 150)
+    out = []
+    for mode in ("eager", "xla"):
+        rule = tfclip.rules.Adam(0.01)
+        vs = [tf.Variable(x) for x in w]
+        _step(rule, vs, [tf.constant(x) for x in g], mode, steps=2, stochastic_rounding=True, rounding_seed=SEED)
+        out.append(np.stack([_bits(v) for v in vs]))
+    np.testing.assert_array_equal(out[0], out[1])
+    assert len({a.tobytes() for a in out[0]}) == 150  # (and no two variables alike)
+
+
 @pytest.mark.parametrize("name", sorted(OTHER_ARITHMETIC))
 def test_rounding_next_to_nearest(name):
     w, g = _data()
@@ -241,3 +256,110 @@ def test_errors():
     np.testing.assert_array_equal(v.numpy(), np.ones(4, BF16))
     with pytest.raises(ValueError, match=r"rounding must be None or a \(seed, step\) pair"):
         _core.clip_apply("sgd", [np.ones(4, BF16)], [np.ones(4, np.float32)], [], {"lr": 0.1}, rounding=(1,))
+
+
+# ---------------------------------------------------------------- the optimizers
+def _keras_run(make, w, g, mode="eager", steps=3, variable=tf.Variable):
+    opt = make()
+    vs = [variable(x) for x in w]
+
+    def one():
+        opt.apply_gradients(zip(g, vs))
+
+    fn = {"eager": one, "function": tf.function(one), "xla": tf.function(one, jit_compile=True)}[mode]
+    for _ in range(steps):
+        fn()
+    return opt, [_bits(v) for v in vs]
+
+
+def _rule_run(w, g, steps=3, **kw):
+    rule = tfclip.rules.Adam(0.01)
+    vs = [tf.Variable(x) for x in w]
+    for _ in range(steps):
+        tfclip.fused_clip_apply(zip(g, vs), rule, global_clipnorm=1.0, **kw)
+    return [_bits(v) for v in vs]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+def test_keras_optimizers_draw_the_rule_bits(mode):
+    """tfclip.keras.Adam and tfclip.tf_keras.Adam with stochastic_rounding=True: the bits of
+    fused_clip_apply with tfclip.rules.Adam (the same seed, step iterations + 1, positions), in
+    get_config only when on, so a default config stays the stock class's."""
+    import keras
+    import tfclip.keras
+    import tfclip.tf_keras
+    w, g = _data(5, [(300,), (7, 3)])
+    g = [tf.constant(x) for x in g]
+    want = _rule_run(w, g, stochastic_rounding=True, rounding_seed=SEED)
+    nearest = _rule_run(w, g)
+    assert any((a != b).any() for a, b in zip(want, nearest))
+    k3, got = _keras_run(lambda: tfclip.keras.Adam(0.01, global_clipnorm=1.0, stochastic_rounding=True,
+                                                   rounding_seed=SEED), w, g, mode,
+                         variable=lambda x: keras.Variable(x, dtype="bfloat16"))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert k3.get_config()["stochastic_rounding"] is True and k3.get_config()["rounding_seed"] == SEED
+    again = tfclip.keras.Adam.from_config(k3.get_config())
+    assert again.stochastic_rounding and again.rounding_seed == SEED
+    assert "stochastic_rounding" not in tfclip.keras.Adam().get_config()
+    if mode != "xla":  # (tf_keras's own jit_compile path: tests/test_tf_keras.py)
+        tk, got = _keras_run(lambda: tfclip.tf_keras.Adam(0.01, global_clipnorm=1.0, stochastic_rounding=True,
+                                                          rounding_seed=SEED), w, g, mode)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        assert tfclip.tf_keras.Adam.from_config(tk.get_config()).rounding_seed == SEED
+
+
+def test_tf_keras_legacy_rounds_stochastically():
+    """tf_keras's legacy (OptimizerV2) classes read their hyper-parameters in the variable's
+    dtype, as stock does (a bf16 Adam's beta_2 0.999 is 1.0 there, and the stock step does not
+    move the weights): SGD, with stochastic rounding, gives each element its round-to-nearest
+    step's value or the neighbour."""
+    import tfclip.tf_keras
+    w, g = _data(6, [(300,), (7, 3)])
+    g = [tf.constant(x) for x in g]
+    runs = [_keras_run(lambda: tfclip.tf_keras.legacy.SGD(0.01, momentum=0.9, stochastic_rounding=sr,
+                                                          rounding_seed=SEED),
+                       w, g, "function", steps=1)[1] for sr in (True, False)]
+    for a, b in zip(*runs):
+        assert np.isin(a.astype(np.int64) - b.astype(np.int64), (-1, 0, 1)).all()
+    assert any((a != b).any() for a, b in zip(*runs))
+
+
+def test_keras_model_fit_pure_bfloat16():
+    """model.fit on a pure-bfloat16 layer (dtype "bfloat16": bf16 weights), with and without
+    jit_compile, at a learning rate whose updates are mostly below half a bf16 ulp: projected on
+    the same layer's float32 run, stochastic rounding moves the weights about as far (its
+    gradients are the bf16 forward pass's, so not the same amount: the bias is
+    test_unbiased_over_elements_and_steps's), round to nearest by a small part of it."""
+    import keras
+    import tfclip.keras
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 512))).astype(np.float32)
+    w0 = np.asarray(rng.normal(size=(8, 512)) * 0.5, BF16).astype(np.float32)
+
+    def fit(dtype, sr, jit):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(512, use_bias=False, dtype=dtype)])
+        model.layers[0].kernel.assign(w0)
+        model.compile(tfclip.keras.SGD(3e-5, stochastic_rounding=sr, rounding_seed=SEED), "mse", jit_compile=jit)
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0, shuffle=False)
+        assert model.layers[0].kernel.dtype == dtype
+        return model.layers[0].kernel.numpy().astype(np.float64) - w0
+
+    exact = fit("float32", False, False)
+    direction = np.sign(exact)
+    for jit in (False, True):
+        share = {sr: (fit("bfloat16", sr, jit) * direction).sum() / np.abs(exact).sum() for sr in (False, True)}
+        assert 0.5 < share[True] < 2.0, share
+        assert share[False] < 0.3, share
+
+
+def test_keras_errors():
+    import tfclip.keras
+    import tfclip.tf_keras
+    with pytest.raises(TypeError, match="stochastic_rounding must be True or False"):
+        tfclip.keras.Adam(stochastic_rounding="yes")
+    with pytest.raises(ValueError, match=r"rounding_seed must be in \[0, 2\*\*32\)"):
+        tfclip.tf_keras.Adam(stochastic_rounding=True, rounding_seed=2 ** 32)

@@ -118,11 +118,12 @@ class _FusedMixin(_optstate.NormState):
     low_precision_state = True
     int8_state = True
 
-    def __init__(self, *args, clip=None, **kwargs):
-        # `clip`: an adaptive clip (tfclip.clipping), taken here for every class; the stock
-        # class gets the rest.
+    def __init__(self, *args, clip=None, stochastic_rounding=False, rounding_seed=0, **kwargs):
+        # `clip`: an adaptive clip (tfclip.clipping), and bfloat16 variables' stochastic rounding
+        # (csrc/core/rounding.h), taken here for every class; the stock class gets the rest.
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
+        self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
 
     @property
     def clip(self):
@@ -304,7 +305,8 @@ class _FusedMixin(_optstate.NormState):
         loss_scale = _step.loss_scale(self)
         result = _step.run(grads, groups, mode, clip, clip_obj=self.clip,
                            nonfinite=self.nonfinite if loss_scale is None else "skip",
-                           lazy=self.lazy_sparse, keras_sparse_squares=True, grad_scale=loss_scale)
+                           lazy=self.lazy_sparse, keras_sparse_squares=True, grad_scale=loss_scale,
+                           rounding=self._tfclip_rounding())
         if loss_scale is not None:
             _step.loss_scale_applied(self, result.applied)
         self._record_norms(result.global_norm, result.applied, result.tensor_norms, keras_vars,
@@ -350,6 +352,10 @@ class _FusedMixin(_optstate.NormState):
             raise ValueError(f"state_dtype={self.state_dtype!r} needs tfclip's fused op, which this build "
                              "cannot compile inside an XLA-compiled function (jit_compile=True); compile "
                              "the model with jit_compile=False, or leave state_dtype at None")
+        if self.stochastic_rounding:
+            raise ValueError("stochastic_rounding=True needs tfclip's fused op, which this build cannot "
+                             "compile inside an XLA-compiled function (jit_compile=True); compile the "
+                             "model with jit_compile=False, or leave stochastic_rounding off")
         if self.nonfinite == "raise":
             raise ValueError("nonfinite='raise' needs tfclip's fused op, which cannot run inside an "
                              "XLA-compiled function (jit_compile=True); use 'skip' or 'propagate', "

@@ -7,7 +7,7 @@ what the stock optimizer lists and checkpoints) and says where a step's variable
 `tensor_norms` (`_norm_positions`)."""
 import tensorflow as tf
 
-from tfclip import clipping
+from tfclip import _step, clipping
 
 # (attribute, variable name, initial value, dtype): made at construction.
 STATE_VARIABLES = (("_global_norm", "global_norm", 0.0, "float32"),
@@ -33,7 +33,23 @@ class NormState:
             config["clip"] = clipping.serialize(self._tfclip_clip)
         if self.state_dtype is not None:
             config["state_dtype"] = self.state_dtype
+        if getattr(self, "stochastic_rounding", False):
+            config["stochastic_rounding"] = True
+            config["rounding_seed"] = self.rounding_seed
         return config
+
+    def _tfclip_rounding_init(self, stochastic_rounding, rounding_seed):
+        """`stochastic_rounding` and `rounding_seed`, checked, as plain attributes (not tracked)."""
+        sr, seed = _step.check_rounding(stochastic_rounding, rounding_seed)
+        object.__setattr__(self, "stochastic_rounding", sr)
+        object.__setattr__(self, "rounding_seed", seed)
+
+    def _tfclip_rounding(self):
+        """The fused step's `rounding` (tfclip/_step.py, run): (seed, iterations + 1) with
+        stochastic rounding on, else None."""
+        if not getattr(self, "stochastic_rounding", False):
+            return None
+        return self.rounding_seed, self._tfclip_step()
 
     @property
     def global_norm(self):

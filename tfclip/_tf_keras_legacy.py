@@ -30,8 +30,10 @@ class _LegacyFusedMixin(_FusedMixin):
 
     _lazy_default = False
 
-    def __init__(self, *args, nonfinite="skip", lazy_sparse=None, clip=None, state_dtype=None, **kwargs):
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=None, clip=None, state_dtype=None,
+                 stochastic_rounding=False, rounding_seed=0, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
+        self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
         super(_FusedMixin, self).__init__(*args, **kwargs)
         if lazy_sparse is None:
             lazy_sparse = self._lazy_default

@@ -82,6 +82,9 @@ def _refuse_stock_step(opt, reason):
     if getattr(opt, "state_dtype", None) is not None:
         raise ValueError(f"{type(opt).__name__}(state_dtype={opt.state_dtype!r}) needs tfclip's fused op, "
                          f"which cannot run this step ({reason}); leave state_dtype at None for it")
+    if getattr(opt, "stochastic_rounding", False):
+        raise ValueError(f"{type(opt).__name__}(stochastic_rounding=True) needs tfclip's fused op, which "
+                         f"cannot run this step ({reason}); leave stochastic_rounding off for it")
 
 
 # The stock slot names (tf_keras's add_variable_from_reference `variable_name`, OptimizerV2's
@@ -127,8 +130,10 @@ class _FusedMixin(_optstate.NormState):
     low_precision_state = True
     int8_state = True
 
-    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None, **kwargs):
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None,
+                 stochastic_rounding=False, rounding_seed=0, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
+        self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
         super().__init__(*args, **kwargs)
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, tf.Variable) and tf.executing_eagerly():
@@ -361,7 +366,7 @@ class _FusedMixin(_optstate.NormState):
         loss_scale = _step.loss_scale(self)
         result = _step.run(grads, groups, mode, clip, clip_obj=self.clip,
                            nonfinite=self.nonfinite if loss_scale is None else "skip",
-                           lazy=self._tfclip_lazy(), grad_scale=loss_scale)
+                           lazy=self._tfclip_lazy(), grad_scale=loss_scale, rounding=self._tfclip_rounding())
         if loss_scale is not None:
             _step.loss_scale_applied(self, result.applied)
         self._record_norms(result.global_norm, result.applied, result.tensor_norms, tvars, result.clip_mode,

@@ -177,6 +177,37 @@ def test_handler_grad_scale(rng, scratch, mode):
         _same_bits(to_host(d, np.float32), want)
 
 
+@pytest.mark.parametrize("scratch", ["xla", "own", "legacy"])
+@pytest.mark.parametrize("rule", ["adam", "sgd", "lamb"])
+def test_handler_stochastic_rounding(rng, scratch, rule):
+    """Stochastic rounding of bfloat16 variables (csrc/core/rounding.h): the scalars end with
+    grad_scale, the seed, the step and the call's first variable's position in the op (a later
+    group's call of an op with many variables); the handler reads them on the device, and the
+    bits are the CPU driver's for the variables at those positions of one call."""
+    shapes = [(5,), (3, 4), (), (1000,)]
+    first = 5  # this call's variables are the op's 5..8
+    vars_, grads, slots, values, hp = _problem(rng, rule, shapes, BF16, BF16)
+    grads = [np.asarray(g * 0.01, BF16) for g in grads]
+    use_norm = core.global_norm(grads)
+    seed, step = 7 + 3 * 2 ** 32, 12.0
+    vars_d = [to_dev(v) for v in vars_]
+    slots_d = [[to_dev(x) for x in sl] for sl in slots]
+    err, applied, _, _, _ = call_handler(rule, vars_d, slots_d, [to_dev(g) for g in grads],
+                                         values + [0.5, use_norm, 1.0, float(seed), step, float(first)], 0,
+                                         shapes, BF16, BF16, "global_norm", "skip", scratch=scratch)
+    assert err is None and applied, err
+    # The CPU driver with `first` leading variables that take no update (zero gradients, SGD:
+    # their values stay), so the call's variables sit at the same positions.
+    pad = [np.zeros((1,), BF16) for _ in range(first)]
+    cv = pad + [v.copy() for v in vars_]
+    cs = [[np.zeros((1,), BF16) for _ in range(first)] + [x.copy() for x in sl] for sl in slots]
+    cg = [np.zeros((1,), BF16) for _ in range(first)] + grads
+    core.clip_apply(rule, cv, cg, cs, hp, "global_norm", 0.5, use_norm=use_norm,
+                    iterations=np.array([0], np.int64), rounding=(seed, step))
+    for d, want in zip(vars_d, cv[first:]):
+        _same_bits(to_host(d, BF16), want)
+
+
 def test_handler_mixed_dtypes(rng):
     shapes = [(7,), (2, 3)]
     for var_dt, grad_dt in [(np.float32, BF16), (np.float32, np.float16), (np.float64, np.float64)]:
