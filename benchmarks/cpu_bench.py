@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale]
+                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -24,8 +24,9 @@ against float32 gradients; the fixed cost of one call with 200 small variables, 
 `tf.function`; bfloat16 and int8 optimizer state (`state_dtype=`) against float32 state, for
 fused_clip_apply and the Keras drop-in (whole calls), each against its own floor, with the
 optimizer's bytes per parameter; mixed_float16's loss scaling around tfclip's Adam, the stock
-wrapper against tfclip.keras.LossScaleOptimizer. Machines are shared and noisy: compare ratios
-within one run.
+wrapper against tfclip.keras.LossScaleOptimizer; pure-bfloat16 weights (bf16 variables and
+slots), stochastic rounding against round to nearest and stock Keras Adam. Machines are shared
+and noisy: compare ratios within one run.
 """
 import argparse
 import importlib
@@ -37,6 +38,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -591,6 +593,47 @@ def loss_scale_table(args, rng):
           "IsFinite) and a read and a write (g / scale): 12 B/param more)")
 
 
+BF16 = ml_dtypes.bfloat16
+
+
+def rounding_table(args, rng):
+    """Pure-bfloat16 training's step on the BERT-base set: bf16 variables (and so bf16 slots)
+    and bf16 gradients, Adam with global_clipnorm=1.0, whole tf.function calls of opt.apply:
+    tfclip.keras.Adam rounding to nearest, the same with stochastic_rounding=True (a
+    Philox4x32-10 draw per element), and stock keras.optimizers.Adam."""
+    shapes = SETS["bert_base"]()
+    variables = [tf.Variable(rng.standard_normal(s, dtype=np.float32).astype(BF16)) for s in shapes]
+    grads = [tf.constant(rng.standard_normal(s, dtype=np.float32).astype(BF16)) for s in shapes]
+    n = sum(int(np.prod(s)) for s in shapes)
+    print(f"\nbert_base ({n / 1e6:.1f}M params), bfloat16 variables, slots and gradients: Adam, global "
+          f"clip 1.0, whole tf.function calls of opt.apply")
+    print(f"{'step':<58} {'ms/call':>8} {'x nearest':>10} {'x floor':>8}")
+    opts = {
+        "tfclip.keras.Adam (round to nearest)": tfclip.keras.Adam(1e-9, global_clipnorm=1.0),
+        "tfclip.keras.Adam(stochastic_rounding=True)": tfclip.keras.Adam(1e-9, global_clipnorm=1.0,
+                                                                        stochastic_rounding=True),
+        "keras.optimizers.Adam (stock)": keras.optimizers.Adam(1e-9, global_clipnorm=1.0),
+    }
+    fns = {}
+    for label, opt in opts.items():
+        opt.build(variables)
+
+        def make(opt=opt):
+            @tf.function
+            def f():
+                opt.apply(grads, variables)
+            return f
+        fns[label] = make()
+    # The floor: 16 B/param (the gradient read twice, variable and two slots read and written,
+    # 2 bytes each): half the 32 B/param copy.
+    r = interleaved_medians({**fns, "floor": floor_copy(n // 2)}, args.repeats)
+    near = r["tfclip.keras.Adam (round to nearest)"]
+    for label in opts:
+        print(f"{label:<58} {r[label] * 1e3:8.2f} {r[label] / near:10.2f} {r[label] / r['floor']:8.2f}",
+              flush=True)
+    print("(x floor: against a copy moving 16 B/param, the bf16 step's bytes)")
+
+
 def overhead_table(args, rng):
     """The fixed cost of one call with 200 variables of 4 elements (kernel time ~0).
 
@@ -711,8 +754,8 @@ def main(argv=None):
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
-    p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale",
-                   help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, loss_scale "
+    p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding",
+                   help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, loss_scale, rounding "
                    "(or empty)")
     args = p.parse_args(argv)
 
@@ -737,6 +780,8 @@ def main(argv=None):
         state_dtype_table(args, rng)
     if "loss_scale" in extras:
         loss_scale_table(args, rng)
+    if "rounding" in extras:
+        rounding_table(args, rng)
 
 
 if __name__ == "__main__":
