@@ -14,6 +14,7 @@ tf_keras = pytest.importorskip("tf_keras", reason="tf-keras (the optional Keras 
 import tensorflow as tf  # noqa: E402
 
 import tfclip.tf_keras as tk  # noqa: E402
+from tfclip._tf_keras_loss_scale import LegacyLossScaleOptimizer  # noqa: E402
 from tfclip import _loader  # noqa: E402
 
 INNER = {
@@ -111,8 +112,8 @@ def test_a_constrained_variable_runs_the_stock_passes(rng):
 
 
 def test_refusals_and_config():
-    with pytest.raises(TypeError, match="wraps the new tf_keras optimizers"):
-        tk.LossScaleOptimizer(tk.legacy.Adam(0.01))
+    with pytest.raises(TypeError, match="wraps a tf_keras optimizer"):
+        tk.LossScaleOptimizer("adam")
     assert "use_ema" in tk.LossScaleOptimizer(tk.Adam(0.01, use_ema=True)).fold_refusal()
     assert "fixed loss scale" in tk.LossScaleOptimizer(tk.Adam(0.01), dynamic=False, initial_scale=128).fold_refusal()
     assert "not a power of two" in tk.LossScaleOptimizer(tk.Adam(0.01), initial_scale=1000.0).fold_refusal()
@@ -122,18 +123,124 @@ def test_refusals_and_config():
     assert type(back.inner_optimizer) is tk.Adam and back.initial_scale == 512.0 and back.dynamic_growth_steps == 5
 
 
-def test_the_folded_step_has_no_pass_of_its_own(rng):
+@pytest.mark.parametrize("make", [lambda: tk.Adam(0.01, global_clipnorm=1.0),
+                                  lambda: tk.legacy.Adam(0.01, global_clipnorm=1.0)], ids=["new", "legacy"])
+def test_the_folded_step_has_no_pass_of_its_own(rng, make):
     """The stock wrapper's minimize holds an IsFinite per gradient (and one more for the grown
     scale); the folded one only that last: the op decides, and scales inside its passes."""
     init = [rng.normal(size=s).astype(np.float32) for s in [(30,), (4, 5)]]
 
     def ops_of(wrapper):
         vars_ = [tf.Variable(x) for x in init]
-        opt = wrapper(tk.Adam(0.01, global_clipnorm=1.0))
-        f = tf.function(lambda: opt.minimize(lambda: sum(tf.reduce_sum(v * v) for v in vars_), vars_))
+        opt = wrapper(make())
+        def step():
+            opt.minimize(lambda: sum(tf.reduce_sum(v * v) for v in vars_), vars_)
+
+        f = tf.function(step)
         gd = f.get_concrete_function().graph.as_graph_def()
         return [n.op for n in gd.node] + [n.op for fn in gd.library.function for n in fn.node_def]
 
     stock, ours = ops_of(tf_keras.mixed_precision.LossScaleOptimizer), ops_of(tk.LossScaleOptimizer)
     assert stock.count("IsFinite") == len(init) + 1 and ours.count("IsFinite") == 1
     assert sum(t.startswith("TfclipClipApply") for t in ours) == 1
+
+
+# ---------------------------------------------------------------- legacy (OptimizerV2) inner
+LEGACY_INNER = {
+    "adam_clip": lambda: tk.legacy.Adam(0.01, global_clipnorm=1.0),
+    "nadam": lambda: tk.legacy.Nadam(0.01),  # (its momentum-cache product: stock keeps it on a skip)
+    "sgd_momentum_schedule": lambda: tk.legacy.SGD(
+        tf_keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5), momentum=0.9, clipnorm=0.5),
+    "rmsprop_int8": lambda: tk.legacy.RMSprop(0.01, state_dtype="int8"),
+}
+
+
+def _legacy_run(wrapper, make_inner, init, coefs, how):
+    vars_ = [tf.Variable(x) for x in init]
+    opt = wrapper(make_inner(), initial_scale=2.0 ** 15, dynamic_growth_steps=3)
+
+    def step(cs):
+        opt.minimize(lambda: sum(tf.reduce_sum(v * c) for v, c in zip(vars_, cs)), vars_)
+
+    run = {"eager": step, "function": tf.function(step)}[how]
+    trace = []
+    for c in coefs:
+        run([tf.constant(x) for x in c])
+        trace.append([v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables()]
+                     + [opt.loss_scale.numpy(), opt.dynamic_counter.numpy()])
+    return opt, trace
+
+
+def _coefs(rng, init, bad=(2, 6)):
+    out = []
+    for k in range(9):
+        c = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+        if k in bad:
+            c[1].flat[3] = np.inf
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("inner", sorted(LEGACY_INNER))
+@pytest.mark.parametrize("how", ["eager", "function"])
+def test_legacy_folded_is_the_stock_wrapper_step_for_step(rng, inner, how, folded_steps):
+    """tfclip.tf_keras.LossScaleOptimizer around a tfclip.tf_keras.legacy optimizer is the legacy
+    wrapper (as tf_keras's own picks its V2 class), folded, with the stock V2 wrapper's bits."""
+    init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
+    coefs = _coefs(rng, init)
+    ours, got = _legacy_run(tk.LossScaleOptimizer, LEGACY_INNER[inner], init, coefs, how)
+    assert folded_steps
+    stock, want = _legacy_run(tf_keras.mixed_precision.LossScaleOptimizer, LEGACY_INNER[inner], init, coefs, how)
+    assert isinstance(ours, LegacyLossScaleOptimizer) and ours.fold_refusal() is None
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same_bits(x, y, f"step {k}")
+    assert float(ours.loss_scale.numpy()) == 2.0 ** 14 and int(ours.dynamic_counter.numpy()) == 2
+    assert int(ours.iterations.numpy()) == 9  # (the V2 wrapper counts the skipped steps too)
+
+
+def test_legacy_in_a_tf1_graph(rng, folded_steps):
+    """A TF1 graph's `train_op = opt.minimize(loss_fn)`, run in a Session: the folded op holds
+    the inner step, the counter and the loss scale's update; the stock wrapper's bits."""
+    init = [rng.normal(size=s).astype(np.float32) for s in [(30,), (4, 5)]]
+    coefs = _coefs(rng, init, bad=(1,))
+    out = []
+    for wrapper in (tk.LossScaleOptimizer, tf_keras.mixed_precision.LossScaleOptimizer):
+        with tf.Graph().as_default():
+            vars_ = [tf.compat.v1.Variable(x, use_resource=True) for x in init]
+            cs = [tf.compat.v1.placeholder(tf.float32, x.shape) for x in init]
+            opt = wrapper(tk.legacy.Adam(0.01), initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+            train_op = opt.minimize(lambda: sum(tf.reduce_sum(v * c) for v, c in zip(vars_, cs)), vars_)
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for c in coefs:
+                    sess.run(train_op, dict(zip(cs, c)))
+                out.append(sess.run(vars_ + [opt.loss_scale, opt.iterations]))
+    for a, b in zip(*out):
+        _same_bits(a, b)
+    assert out[0][-1] == 9 and len(folded_steps) == 1  # (ours: one graph, folded once)
+
+
+def test_legacy_model_fit_and_config(rng, folded_steps):
+    tf_keras.utils.set_random_seed(3)
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x = rng.normal(size=(256, 8)).astype(np.float32)
+        y = (x @ rng.normal(size=(8, 1))).astype(np.float32)
+        model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16, activation="relu"),
+                                     tf_keras.layers.Dense(1, dtype="float32")])
+        opt = tk.LossScaleOptimizer(tk.legacy.Adam(0.01, global_clipnorm=1.0))
+        model.compile(optimizer=opt, loss="mse")
+        assert model.optimizer is opt
+        hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0).history["loss"]
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    assert hist[-1] < 0.5 * hist[0] and folded_steps
+    back = LegacyLossScaleOptimizer.from_config(opt.get_config())
+    assert type(back.inner_optimizer) is tk.legacy.Adam and back.fold_refusal() is None
+    assert "not a tfclip.tf_keras one" in tk.LossScaleOptimizer(tf_keras.optimizers.legacy.Adam()).fold_refusal()
+    assert "not a power of two" in tk.LossScaleOptimizer(tk.legacy.SGD(0.1), initial_scale=3.0).fold_refusal()
+    with pytest.raises(TypeError, match="takes a legacy"):
+        LegacyLossScaleOptimizer(tk.Adam(0.01))
+

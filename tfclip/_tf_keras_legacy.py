@@ -158,6 +158,9 @@ class _LegacyFusedMixin(_FusedMixin):
         reason = self._stock_reason(grads_and_vars)
         if reason is not None:
             _refuse_stock_step(self, reason)
+            if _step.loss_scale(self) is not None:  # (its wrapper checks first: a bug if reached)
+                raise RuntimeError(f"tfclip.tf_keras.LossScaleOptimizer folded its unscale into a step that "
+                                   f"runs the stock ops: {reason}")
             if (type(self).__name__, reason) not in _LEGACY_WARNED:
                 _LEGACY_WARNED.add((type(self).__name__, reason))
                 warnings.warn(f"tfclip.tf_keras.legacy.{type(self).__name__}: {reason}, so this step "
@@ -431,7 +434,8 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
         # Kept per thread, not on the optimizer: under a MirroredStrategy every replica runs this
         # at once, each in its own thread.
         step = _NADAM_STEPS.__dict__.setdefault("by_opt", {})
-        step[id(self)] = {"read": tf.identity(self._m_cache), "new": None}
+        read = tf.identity(self._m_cache)
+        step[id(self)] = {"read": read, "new": None}
         try:
             applied = super()._fused_step(grads, tvars)
         finally:
@@ -439,7 +443,11 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
         if new is None:
             return applied
         # Stored after the op ran (a step that fails writes nothing), and the step's result waits
-        # for it (a TF1 train op runs it).
+        # for it (a TF1 train op runs it). A skipped step advances it with `iterations` (the
+        # schedule follows them), but under a loss scale's fold, whose skip is the stock
+        # wrapper's: stock never reaches the inner step there, and the product stays.
+        if _step.loss_scale(self) is not None:
+            new = tf.where(applied, new, read)
         with tf.control_dependencies([applied]):
             stored = self._m_cache.assign(new)
         with tf.control_dependencies([stored]):

@@ -14,13 +14,17 @@ calling `get_unscaled_gradients`) and the cases the fold cannot take (an inner o
 tfclip's, `use_ema`, AGC, a fixed loss scale, an `initial_scale` that is no power of two, a
 variable with a constraint, a strategy whose replicas meet in merge_call, an XLA step without
 tfclip's kernels) run the stock wrapper's passes.
+
+`LegacyLossScaleOptimizer` does the same for the legacy (OptimizerV2) optimizers, around the V2
+wrapper's `minimize` (`tfclip.tf_keras.LossScaleOptimizer(legacy_optimizer)` makes one, as
+tf_keras's own wrapper picks its class by the inner optimizer's kind).
 """
 import tensorflow as tf
 import tf_keras
 from tf_keras.src.mixed_precision import loss_scale_optimizer as _lso
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _step, _tf_keras_step
+from tfclip import _step, _tf_keras_legacy, _tf_keras_step
 from tfclip import clipping as _clipping
 
 
@@ -29,41 +33,73 @@ def _graph_op(op):
     return None if tf.executing_eagerly() else op.op if hasattr(op, "op") else op
 
 
+def _update_loss_scale(state, applied):
+    """The stock dynamic loss scale's update (`_DynamicLossScaleState.update`) by the folded
+    step's outcome: grow by `multiplier` after `growth_steps` applied steps in a row (if the grown
+    scale is finite), back off to at least 1 after a skipped one. Returns the update (an op in a
+    graph)."""
+    def finite():
+        def grow():
+            new = state.current_loss_scale * state.multiplier
+            grown = tf.cond(tf.math.is_finite(new), lambda: _graph_op(state.current_loss_scale.assign(new)),
+                            lambda: _graph_op(tf.no_op()))
+            return tf.group(grown, state.counter.assign(0))
+
+        return tf.cond(state.counter + 1 >= state.growth_steps, grow,
+                       lambda: _graph_op(state.counter.assign_add(1)))
+
+    def back_off():
+        return tf.group(state.counter.assign(0), state.current_loss_scale.assign(
+            tf.maximum(state.current_loss_scale / state.multiplier, 1)))
+
+    return tf.cond(applied, finite, back_off)
+
+
+def _refusal_of(wrapper, inner, mixin):
+    """What both wrappers refuse to fold (each adds its own), or None."""
+    if not isinstance(inner, mixin):
+        return f"the inner optimizer, {type(inner).__name__}, is not a tfclip.tf_keras one"
+    if isinstance(inner.clip, _clipping.AGC):
+        return "AGC's unit scales count the units they clip, from the unscaled gradients"
+    if not wrapper.dynamic:
+        return "a fixed loss scale (stock applies every step under the inner optimizer's own policy)"
+    if not _step.power_of_two(wrapper.initial_scale):
+        return (f"initial_scale {wrapper.initial_scale} is not a power of two (the fold's g * (1 / scale) "
+                "is the stock one only for one)")
+    if not tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return "the strategy's replicas meet in merge_call"
+    if _tf_keras_step._in_xla_context() and not _tf_keras_step._xla_kernels():
+        return "this build of tfclip has no XLA kernels and the step is jit-compiled"
+    return None
+
+
 class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
     """tf_keras.mixed_precision.LossScaleOptimizer for the new tf_keras optimizers, with the
     unscale folded into a tfclip.tf_keras optimizer's passes in `minimize` (see the module
     docstring). The same constructor: `inner_optimizer`, `dynamic=True`, `initial_scale`,
     `dynamic_growth_steps`."""
 
+    def __new__(cls, inner_optimizer, *args, **kwargs):
+        # A legacy (OptimizerV2) inner optimizer gets the legacy wrapper, as tf_keras's own
+        # LossScaleOptimizer picks one by the inner optimizer's kind.
+        if cls is LossScaleOptimizer and isinstance(inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
+            return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, inner_optimizer, *args, **kwargs):
-        if not isinstance(inner_optimizer, tf_keras.optimizers.Optimizer) or isinstance(
-                inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
-            raise TypeError("tfclip.tf_keras.LossScaleOptimizer wraps the new tf_keras optimizers "
-                            f"(tfclip.tf_keras.Adam, ...), got {type(inner_optimizer).__name__}; for a "
-                            "legacy one use tf_keras.mixed_precision.LossScaleOptimizer")
+        if not isinstance(inner_optimizer, tf_keras.optimizers.Optimizer):
+            raise TypeError("tfclip.tf_keras.LossScaleOptimizer wraps a tf_keras optimizer (tfclip.tf_keras.Adam, "
+                            f"tfclip.tf_keras.legacy.Adam, ...), got {type(inner_optimizer).__name__}")
         super().__init__(inner_optimizer, *args, **kwargs)
 
     def fold_refusal(self):
         """Why `minimize` runs the stock wrapper's passes, or None where it folds."""
         inner = self.inner_optimizer
-        if not isinstance(inner, _tf_keras_step._FusedMixin):
-            return f"the inner optimizer, {type(inner).__name__}, is not a tfclip.tf_keras one"
-        if inner.use_ema:
+        if isinstance(inner, _tf_keras_step._FusedMixin) and inner.use_ema:
             return "the inner optimizer has use_ema (stock skips its average on a skipped step)"
-        if isinstance(inner.clip, _clipping.AGC):
-            return "AGC's unit scales count the units they clip, from the unscaled gradients"
-        if not self.dynamic:
-            return "a fixed loss scale (stock applies every step under the inner optimizer's own policy)"
-        if not _step.power_of_two(self.initial_scale):
-            return (f"initial_scale {self.initial_scale} is not a power of two (the fold's g * (1 / scale) "
-                    "is the stock one only for one)")
-        if inner._mesh or inner._run_with_dtensor:
+        if isinstance(inner, _tf_keras_step._FusedMixin) and (inner._mesh or inner._run_with_dtensor):
             return "DTensor"
-        if not tf.__internal__.distribute.strategy_supports_no_merge_call():
-            return "the strategy's replicas meet in merge_call"
-        if _tf_keras_step._in_xla_context() and not _tf_keras_step._xla_kernels():
-            return "this build of tfclip has no XLA kernels and the step is jit-compiled"
-        return None
+        return _refusal_of(self, inner, _tf_keras_step._FusedMixin)
 
     def minimize(self, loss, var_list, tape=None):
         if self.fold_refusal() is not None:
@@ -98,21 +134,69 @@ class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
             inner, grad_scale, lambda: inner.apply_gradients(grads_and_vars, skip_gradients_aggregation=True))
         if lr_before is not None:
             tf.cond(applied, lambda: _graph_op(tf.no_op()), lambda: _graph_op(lr_var.assign(lr_before)))
-        state = self._loss_scale
-
-        def finite():
-            def grow():
-                new = state.current_loss_scale * state.multiplier
-                grown = tf.cond(tf.math.is_finite(new), lambda: _graph_op(state.current_loss_scale.assign(new)),
-                                lambda: _graph_op(tf.no_op()))
-                return tf.group(grown, state.counter.assign(0))
-
-            return tf.cond(state.counter + 1 >= state.growth_steps, grow,
-                           lambda: _graph_op(state.counter.assign_add(1)))
-
-        def back_off():
-            return tf.group(state.counter.assign(0), state.current_loss_scale.assign(
-                tf.maximum(state.current_loss_scale / state.multiplier, 1)))
-
-        tf.cond(applied, finite, back_off)
+        _update_loss_scale(self._loss_scale, applied)
         return None
+
+
+class LegacyLossScaleOptimizer(_lso.LossScaleOptimizer):
+    """tf_keras.mixed_precision.LossScaleOptimizer for tf_keras's legacy (OptimizerV2) optimizers,
+    with the unscale folded into a `tfclip.tf_keras.legacy` optimizer's step in `minimize` (what
+    `model.fit` and a TF1-style `train_op = opt.minimize(loss)` call), as `LossScaleOptimizer`
+    folds it for the new ones. `tfclip.tf_keras.LossScaleOptimizer(legacy_optimizer)` makes one.
+
+    Stock (the V2 wrapper): the scaled loss's gradients times 1 / scale, written; aggregated; all
+    checked for inf/NaN (the loss scale's update); the inner `apply_gradients` if finite, else
+    `iterations += 1` alone. Folded: the aggregated scaled gradients go to the fused step with
+    `grad_scale = 1 / scale`; its non-finite skip is the check (the inner `apply_gradients` counts
+    `iterations` either way, as stock); the loss scale's update is the stock one. The stock passes
+    run where the fold cannot (`fold_refusal`; and a step whose variables have a constraint, or
+    one the inner optimizer itself runs with the stock ops), and for `apply_gradients` given
+    gradients already unscaled."""
+
+    def __init__(self, inner_optimizer, *args, **kwargs):
+        if not isinstance(inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
+            raise TypeError("tfclip.tf_keras.LossScaleOptimizer's legacy wrapper takes a legacy (OptimizerV2) "
+                            f"optimizer (tfclip.tf_keras.legacy.Adam, ...), got {type(inner_optimizer).__name__}")
+        super().__init__(inner_optimizer, *args, **kwargs)
+
+    def fold_refusal(self):
+        """Why `minimize` runs the stock wrapper's passes, or None where it folds."""
+        return _refusal_of(self, self.inner_optimizer, _tf_keras_legacy._LegacyFusedMixin)
+
+    def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
+        if self.fold_refusal() is not None:
+            return super().minimize(loss, var_list, grad_loss=grad_loss, name=name, tape=tape)
+        tape = tf.GradientTape() if tape is None else tape
+        with tape:
+            loss = self.get_scaled_loss(loss)
+        grads_and_vars = self._optimizer._compute_gradients(loss, var_list, grad_loss, tape=tape)
+        inner = self._optimizer
+        if (any(getattr(v, "constraint", None) is not None for _, v in grads_and_vars)
+                or inner._stock_reason(list(grads_and_vars)) is not None):
+            # (stock leaves a constrained variable be on a skipped step; the inner step's stock
+            # ops take no grad_scale): the stock passes, as stock minimize
+            grads = self.get_unscaled_gradients([g for g, _ in grads_and_vars])
+            return self.apply_gradients(list(zip(grads, [v for _, v in grads_and_vars])), name=name)
+        self._gradients_have_been_unscaled = True  # (inside the step: no warning)
+        return self._apply_scaled(grads_and_vars, name)
+
+    def _apply_scaled(self, grads_and_vars, name):
+        """The stock apply_gradients, given the scaled loss's gradients: aggregated, then the
+        inner step with grad_scale = 1 / scale folded in, then the loss scale updated by its
+        outcome. Returns the stock's result: an op in a graph (a TF1 train op runs it all)."""
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply_gradients() must be called in a replica context.")
+        _lso._raise_if_strategy_unsupported()
+        grads_and_vars = _optimizer_utils.filter_empty_gradients(grads_and_vars)
+        inner = self._optimizer
+        grads_and_vars = inner._transform_unaggregated_gradients(grads_and_vars)
+        grads_and_vars = inner._aggregate_gradients(grads_and_vars)
+        grad_scale = 1.0 / tf.cast(self.loss_scale, tf.float64)  # (exact for a power of two)
+        ops = []
+        applied = _step.with_loss_scale(inner, grad_scale, lambda: ops.append(inner.apply_gradients(
+            list(grads_and_vars), name=name, experimental_aggregate_gradients=False)))
+        update = _update_loss_scale(self._loss_scale, applied)
+        if tf.executing_eagerly():
+            return None
+        return tf.group(*[o for o in ops if o is not None], update)
+

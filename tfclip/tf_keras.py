@@ -27,8 +27,9 @@ slots stored as bfloat16; "int8": as uint8 codes with a float32 absmax variable 
 value per 256 elements, `tfclip_absmax(slot)`, saved with the optimizer; all classes but Ftrl;
 docs/low-precision-state.md).
 `global_norm`, `tensor_norms`, `skipped_steps`, `clipped_steps` and `clip_scale_sum` are tfclip's
-own variables, outside `optimizer.variables` and checkpoints. `LossScaleOptimizer` (for the new
-optimizers) folds mixed_float16's unscale and finite check into `minimize`'s one fused step
+own variables, outside `optimizer.variables` and checkpoints. `LossScaleOptimizer` folds
+mixed_float16's unscale and finite check into `minimize`'s one fused step, for the new optimizers
+and (as tf_keras's own wrapper, by the inner optimizer's kind) the legacy ones
 (tfclip/_tf_keras_loss_scale.py).
 
 `Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
@@ -204,10 +205,11 @@ def get(identifier):
     return _stock.get(identifier)
 
 
-from tfclip._tf_keras_loss_scale import LossScaleOptimizer  # noqa: E402  (tfclip.tf_keras.LossScaleOptimizer)
+# (tfclip.tf_keras.LossScaleOptimizer; given a legacy optimizer it makes the legacy wrapper)
+from tfclip._tf_keras_loss_scale import LegacyLossScaleOptimizer, LossScaleOptimizer  # noqa: E402
 
 # Registered so tf_keras's load_model finds them without custom_objects.
-for _cls in _CLASSES + (LossScaleOptimizer,):
+for _cls in _CLASSES + (LossScaleOptimizer, LegacyLossScaleOptimizer):
     _tf_keras.utils.register_keras_serializable(package="tfclip")(_cls)
 for _cls in _LEGACY_CLASSES:
     _tf_keras.utils.register_keras_serializable(package="tfclip", name="legacy." + _cls.__name__)(_cls)
