@@ -334,8 +334,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
         group = _step.Group(kind, [v.handle for v in var_list],
                             [[self._slot_of(v, s, False).handle for v in var_list] for s in names],
                             hparams, flags, refs=refs, absmax=absmax)
+        # Inside tfclip.compat.v1.MixedPrecisionLossScaleOptimizer's minimize (tfclip/compat/
+        # _loss_scale.py): the unscale folded in, a non-finite step skipped whatever `nonfinite`
+        # says (the loss scale backs off), as the stock wrapper skips the inner step.
+        loss_scale = _step.loss_scale(self)
         result = _step.run(grads, [group], self._clip_mode, self._clip, clip_obj=self._adaptive,
-                           nonfinite=self._nonfinite, lazy=self._lazy_sparse)
+                           nonfinite=self._nonfinite if loss_scale is None else "skip", lazy=self._lazy_sparse,
+                           grad_scale=loss_scale)
+        if loss_scale is not None:
+            _step.loss_scale_applied(self, result.applied)
         return result
 
     def _tfclip_hparam(self, name, var_list):  # (a Binding's source: the attribute)

@@ -61,6 +61,11 @@ value per 256 elements; in a Saver's checkpoint `<variable>/<optimizer>_<s>_absm
 is the stock layout. Such a checkpoint restores only into the same layout;
 `tfclip.convert_checkpoint` moves one between the layouts.
 
+`MixedPrecisionLossScaleOptimizer(opt, loss_scale="dynamic")` is TF1's loss-scaling wrapper
+(`tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`) with the unscale and the
+finite check folded into `minimize`'s one fused step (tfclip/compat/_loss_scale.py); the stock
+wrapper's results, two passes over the gradients fewer.
+
 RMSProp runs TF's own kernel order (the core rule `tf_rmsprop`; keras's RMSprop rounds
 differently, which a centered RMSProp with a small epsilon shows). Adagrad runs the Keras rule
 with epsilon 0: TF's kernel computes `g * lr * rsqrt(accum)` where it computes
@@ -74,10 +79,11 @@ import tensorflow as tf
 from tfclip import _opcall
 from tfclip._step import Binding
 from tfclip.compat._fused import _f64, _Fused
+from tfclip.compat._loss_scale import MixedPrecisionLossScaleOptimizer  # noqa: F401  (the loss-scale fold)
 
 __all__ = ["GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer", "RMSPropOptimizer",
            "AdagradOptimizer", "AdadeltaOptimizer", "FtrlOptimizer", "ProximalGradientDescentOptimizer",
-           "ProximalAdagradOptimizer", "AdagradDAOptimizer"]
+           "ProximalAdagradOptimizer", "AdagradDAOptimizer", "MixedPrecisionLossScaleOptimizer"]
 
 
 def _positive_lr(opt, var_list):
@@ -391,3 +397,8 @@ class AdagradDAOptimizer(_Fused):
     def _slot_initial(self, name):
         return self._initial if name == "gradient_squared_accumulator" else 0.0
 
+
+
+# The drop-in optimizers (each bound to its rule-table row; tests/test_adding_a_rule.py), without
+# the loss-scale wrapper.
+_CLASSES = tuple(globals()[n] for n in __all__ if n != "MixedPrecisionLossScaleOptimizer")
