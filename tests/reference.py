@@ -291,13 +291,17 @@ def philox4x32_10(counter, key):
 
 def stochastic_round_bf16(x, seed, step, tensor):
     """float32 array x rounded to bfloat16 bits (uint16) as tfclip rounds a variable's update:
-    element i draws the high 16 bits of Philox's first word of counter (i mod 2^32, i >> 32,
-    tensor, step mod 2^32) under key (seed mod 2^32, seed >> 32), adds them to x's low 16 bits
-    and keeps the high half; NaN rounds to nearest (quiet)."""
+    elements 8q .. 8q + 7 share Philox's draw of counter (q mod 2^32, q >> 32, tensor, step mod
+    2^32) under key (seed mod 2^32, seed >> 32), element i taking its 16-bit half i mod 8 (word
+    (i mod 8) // 2, the low half for an even i); the bits are added to x's low 16 bits and the
+    high half kept; NaN rounds to nearest (quiet)."""
     x = np.ascontiguousarray(x, np.float32).ravel()
     i = np.arange(x.size, dtype=np.uint64)
-    r = philox4x32_10([i & np.uint64(_U32), i >> np.uint64(32), np.full_like(i, tensor), np.full_like(i, step & _U32)],
-                      (seed & _U32, seed >> 32))[0].astype(np.uint64) >> np.uint64(16)
+    q = i >> np.uint64(3)
+    words = np.stack(philox4x32_10([q & np.uint64(_U32), q >> np.uint64(32), np.full_like(q, tensor),
+                                    np.full_like(q, step & _U32)], (seed & _U32, seed >> 32))).astype(np.uint64)
+    h = (i & np.uint64(7)).astype(np.int64)
+    r = (words[h >> 1, np.arange(x.size)] >> (np.uint64(16) * (h & 1).astype(np.uint64))) & np.uint64(0xFFFF)
     u = x.view(np.uint32).astype(np.uint64)
     out = ((u + r) >> np.uint64(16)).astype(np.uint16)
     nan = np.isnan(x)

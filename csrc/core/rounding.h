@@ -8,12 +8,13 @@
 //
 // The random bits come from Philox4x32-10 (Salmon, Moraes, Dror, Shaw, "Parallel random
 // numbers: as easy as 1, 2, 3", SC 2011), a counter-based generator: a keyed bijection of a
-// 128-bit counter, no state. Element i of the step's tensor t (its position in the op's variable
-// list) at step s takes counter (i mod 2^32, i / 2^32, t, s mod 2^32) under key (seed mod 2^32,
-// seed / 2^32), and the high 16 bits of the first output word. So the bits depend on (seed, step,
-// tensor, element) alone: the same on the CPU, on CUDA and under XLA, for any thread count or
-// chunking. tests/test_stochastic_rounding.py checks the generator against Random123's
-// known-answer vectors and the rounding against a NumPy reference.
+// 128-bit counter, no state. One draw gives 128 bits, 16 for each of 8 elements: elements
+// 8q .. 8q + 7 of the step's tensor t (its position in the op's variable list) at step s share
+// the draw of counter (q mod 2^32, q / 2^32, t, s mod 2^32) under key (seed mod 2^32, seed / 2^32),
+// element i taking the 16-bit half i mod 8 of it (word (i mod 8) / 2, its low half for an even i).
+// So the bits depend on (seed, step, tensor, element) alone: the same on the CPU, on CUDA and under
+// XLA, for any thread count or chunking. tests/test_stochastic_rounding.py checks the generator
+// against Random123's known-answer vectors and the rounding against a NumPy reference.
 #pragma once
 
 #include <cmath>
@@ -45,10 +46,14 @@ TFCLIP_HD Philox4 Philox4x32_10(Philox4 c, uint32_t k0, uint32_t k1) {
 }
 
 // A step's key: off, or the seed's words, the step's low word and the tensor's position (set
-// per tensor by the passes: WithTensor).
+// per tensor by the passes: WithTensor). `bits`: where a CPU pass drew a tile's bits ahead
+// (FillRoundBits, 8 elements a draw), element i's at bits[i - bits_at]; else (null, and always on
+// CUDA) each element draws its own (RoundBits).
 struct RoundKey {
   bool on = false;
   uint32_t k0 = 0, k1 = 0, step = 0, tensor = 0;
+  const uint16_t* bits = nullptr;
+  int64_t bits_at = 0;
 };
 
 // The largest seed or step the `rounding` input takes: every integer up to it is a double.
@@ -74,11 +79,32 @@ TFCLIP_HD RoundKey MakeRoundKey(double seed, double step, double first_tensor) {
   return k;
 }
 
-// The 16 random bits of element i (the high half of Philox's first word).
+// The draw of elements 8q .. 8q + 7.
+TFCLIP_HD Philox4 RoundDraw(const RoundKey& k, uint64_t q) {
+  return Philox4x32_10(Philox4{{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), k.tensor, k.step}},
+                       k.k0, k.k1);
+}
+// Element h (0..7) of a draw's 16-bit halves.
+TFCLIP_HD uint32_t RoundHalf(const Philox4& d, int h) { return (d.v[h >> 1] >> (16 * (h & 1))) & 0xFFFFu; }
+
+// The 16 random bits of element i.
 TFCLIP_HD uint32_t RoundBits(const RoundKey& k, int64_t i) {
   const uint64_t u = static_cast<uint64_t>(i);
-  const Philox4 c{{static_cast<uint32_t>(u), static_cast<uint32_t>(u >> 32), k.tensor, k.step}};
-  return Philox4x32_10(c, k.k0, k.k1).v[0] >> 16;
+  return RoundHalf(RoundDraw(k, u >> 3), static_cast<int>(u & 7u));
+}
+
+// The bits of elements [b, b + n) into out[0, n): one draw per 8 elements (the host's passes,
+// a tile at a time: a draw per element cost 2.5x the bf16 step on the CPU).
+inline void FillRoundBits(const RoundKey& k, int64_t b, int64_t n, uint16_t* out) {
+  if (n <= 0) return;
+  const uint64_t first = static_cast<uint64_t>(b) >> 3, last = static_cast<uint64_t>(b + n - 1) >> 3;
+  for (uint64_t q = first; q <= last; ++q) {
+    const Philox4 d = RoundDraw(k, q);
+    for (int h = 0; h < 8; ++h) {
+      const int64_t j = static_cast<int64_t>(8 * q) + h - b;
+      if (j >= 0 && j < n) out[j] = static_cast<uint16_t>(RoundHalf(d, h));
+    }
+  }
 }
 
 // x rounded to bfloat16 with the 16 random bits r: r added to x's low 16 bits carries into the
@@ -98,7 +124,7 @@ TFCLIP_HD bfloat16 StochasticRoundBf16(float x, uint32_t r) {
 template <typename V, typename M>
 TFCLIP_HD V StoreVar(const RoundKey& k, M v, int64_t i) {
   if constexpr (std::is_same<V, bfloat16>::value) {
-    if (k.on) return StochasticRoundBf16(v, RoundBits(k, i));
+    if (k.on) return StochasticRoundBf16(v, k.bits != nullptr ? k.bits[i - k.bits_at] : RoundBits(k, i));
   }
   return Elem<V>::Store(v);
 }
