@@ -99,6 +99,28 @@ def test_rounding_against_the_reference(name, mode):
     for k, (b, f) in enumerate(zip(bvars, fvars)):
         want = reference.stochastic_round_bf16(f.numpy(), SEED, start + 1, k)
         np.testing.assert_array_equal(_bits(b).ravel(), want)
+    # The slots round to nearest, as always: ml_dtypes' rounding of the float32 copy's.
+    for b, f in zip(bvars, fvars):
+        for name, slot in bf.slots(b).items():
+            np.testing.assert_array_equal(_bits(slot), _bits(f32.slots(f)[name].numpy().astype(BF16)), name)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_bf16_variables_round_to_nearest_as_the_float32_step(name):
+    """Without stochastic rounding a bfloat16 variable and its slots hold ml_dtypes' round to
+    nearest of the float32 copy's step (the CPU steps a bf16 tile widened to float32 and narrows
+    it back), for bf16 and float32 gradients."""
+    w, g = _data(2)
+    for gdt in (BF16, np.float32):
+        bf, f32 = RULES[name](), RULES[name]()
+        bvars = [tf.Variable(x) for x in w]
+        fvars = [tf.Variable(x.astype(np.float32)) for x in w]
+        _step(bf, bvars, [tf.constant(x.astype(gdt)) for x in g], clipvalue=0.25)
+        _step(f32, fvars, [tf.constant(x) for x in g], clipvalue=0.25)
+        for b, f in zip(bvars, fvars):
+            np.testing.assert_array_equal(_bits(b), _bits(f.numpy().astype(BF16)))
+            for slot, fslot in zip(bf.slots(b).values(), f32.slots(f).values()):
+                np.testing.assert_array_equal(_bits(slot), _bits(fslot.numpy().astype(BF16)))
 
 
 def test_xla_group_calls_draw_the_op_positions():

@@ -112,10 +112,13 @@ inline void FillRoundBits(const RoundKey& k, int64_t b, int64_t n, uint16_t* out
 // bits, so a negative x rounds away from zero with that probability too; inf stays inf; a
 // finite x above bf16's largest finite value may carry to inf, as its distance says. NaN is
 // rounded as Elem<bfloat16>::Store rounds it (quiet, sign kept).
+// Branch-free (both computed, one selected, as FloatToBFloat16), so a CPU loop of it vectorizes.
 TFCLIP_HD bfloat16 StochasticRoundBf16(float x, uint32_t r) {
   const uint32_t u = FloatBits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return Elem<bfloat16>::Store(x);
-  return bfloat16{static_cast<uint16_t>((u + r) >> 16)};
+  const uint32_t nan = (u >> 16) | 0x40u;  // NaN kept quiet, as FloatToBFloat16
+  const uint32_t up = (u + r) >> 16;
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((u & 0x7fffffffu) > 0x7f800000u);
+  return bfloat16{static_cast<uint16_t>((nan & is_nan) | (up & ~is_nan))};
 }
 
 // What the passes store into variable element i (its position in its tensor) of storage type V
