@@ -191,6 +191,29 @@ def test_reproducible_and_drawn_per_step_variable_and_seed():
     np.testing.assert_array_equal(counts[0], base[0])  # _core and the TF op: the same bits
 
 
+def test_every_cpu_variant_draws_the_reference_bits():
+    """The CPU variants draw a tile's bits ahead (AVX2: 8 Philox draws at a time, baseline: one):
+    SGD on bf16 variables whose update is exact in float32 (lr 1/2, gradients with few bits), so
+    the stored bits are the reference's rounding of a known value, for sizes and chunk bounds
+    that split draws (a tile, a chunk, a tensor ending mid-draw)."""
+    rng = np.random.default_rng(8)
+    sizes = [5, 8, 1030, _core.chunk_elems + 13]
+    w = [np.asarray(rng.normal(size=n), BF16) for n in sizes]
+    g = [np.asarray(rng.integers(-64, 64, size=n) / 64.0, np.float32) for n in sizes]
+    isas = _core.cpu_isas()
+    try:
+        for isa in isas:
+            _core.set_cpu_isa(isa)
+            v = [x.copy() for x in w]
+            _core.clip_apply("sgd", v, g, [], {"lr": 0.5}, rounding=(SEED, 9))
+            for k, (got, x, gr) in enumerate(zip(v, w, g)):
+                exact = x.astype(np.float32) - np.float32(0.5) * gr
+                np.testing.assert_array_equal(got.view(np.uint16), reference.stochastic_round_bf16(exact, SEED, 9, k),
+                                              err_msg=f"{isa}, tensor {k}")
+    finally:
+        _core.set_cpu_isa(isas[0])
+
+
 def test_unbiased_over_elements_and_steps():
     """The mean of the rounded values is the exact value: over 2^20 elements of one value (the
     fraction rounded down is the distance's share of the gap, within 5 sigma), and for each
