@@ -408,3 +408,43 @@ def test_keras_errors():
         tfclip.keras.Adam(stochastic_rounding="yes")
     with pytest.raises(ValueError, match=r"rounding_seed must be in \[0, 2\*\*32\)"):
         tfclip.tf_keras.Adam(stochastic_rounding=True, rounding_seed=2 ** 32)
+
+
+@pytest.mark.parametrize("given_step", [False, True], ids=["own_count", "global_step"])
+def test_compat_v1_in_a_session_and_eagerly(given_step):
+    """tfclip.compat.v1's optimizers draw by global_step + 1 where apply_gradients is given one,
+    else by their own count of steps in the graph (a local variable, never saved): SGD with
+    updates exact in float32, three train-op runs, against the reference step by step."""
+    import tfclip.compat.v1 as tc
+    rng = np.random.default_rng(12)
+    w = [np.asarray(rng.normal(size=s), BF16) for s in [(40,), (3, 7)]]
+    g = [np.asarray(rng.integers(-64, 64, size=x.shape) / 64.0, np.float32) for x in w]
+    first = 41 if given_step else 1
+    want = [x.copy() for x in w]
+    for s in range(3):
+        for k, x in enumerate(want):
+            exact = x.astype(np.float32) - np.float32(0.5) * g[k]
+            want[k] = reference.stochastic_round_bf16(exact, SEED, first + s, k).view(BF16).reshape(x.shape)
+    with tf.Graph().as_default():
+        vars_ = [tf.compat.v1.Variable(x, use_resource=True) for x in w]
+        step = tf.compat.v1.Variable(first - 1, dtype=tf.int64) if given_step else None
+        opt = tc.GradientDescentOptimizer(0.5, stochastic_rounding=True, rounding_seed=SEED)
+        train_op = opt.apply_gradients(zip([tf.constant(x) for x in g], vars_), global_step=step)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(tf.compat.v1.local_variables_initializer())
+            for _ in range(3):
+                sess.run(train_op)
+            got = sess.run(vars_)
+        assert not any("rounding_step" in v.name for v in tf.compat.v1.global_variables())
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    vars_ = [tf.Variable(x) for x in w]
+    step = tf.Variable(first - 1, dtype=tf.int64) if given_step else None
+    opt = tc.GradientDescentOptimizer(0.5, stochastic_rounding=True, rounding_seed=SEED)
+    for _ in range(3):
+        opt.apply_gradients(zip([tf.constant(x) for x in g], vars_), global_step=step)
+    for a, b in zip(vars_, want):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    with pytest.raises(TypeError, match="stochastic_rounding must be True or False"):
+        tc.AdamOptimizer(stochastic_rounding="on")

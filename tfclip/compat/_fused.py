@@ -43,9 +43,14 @@ class _Fused(tf.compat.v1.train.Optimizer):
     int8_state = True  # (where low_precision_state is: every such class keeps moments only)
 
     def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip=None,
-                 state_dtype=None):
+                 state_dtype=None, stochastic_rounding=False, rounding_seed=0):
         super().__init__(use_locking, name)
         self._state_dtype = _rule.check_state_dtype(state_dtype, type(self))
+        # bfloat16 variables' stochastic rounding (csrc/core/rounding.h): the step it draws by is
+        # global_step + 1 where apply_gradients is given one, else the optimizer's own count of
+        # its steps in the graph (a local variable, not saved)
+        self._stochastic_rounding, self._rounding_seed = _step.check_rounding(stochastic_rounding, rounding_seed)
+        self._tfclip_rounding_steps = {}  # graph -> its step count; not tracked
         self._clip_mode, self._clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
         # An adaptive clip (tfclip.clipping): its state is made with the slots, on the first
         # apply_gradients, as graph variables (global variables: Saver saves them).
@@ -262,9 +267,21 @@ class _Fused(tf.compat.v1.train.Optimizer):
             tnorm_var = self._tnorm_var(all_vars)
             cunits_var = self._tfclip_last_cunits.get(self._graph_key())
 
+        rounding_step, counter = None, None
+        if self._stochastic_rounding:
+            if global_step is not None:
+                rounding_step = tf.cast(global_step, tf.float64) + 1.0
+            elif strategy is not None:
+                raise ValueError(f"{type(self).__name__}(stochastic_rounding=True) under a strategy draws its "
+                                 "bits by the step: pass apply_gradients (or minimize) a global_step")
+            else:
+                with tf.init_scope():
+                    counter = self._rounding_counter(var_list)
+                rounding_step = tf.cast(counter, tf.float64) + 1.0
+
         def step(grads):
             self._prepare()
-            result = self._fused(var_list, grads)
+            result = self._fused(var_list, grads, rounding_step)
             norm, applied, tnorms, cunits = result.outputs
             if len(var_list) < len(all_vars):  # a 0 for each pair without a gradient
                 spread = [len(var_list) if k is None else k for k in where]
@@ -284,6 +301,9 @@ class _Fused(tf.compat.v1.train.Optimizer):
             else:  # the same op on every device, over its copies
                 updates = [strategy.extended.update(
                     var_list[0], lambda _, *gs: tf.group(*step(list(gs))), args=tuple(grads), group=True)]
+            if counter is not None:  # (after the op, which read it)
+                with tf.control_dependencies(updates):
+                    updates = updates + [counter.assign_add(1, read_value=False)]
             with tf.control_dependencies(updates):
                 if global_step is None:
                     train_op = tf.group(*updates, name="apply")
@@ -304,7 +324,13 @@ class _Fused(tf.compat.v1.train.Optimizer):
     # IndexedSlices updates as the stock TF1 class applies them (_resource_apply_sparse).
     _lazy_sparse = False
 
-    def _fused(self, var_list, grads):
+    def _rounding_counter(self, var_list):
+        key = self._graph_key()
+        if key not in self._tfclip_rounding_steps:
+            self._tfclip_rounding_steps[key] = self._local_var(var_list, tf.constant(0, tf.int64), "rounding_step")
+        return self._tfclip_rounding_steps[key]
+
+    def _fused(self, var_list, grads, rounding_step=None):
         """The step through the one fused step (tfclip/_step.py): TF1's part is its ref variables
         and its slots."""
         binding = self._tfclip_binding
@@ -340,7 +366,8 @@ class _Fused(tf.compat.v1.train.Optimizer):
         loss_scale = _step.loss_scale(self)
         result = _step.run(grads, [group], self._clip_mode, self._clip, clip_obj=self._adaptive,
                            nonfinite=self._nonfinite if loss_scale is None else "skip", lazy=self._lazy_sparse,
-                           grad_scale=loss_scale)
+                           grad_scale=loss_scale,
+                           rounding=None if rounding_step is None else (self._rounding_seed, rounding_step))
         if loss_scale is not None:
             _step.loss_scale_applied(self, result.applied)
         return result

@@ -61,6 +61,11 @@ value per 256 elements; in a Saver's checkpoint `<variable>/<optimizer>_<s>_absm
 is the stock layout. Such a checkpoint restores only into the same layout;
 `tfclip.convert_checkpoint` moves one between the layouts.
 
+`stochastic_rounding=True` (every class; keyword-only, with `rounding_seed`) rounds bfloat16
+variables stochastically (docs/low-precision-state.md), drawing by `global_step + 1` where
+`apply_gradients` is given one, else by the optimizer's own count of its steps in the graph (a
+local variable, never saved).
+
 `MixedPrecisionLossScaleOptimizer(opt, loss_scale="dynamic")` is TF1's loss-scaling wrapper
 (`tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`) with the unscale and the
 finite check folded into `minimize`'s one fused step (tfclip/compat/_loss_scale.py); the stock
@@ -111,8 +116,10 @@ class GradientDescentOptimizer(_Fused):
     _tfclip_binding = Binding("sgd", hparams=(("lr", "_learning_rate"),))
 
     def __init__(self, learning_rate, use_locking=False, name="GradientDescent", *, global_clipnorm=None,
-                 clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+                 clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip,
+                         stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
         self._check_numbers(learning_rate=learning_rate)
         self._learning_rate = learning_rate
 
@@ -130,8 +137,10 @@ class MomentumOptimizer(_Fused):
 
     def __init__(self, learning_rate, momentum, use_locking=False, name="Momentum", use_nesterov=False, *,
                  global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0,
                  state_dtype=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype,
+                         stochastic_rounding, rounding_seed)
         self._check_numbers(learning_rate=learning_rate, momentum=momentum)
         self._learning_rate, self._momentum, self._use_nesterov = learning_rate, momentum, use_nesterov
 
@@ -151,8 +160,10 @@ class AdamOptimizer(_Fused):
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, use_locking=False,
                  name="Adam", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0,
                  state_dtype=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype,
+                         stochastic_rounding, rounding_seed)
         self._check_numbers(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
         self._lr, self._beta1, self._beta2, self._epsilon = learning_rate, beta1, beta2, epsilon
 
@@ -198,8 +209,10 @@ class RMSPropOptimizer(_Fused):
 
     def __init__(self, learning_rate, decay=0.9, momentum=0.0, epsilon=1e-10, use_locking=False, centered=False,
                  name="RMSProp", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0,
                  state_dtype=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype,
+                         stochastic_rounding, rounding_seed)
         self._check_numbers(learning_rate=learning_rate, decay=decay, momentum=momentum, epsilon=epsilon)
         self._learning_rate, self._decay, self._momentum = learning_rate, decay, momentum
         self._epsilon, self._centered = epsilon, centered
@@ -222,10 +235,12 @@ class AdagradOptimizer(_Fused):
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, use_locking=False, name="Adagrad", *,
                  global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0,
                  state_dtype=None):
         if initial_accumulator_value <= 0.0:
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype,
+                         stochastic_rounding, rounding_seed)
         self._check_numbers(learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value)
         self._learning_rate, self._initial = learning_rate, initial_accumulator_value
 
@@ -248,8 +263,10 @@ class AdadeltaOptimizer(_Fused):
 
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-8, use_locking=False, name="Adadelta", *,
                  global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0,
                  state_dtype=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip, state_dtype,
+                         stochastic_rounding, rounding_seed)
         self._check_numbers(learning_rate=learning_rate, rho=rho, epsilon=epsilon)
         self._learning_rate, self._rho, self._epsilon = learning_rate, rho, epsilon
 
@@ -271,7 +288,8 @@ class FtrlOptimizer(_Fused):
     def __init__(self, learning_rate, learning_rate_power=-0.5, initial_accumulator_value=0.1,
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0, use_locking=False,
                  name="Ftrl", accum_name=None, linear_name=None, l2_shrinkage_regularization_strength=0.0,
-                 beta=None, *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+                 beta=None, *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0):
         for what, v in (("initial_accumulator_value", initial_accumulator_value),
                         ("l1_regularization_strength", l1_regularization_strength),
                         ("l2_regularization_strength", l2_regularization_strength),
@@ -280,7 +298,8 @@ class FtrlOptimizer(_Fused):
                 raise ValueError(f"{what} {v:f} needs to be positive or zero")
         if learning_rate_power > 0.0:
             raise ValueError(f"learning_rate_power {learning_rate_power:f} needs to be negative or zero")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip,
+                         stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
         beta = 0.0 if beta is None else beta
         self._check_numbers(learning_rate=learning_rate, learning_rate_power=learning_rate_power,
                             initial_accumulator_value=initial_accumulator_value,
@@ -313,8 +332,9 @@ class ProximalGradientDescentOptimizer(_Fused):
 
     def __init__(self, learning_rate, l1_regularization_strength=0.0, l2_regularization_strength=0.0,
                  use_locking=False, name="ProximalGradientDescent", *, global_clipnorm=None, clipnorm=None,
-                 clipvalue=None, nonfinite="skip", clip=None):
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+                 clipvalue=None, nonfinite="skip", clip=None, stochastic_rounding=False, rounding_seed=0):
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip,
+                         stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
         self._check_numbers(learning_rate=learning_rate, l1_regularization_strength=l1_regularization_strength,
                             l2_regularization_strength=l2_regularization_strength)
         self._check_strengths(l1_regularization_strength=l1_regularization_strength,
@@ -338,10 +358,12 @@ class ProximalAdagradOptimizer(_Fused):
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, l1_regularization_strength=0.0,
                  l2_regularization_strength=0.0, use_locking=False, name="ProximalAdagrad", *,
-                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+                 global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0):
         if initial_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip,
+                         stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
         self._check_numbers(learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value,
                             l1_regularization_strength=l1_regularization_strength,
                             l2_regularization_strength=l2_regularization_strength)
@@ -374,7 +396,8 @@ class AdagradDAOptimizer(_Fused):
 
     def __init__(self, learning_rate, global_step, initial_gradient_squared_accumulator_value=0.1,
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0, use_locking=False,
-                 name="AdagradDA", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None):
+                 name="AdagradDA", *, global_clipnorm=None, clipnorm=None, clipvalue=None, nonfinite="skip", clip=None,
+                 stochastic_rounding=False, rounding_seed=0):
         if initial_gradient_squared_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError("initial_gradient_squared_accumulator_value must be positive: "
                              f"{initial_gradient_squared_accumulator_value}")
@@ -383,7 +406,8 @@ class AdagradDAOptimizer(_Fused):
             raise ValueError("AdagradDAOptimizer needs global_step, the training step counter (a tensor or "
                              "variable, e.g. tf.compat.v1.train.get_or_create_global_step()): its update "
                              "uses global_step + 1; got None")
-        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip)
+        super().__init__(use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip,
+                         stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
         self._check_numbers(learning_rate=learning_rate,
                             initial_gradient_squared_accumulator_value=initial_gradient_squared_accumulator_value,
                             l1_regularization_strength=l1_regularization_strength,
