@@ -172,3 +172,96 @@ def test_the_unscale_being_folded_is_the_building_threads_own():
 
     assert bool(_step.with_loss_scale(opt, 0.5, apply))  # (no fused step ran: counted as applied)
     assert seen == [None, 0.5] and _step.loss_scale(opt) is None
+
+
+MIRRORED_PROGRAM = r"""
+import sys
+import numpy as np
+import tensorflow as tf
+cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import tfclip.keras as tk
+from tfclip import _step
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(0)
+init = [rng.normal(size=s).astype(np.float32) for s in [(30,), (4, 5)]]
+coefs = []
+for k in range(8):
+    c = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+    if k in (2, 6):
+        c[1].flat[3] = np.inf
+    coefs.append(c)
+calls, real = [], _step.with_loss_scale
+_step.with_loss_scale = lambda *a: calls.append(1) or real(*a)
+
+
+def custom_loop(wrapper):
+    with strategy.scope():
+        vars_ = [keras.Variable(x) for x in init]
+        opt = wrapper(tk.Adam(0.01, global_clipnorm=1.0), initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+        opt.build(vars_)
+
+    @tf.function
+    def train(cs):
+        def step(cs):
+            opt.apply([c * tf.cast(opt.dynamic_scale, tf.float32) for c in cs], vars_)  # scaled gradients
+        strategy.run(step, args=(cs,))
+
+    for c in coefs:
+        train([tf.constant(x) for x in c])
+    for v in vars_:  # the replicas' copies alike
+        a, b = [np.asarray(x) for x in strategy.experimental_local_results(v.value)]
+        assert a.tobytes() == b.tobytes(), v.name
+    return [v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables] + [
+        opt.inner_optimizer.iterations.numpy()]
+
+
+X = rng.normal(size=(128, 8)).astype(np.float32)
+Y = (X @ np.arange(8, dtype=np.float32)[:, None] / 8).astype(np.float32)
+
+
+def fit(wrapper):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(3)
+        x, y = X, Y
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(1, dtype="float32")])
+            opt = wrapper(tk.Adam(0.01, global_clipnorm=1.0))
+            model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return [w.numpy() for w in model.weights] + [np.asarray(v.numpy()) for v in opt.variables]
+
+
+for run in (custom_loop, fit):
+    n0 = len(calls)
+    ours = run(tk.LossScaleOptimizer)
+    assert len(calls) > n0, "the fold did not run"
+    n1 = len(calls)
+    stock = run(keras.optimizers.LossScaleOptimizer)
+    assert len(calls) == n1
+    assert len(ours) == len(stock)
+    for a, b in zip(ours, stock):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (run.__name__, a, b)
+print("OK")
+"""
+
+
+def test_mirrored_strategy_folds_with_the_stock_results():
+    """Under MirroredStrategy (2 logical CPUs: a fresh process) each replica runs the folded step
+    on its own copies and the loss scale is updated once: a custom loop (two skipped steps) and
+    model.fit under mixed_float16 end with the stock wrapper's bits, the copies alike."""
+    import os
+    import subprocess
+    import sys
+
+    import tfclip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
+    r = subprocess.run([sys.executable, "-c", MIRRORED_PROGRAM], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

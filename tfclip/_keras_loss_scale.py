@@ -14,12 +14,14 @@ do not advance. So the variables, the slots, `iterations`, `dynamic_scale` and `
 follow the stock wrapper around the same tfclip optimizer step for step, bit for bit
 (tests/test_keras_loss_scale.py).
 
-The stock path runs instead (the same results, the passes unfolded) around an optimizer that is
-not tfclip's, and where the fold cannot apply: under a strategy whose replicas meet in
-`merge_call` (MirroredStrategy), with `use_ema`, `gradient_accumulation_steps`, a
-`loss_scale_factor` of the inner optimizer, variables with `overwrite_with_gradient` or a
-constraint (stock leaves them be on a skipped step), AGC (`clip=tfclip.clipping.AGC(...)`), an
-`initial_scale` that is no power of two, or an XLA step tfclip's kernels cannot run.
+Under a strategy whose replicas meet in `merge_call` (MirroredStrategy) each replica runs the
+folded step on its own copies, and the loss scale is updated once from the cross-replica context
+(`_tf_apply`). The stock path runs instead (the same results, the passes unfolded) around an
+optimizer that is not tfclip's, and where the fold cannot apply: with `use_ema`,
+`gradient_accumulation_steps`, a `loss_scale_factor` of the inner optimizer, variables with
+`overwrite_with_gradient` or a constraint (stock leaves them be on a skipped step), AGC
+(`clip=tfclip.clipping.AGC(...)`), an `initial_scale` that is no power of two, or an XLA step
+tfclip's kernels cannot run.
 
 `model.compile` wraps its optimizer in the stock wrapper under `mixed_float16` unless it is given
 a LossScaleOptimizer: pass this one, `model.compile(optimizer=tfclip.keras.LossScaleOptimizer(
@@ -76,7 +78,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                                         lambda: inner.apply(grads, trainable_variables=trainable_variables))
         # Stock calls the inner step only for finite gradients: a skipped one does not count.
         inner.iterations.assign_add(tf.cast(applied, inner.iterations.dtype) - 1)
+        self._update_scale(applied)
 
+    def _tf_apply(self, grads, trainable_variables=None):
+        # A strategy whose replicas meet in merge_call (MirroredStrategy): stock checks the
+        # gradients and steps every replica from the cross-replica context. Folded, each replica
+        # runs the folded step on its own copies in its own thread (the unscale is per thread:
+        # _step.with_loss_scale); the gradients are all-reduced, so every replica decides alike,
+        # and the loss scale (mirrored) is updated once, in the cross-replica context, by the first
+        # replica's outcome.
+        if (tf.distribute.in_cross_replica_context() or tf.__internal__.distribute.strategy_supports_no_merge_call()
+                or self.fold_refusal(grads, trainable_variables) is not None):
+            return super()._tf_apply(grads, trainable_variables)
+        inner = self.inner_optimizer
+        grad_scale = 1.0 / tf.cast(_keras_step._tf_var(self.dynamic_scale), tf.float64)
+        applied = _step.with_loss_scale(inner, grad_scale,
+                                        lambda: inner.apply(grads, trainable_variables=trainable_variables))
+        inner.iterations.assign_add(tf.cast(applied, inner.iterations.dtype) - 1)
+        tf.distribute.get_replica_context().merge_call(
+            lambda strategy, applied: self._update_scale(strategy.experimental_local_results(applied)[0]),
+            args=(applied,))
+
+    def _update_scale(self, applied):
+        """The stock loss scale's update by the step's outcome: after an applied step the counter
+        advances and every dynamic_growth_steps the scale doubles; after a skipped one the scale
+        halves and the counter restarts."""
         def finite():
             def upscale():
                 self.step_counter.assign(0)
