@@ -244,3 +244,106 @@ def test_legacy_model_fit_and_config(rng, folded_steps):
     with pytest.raises(TypeError, match="takes a legacy"):
         LegacyLossScaleOptimizer(tk.Adam(0.01))
 
+
+MIRRORED_PROGRAM = r"""
+import numpy as np
+import tensorflow as tf
+cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+import tf_keras
+import tfclip.tf_keras as tk
+from tfclip import _step
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(0)
+init = [rng.normal(size=s).astype(np.float32) for s in [(30,), (4, 5)]]
+coefs = []
+for k in range(8):
+    c = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+    if k in (2, 6):
+        c[1].flat[3] = np.inf
+    coefs.append(c)
+calls, real = [], _step.with_loss_scale
+_step.with_loss_scale = lambda *a: calls.append(1) or real(*a)
+def custom_loop(wrapper, make):
+    with strategy.scope():
+        vars_ = [tf.Variable(x) for x in init]
+        opt = wrapper(make(), initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+    @tf.function
+    def train(cs):
+        def step(cs):
+            opt.minimize(lambda: sum(tf.reduce_sum(v * c) for v, c in zip(vars_, cs)), vars_)
+        strategy.run(step, args=(cs,))
+    for c in coefs:
+        train([tf.constant(x) for x in c])
+    for v in vars_:
+        a, b = [np.asarray(x) for x in strategy.experimental_local_results(v)]
+        assert a.tobytes() == b.tobytes(), v.name
+    return [v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables] + [opt.loss_scale.numpy()]
+def legacy_loop(wrapper, make):  # (OptimizerV2: opt.variables() is a method)
+    with strategy.scope():
+        vars_ = [tf.Variable(x) for x in init]
+        opt = wrapper(make(), initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+    @tf.function
+    def train(cs):
+        def step(cs):
+            opt.minimize(lambda: sum(tf.reduce_sum(v * c) for v, c in zip(vars_, cs)), vars_)
+        strategy.run(step, args=(cs,))
+    for c in coefs:
+        train([tf.constant(x) for x in c])
+    for v in vars_:
+        a, b = [np.asarray(x) for x in strategy.experimental_local_results(v)]
+        assert a.tobytes() == b.tobytes(), v.name
+    return [v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables()] + [opt.loss_scale.numpy()]
+X = rng.normal(size=(128, 8)).astype(np.float32)
+Y = (X @ np.arange(8, dtype=np.float32)[:, None] / 8).astype(np.float32)
+
+
+def fit(wrapper, make):
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        tf_keras.utils.set_random_seed(3)
+        with strategy.scope():
+            model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16, activation="relu"),
+                                         tf_keras.layers.Dense(1, dtype="float32")])
+            opt = wrapper(make())
+            model.compile(optimizer=opt, loss="mse")
+        model.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    return [w.numpy() for w in model.weights] + [opt.loss_scale.numpy()]
+
+
+CASES = [(custom_loop, lambda: tk.Adam(0.01, global_clipnorm=1.0)),
+         (custom_loop, lambda: tk.SGD(tf_keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5), momentum=0.9)),
+         (legacy_loop, lambda: tk.legacy.Adam(0.01, global_clipnorm=1.0)),
+         (legacy_loop, lambda: tk.legacy.Nadam(0.01)),
+         (fit, lambda: tk.Adam(0.01, global_clipnorm=1.0)),
+         (fit, lambda: tk.legacy.Adam(0.01))]
+for run, make in CASES:
+    n0 = len(calls)
+    ours = run(tk.LossScaleOptimizer, make)
+    assert len(calls) > n0, "the fold did not run"
+    n1 = len(calls)
+    stock = run(tf_keras.mixed_precision.LossScaleOptimizer, make)
+    assert len(calls) == n1 and len(ours) == len(stock)
+    for a, b in zip(ours, stock):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (run.__name__, a, b)
+print("OK")
+"""
+
+
+def test_mirrored_strategy_folds_with_the_stock_results():
+    """Under MirroredStrategy (2 logical CPUs: a fresh process) each replica runs the folded step
+    on its own copies and the loss scale (and a schedule's stored value) is updated once, from the
+    cross-replica context: custom loops with two skipped steps (new: Adam with a clip, SGD with a
+    schedule; legacy: Adam with a clip, Nadam) and model.fit under mixed_float16 (new and legacy)
+    end with the stock wrapper's bits, the replicas' copies alike."""
+    import os
+    import subprocess
+    import sys
+
+    import tfclip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
+    r = subprocess.run([sys.executable, "-c", MIRRORED_PROGRAM], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -12,8 +12,9 @@ loss scale's update is the stock one (`_DynamicLossScaleState.update`: grow by `
 advance either way, as stock). `apply_gradients` given gradients already unscaled (a custom loop
 calling `get_unscaled_gradients`) and the cases the fold cannot take (an inner optimizer not
 tfclip's, `use_ema`, AGC, a fixed loss scale, an `initial_scale` that is no power of two, a
-variable with a constraint, a strategy whose replicas meet in merge_call, an XLA step without
-tfclip's kernels) run the stock wrapper's passes.
+variable with a constraint, an XLA step without tfclip's kernels) run the stock wrapper's passes.
+Under a strategy whose replicas meet in merge_call (MirroredStrategy) each replica runs the
+folded step on its own copies and the loss scale is updated once, in the cross-replica context.
 
 `LegacyLossScaleOptimizer` does the same for the legacy (OptimizerV2) optimizers, around the V2
 wrapper's `minimize` (`tfclip.tf_keras.LossScaleOptimizer(legacy_optimizer)` makes one, as
@@ -66,8 +67,6 @@ def _refusal_of(wrapper, inner, mixin):
     if not _step.power_of_two(wrapper.initial_scale):
         return (f"initial_scale {wrapper.initial_scale} is not a power of two (the fold's g * (1 / scale) "
                 "is the stock one only for one)")
-    if not tf.__internal__.distribute.strategy_supports_no_merge_call():
-        return "the strategy's replicas meet in merge_call"
     if _tf_keras_step._in_xla_context() and not _tf_keras_step._xla_kernels():
         return "this build of tfclip has no XLA kernels and the step is jit-compiled"
     return None
@@ -132,9 +131,21 @@ class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
         lr_before = tf.identity(lr_var) if isinstance(lr_var, tf.Variable) else None
         applied = _step.with_loss_scale(
             inner, grad_scale, lambda: inner.apply_gradients(grads_and_vars, skip_gradients_aggregation=True))
-        if lr_before is not None:
-            tf.cond(applied, lambda: _graph_op(tf.no_op()), lambda: _graph_op(lr_var.assign(lr_before)))
-        _update_loss_scale(self._loss_scale, applied)
+        def update(applied):
+            if lr_before is not None:
+                tf.cond(applied, lambda: _graph_op(tf.no_op()), lambda: _graph_op(lr_var.assign(lr_before)))
+            _update_loss_scale(self._loss_scale, applied)
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            update(applied)
+        else:
+            # A strategy whose replicas meet in merge_call (MirroredStrategy): each replica ran the
+            # folded step on its own copies (the unscale is per thread, so per replica), and the
+            # all-reduced gradients made every replica decide alike; the mirrored loss scale (and
+            # a schedule's value) is updated once, in the cross-replica context, by the first
+            # replica's outcome.
+            tf.distribute.get_replica_context().merge_call(
+                lambda strategy, applied: update(strategy.experimental_local_results(applied)[0]), args=(applied,))
         return None
 
 
@@ -195,7 +206,12 @@ class LegacyLossScaleOptimizer(_lso.LossScaleOptimizer):
         ops = []
         applied = _step.with_loss_scale(inner, grad_scale, lambda: ops.append(inner.apply_gradients(
             list(grads_and_vars), name=name, experimental_aggregate_gradients=False)))
-        update = _update_loss_scale(self._loss_scale, applied)
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            update = _update_loss_scale(self._loss_scale, applied)
+        else:  # (MirroredStrategy: once, in the cross-replica context; LossScaleOptimizer's)
+            update = tf.distribute.get_replica_context().merge_call(
+                lambda strategy, applied: _update_loss_scale(
+                    self._loss_scale, strategy.experimental_local_results(applied)[0]), args=(applied,))
         if tf.executing_eagerly():
             return None
         return tf.group(*[o for o in ops if o is not None], update)
