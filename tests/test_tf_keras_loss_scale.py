@@ -77,7 +77,9 @@ def test_folded_is_the_stock_wrapper_step_for_step(rng, inner, how):
     assert int(ours.iterations.numpy()) == 9  # (tf_keras counts the skipped steps too)
 
 
-def test_model_fit_under_mixed_float16(rng, folded_steps):
+@pytest.mark.parametrize("make", [lambda: tk.Adam(0.01, global_clipnorm=1.0),
+                                  lambda: tk.legacy.Adam(0.01, global_clipnorm=1.0)], ids=["new", "legacy"])
+def test_model_fit_under_mixed_float16(rng, folded_steps, make):
     """model.fit (minimize) with tfclip's wrapper given to compile: the fold runs, it trains."""
     tf_keras.utils.set_random_seed(3)
     tf_keras.mixed_precision.set_global_policy("mixed_float16")
@@ -86,7 +88,7 @@ def test_model_fit_under_mixed_float16(rng, folded_steps):
         y = (x @ rng.normal(size=(8, 1))).astype(np.float32)
         model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16, activation="relu"),
                                      tf_keras.layers.Dense(1, dtype="float32")])
-        opt = tk.LossScaleOptimizer(tk.Adam(0.01, global_clipnorm=1.0))
+        opt = tk.LossScaleOptimizer(make())
         model.compile(optimizer=opt, loss="mse")
         assert model.optimizer is opt
         hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0).history["loss"]
@@ -94,6 +96,8 @@ def test_model_fit_under_mixed_float16(rng, folded_steps):
         tf_keras.mixed_precision.set_global_policy("float32")
     assert hist[-1] < 0.5 * hist[0] and folded_steps
     assert int(opt.iterations.numpy()) == 32
+    back = type(opt).from_config(opt.get_config())
+    assert type(back.inner_optimizer) is type(opt.inner_optimizer) and back.fold_refusal() is None
 
 
 def test_a_constrained_variable_runs_the_stock_passes(rng):
@@ -222,23 +226,8 @@ def test_legacy_in_a_tf1_graph(rng, folded_steps):
     assert out[0][-1] == 9 and len(folded_steps) == 1  # (ours: one graph, folded once)
 
 
-def test_legacy_model_fit_and_config(rng, folded_steps):
-    tf_keras.utils.set_random_seed(3)
-    tf_keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        x = rng.normal(size=(256, 8)).astype(np.float32)
-        y = (x @ rng.normal(size=(8, 1))).astype(np.float32)
-        model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16, activation="relu"),
-                                     tf_keras.layers.Dense(1, dtype="float32")])
-        opt = tk.LossScaleOptimizer(tk.legacy.Adam(0.01, global_clipnorm=1.0))
-        model.compile(optimizer=opt, loss="mse")
-        assert model.optimizer is opt
-        hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0).history["loss"]
-    finally:
-        tf_keras.mixed_precision.set_global_policy("float32")
-    assert hist[-1] < 0.5 * hist[0] and folded_steps
-    back = LegacyLossScaleOptimizer.from_config(opt.get_config())
-    assert type(back.inner_optimizer) is tk.legacy.Adam and back.fold_refusal() is None
+def test_legacy_refusals():
+    assert isinstance(tk.LossScaleOptimizer(tk.legacy.Adam(0.01)), LegacyLossScaleOptimizer)
     assert "not a tfclip.tf_keras one" in tk.LossScaleOptimizer(tf_keras.optimizers.legacy.Adam()).fold_refusal()
     assert "not a power of two" in tk.LossScaleOptimizer(tk.legacy.SGD(0.1), initial_scale=3.0).fold_refusal()
     with pytest.raises(TypeError, match="takes a legacy"):
@@ -264,7 +253,9 @@ for k in range(8):
     coefs.append(c)
 calls, real = [], _step.with_loss_scale
 _step.with_loss_scale = lambda *a: calls.append(1) or real(*a)
-def custom_loop(wrapper, make):
+
+
+def custom_loop(wrapper, make):  # (new and legacy: OptimizerV2's variables is a method)
     with strategy.scope():
         vars_ = [tf.Variable(x) for x in init]
         opt = wrapper(make(), initial_scale=2.0 ** 10, dynamic_growth_steps=2)
@@ -278,22 +269,10 @@ def custom_loop(wrapper, make):
     for v in vars_:
         a, b = [np.asarray(x) for x in strategy.experimental_local_results(v)]
         assert a.tobytes() == b.tobytes(), v.name
-    return [v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables] + [opt.loss_scale.numpy()]
-def legacy_loop(wrapper, make):  # (OptimizerV2: opt.variables() is a method)
-    with strategy.scope():
-        vars_ = [tf.Variable(x) for x in init]
-        opt = wrapper(make(), initial_scale=2.0 ** 10, dynamic_growth_steps=2)
-    @tf.function
-    def train(cs):
-        def step(cs):
-            opt.minimize(lambda: sum(tf.reduce_sum(v * c) for v, c in zip(vars_, cs)), vars_)
-        strategy.run(step, args=(cs,))
-    for c in coefs:
-        train([tf.constant(x) for x in c])
-    for v in vars_:
-        a, b = [np.asarray(x) for x in strategy.experimental_local_results(v)]
-        assert a.tobytes() == b.tobytes(), v.name
-    return [v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in opt.variables()] + [opt.loss_scale.numpy()]
+    variables = opt.variables() if callable(opt.variables) else opt.variables
+    return [v.numpy() for v in vars_] + [np.asarray(v.numpy()) for v in variables] + [opt.loss_scale.numpy()]
+
+
 X = rng.normal(size=(128, 8)).astype(np.float32)
 Y = (X @ np.arange(8, dtype=np.float32)[:, None] / 8).astype(np.float32)
 
@@ -315,8 +294,8 @@ def fit(wrapper, make):
 
 CASES = [(custom_loop, lambda: tk.Adam(0.01, global_clipnorm=1.0)),
          (custom_loop, lambda: tk.SGD(tf_keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5), momentum=0.9)),
-         (legacy_loop, lambda: tk.legacy.Adam(0.01, global_clipnorm=1.0)),
-         (legacy_loop, lambda: tk.legacy.Nadam(0.01)),
+         (custom_loop, lambda: tk.legacy.Adam(0.01, global_clipnorm=1.0)),
+         (custom_loop, lambda: tk.legacy.Nadam(0.01)),
          (fit, lambda: tk.Adam(0.01, global_clipnorm=1.0)),
          (fit, lambda: tk.legacy.Adam(0.01))]
 for run, make in CASES:

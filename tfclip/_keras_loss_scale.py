@@ -70,6 +70,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _common_apply(self, grads, trainable_variables=None):
         if self.fold_refusal(grads, trainable_variables) is not None:
             return super()._common_apply(grads, trainable_variables)
+        self._update_scale(self._folded_step(grads, trainable_variables))
+
+    def _folded_step(self, grads, trainable_variables):
+        """The inner step with the unscale folded in; returns whether it was applied."""
         inner = self.inner_optimizer
         # The scale before this step's update (stock divides by it); 1 / scale in float64 is
         # exact for a power of two.
@@ -78,7 +82,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                                         lambda: inner.apply(grads, trainable_variables=trainable_variables))
         # Stock calls the inner step only for finite gradients: a skipped one does not count.
         inner.iterations.assign_add(tf.cast(applied, inner.iterations.dtype) - 1)
-        self._update_scale(applied)
+        return applied
 
     def _tf_apply(self, grads, trainable_variables=None):
         # A strategy whose replicas meet in merge_call (MirroredStrategy): stock checks the
@@ -90,11 +94,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if (tf.distribute.in_cross_replica_context() or tf.__internal__.distribute.strategy_supports_no_merge_call()
                 or self.fold_refusal(grads, trainable_variables) is not None):
             return super()._tf_apply(grads, trainable_variables)
-        inner = self.inner_optimizer
-        grad_scale = 1.0 / tf.cast(_keras_step._tf_var(self.dynamic_scale), tf.float64)
-        applied = _step.with_loss_scale(inner, grad_scale,
-                                        lambda: inner.apply(grads, trainable_variables=trainable_variables))
-        inner.iterations.assign_add(tf.cast(applied, inner.iterations.dtype) - 1)
+        applied = self._folded_step(grads, trainable_variables)
         tf.distribute.get_replica_context().merge_call(
             lambda strategy, applied: self._update_scale(strategy.experimental_local_results(applied)[0]),
             args=(applied,))
