@@ -197,8 +197,10 @@ REF_PROGRAM = textwrap.dedent("""
 """)
 
 
-def test_ref_variables_under_disable_v2_behavior():
+def test_ref_variables_under_disable_v2_behavior(tmp_path):
+    # (cwd away from the checkout: `python -c` puts cwd first on sys.path)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TF_CPP_MIN_LOG_LEVEL="2")
-    r = subprocess.run([sys.executable, "-c", REF_PROGRAM], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-c", REF_PROGRAM], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

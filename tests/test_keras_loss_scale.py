@@ -252,7 +252,7 @@ print("OK")
 """
 
 
-def test_mirrored_strategy_folds_with_the_stock_results():
+def test_mirrored_strategy_folds_with_the_stock_results(tmp_path):
     """Under MirroredStrategy (2 logical CPUs: a fresh process) each replica runs the folded step
     on its own copies and the loss scale is updated once: a custom loop (two skipped steps) and
     model.fit under mixed_float16 end with the stock wrapper's bits, the copies alike."""
@@ -262,6 +262,8 @@ def test_mirrored_strategy_folds_with_the_stock_results():
 
     import tfclip
     root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+    # (cwd away from the checkout: `python -c` puts cwd first on sys.path)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
-    r = subprocess.run([sys.executable, "-c", MIRRORED_PROGRAM], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", MIRRORED_PROGRAM], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -159,27 +159,18 @@ def test_reproducible_and_drawn_per_step_variable_and_seed():
     g = [g[0], g[0]]
     w = [w[0], w[0]]  # the same values and gradient in both variables: only the position differs
 
-    def run(seed=SEED, start=0, threads=None):
+    def run(seed=SEED, start=0):
         rule = tfclip.rules.SGD(0.01)
         rule.iterations.assign(start)
         vs = [tf.Variable(x) for x in w]
-        if threads is None:
-            _step(rule, vs, [tf.constant(x) for x in g], stochastic_rounding=True, rounding_seed=seed)
-        else:
-            @tf.function
-            def f():
-                return tfclip.fused_clip_apply(zip([tf.constant(x) for x in g], vs), rule,
-                                               stochastic_rounding=True, rounding_seed=seed)
-            with tf.device("/CPU:0"):
-                f()
+        _step(rule, vs, [tf.constant(x) for x in g], stochastic_rounding=True, rounding_seed=seed)
         return [_bits(v) for v in vs]
 
     base = run()
     assert (base[0] != base[1]).any(), "two variables drew the same bits"
     for other in (run(seed=SEED + 1), run(start=1)):
         assert (other[0] != base[0]).any()
-    # The core's own thread counts (the TF op's pool differs from the eager one's).
-    vs = [w[0].copy()]
+    # The core's own thread counts.
     counts = []
     for threads in (1, 2, 0):
         _core.set_num_threads(threads)
@@ -295,12 +286,16 @@ def test_errors():
               iterations=[], absmax=[], grad_scale=[])
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="rounding takes none or two scalars"):
         ops.tfclip_clip_apply_sgd(rounding=[tf.constant(1.0, tf.float64)], **kw)
-    for seed, step, what in ((1.5, 1.0, "seed"), (-1.0, 1.0, "seed"), (1.0, np.nan, "step"), (1.0, 2.0 ** 54, "step")):
+    for seed, step, what in ((1.5, 1.0, "seed"), (-1.0, 1.0, "seed"), (np.nan, 1.0, "seed"), (1.0, np.nan, "step"),
+                             (1.0, 2.0 ** 54, "step")):
         with pytest.raises(tf.errors.InvalidArgumentError, match=f"stochastic rounding's {what} must be an integer"):
             ops.tfclip_clip_apply_sgd(rounding=[tf.constant(seed, tf.float64), tf.constant(step, tf.float64)], **kw)
     np.testing.assert_array_equal(v.numpy(), np.ones(4, BF16))
     with pytest.raises(ValueError, match=r"rounding must be None or a \(seed, step\) pair"):
         _core.clip_apply("sgd", [np.ones(4, BF16)], [np.ones(4, np.float32)], [], {"lr": 0.1}, rounding=(1,))
+    with pytest.raises(ValueError, match=r"stochastic rounding's seed must be an integer in \[0, 2\^53\], got nan$"):
+        _core.clip_apply("sgd", [np.ones(4, BF16)], [np.ones(4, np.float32)], [], {"lr": 0.1},
+                         rounding=(np.nan, 1.0), iterations=np.zeros(1, np.int64))
 
 
 # ---------------------------------------------------------------- the optimizers
@@ -353,6 +348,31 @@ def test_keras_optimizers_draw_the_rule_bits(mode):
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
         assert tfclip.tf_keras.Adam.from_config(tk.get_config()).rounding_seed == SEED
+
+
+def test_keras_weight_decay_groups_draw_their_own_seeds():
+    """Keras applies weight decay per variable (exclude_from_weight_decay): one op per group, group
+    k drawing with seed + k * 2^32 and its variables' positions in the group's op, so no two
+    variables of a step share bits. Against the reference, from a float32 copy's step."""
+    import keras
+    import tfclip.keras
+    w, g = _data(9, [(50,), (6, 7), (40,)])
+    grads = [tf.constant(x) for x in g]
+
+    def run(dtype, **kw):
+        opt = tfclip.keras.SGD(0.05, weight_decay=0.1, **kw)
+        vs = [keras.Variable(x.astype(dtype), name=f"v{k}") for k, x in enumerate(w)]
+        opt.exclude_from_weight_decay(var_names=["v1"])
+        opt.apply(grads, vs)
+        return [v.numpy() for v in vs]
+
+    got = run(BF16, stochastic_rounding=True, rounding_seed=SEED)
+    exact = run(np.float32)
+    # partition([decay of v0, v1, v2]) = [(False, [1]), (True, [0, 2])]: v1 is group 0's first, v0
+    # and v2 group 1's first and second.
+    for k, (group, pos) in enumerate([(1, 0), (0, 0), (1, 1)]):
+        want = reference.stochastic_round_bf16(exact[k], SEED + group * 2 ** 32, 1, pos)
+        np.testing.assert_array_equal(_bits(got[k]).ravel(), want, err_msg=f"v{k}")
 
 
 def test_tf_keras_legacy_rounds_stochastically():

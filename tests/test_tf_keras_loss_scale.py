@@ -311,7 +311,7 @@ print("OK")
 """
 
 
-def test_mirrored_strategy_folds_with_the_stock_results():
+def test_mirrored_strategy_folds_with_the_stock_results(tmp_path):
     """Under MirroredStrategy (2 logical CPUs: a fresh process) each replica runs the folded step
     on its own copies and the loss scale (and a schedule's stored value) is updated once, from the
     cross-replica context: custom loops with two skipped steps (new: Adam with a clip, SGD with a
@@ -323,6 +323,8 @@ def test_mirrored_strategy_folds_with_the_stock_results():
 
     import tfclip
     root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+    # (cwd away from the checkout: `python -c` puts cwd first on sys.path)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
-    r = subprocess.run([sys.executable, "-c", MIRRORED_PROGRAM], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", MIRRORED_PROGRAM], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -367,8 +367,7 @@ class Rule:
                             iterations=() if counter is None else (counter,), absmax=absmax)
         result = _step.run(grads, [group], clip_mode, clip, clip_obj=clip_obj, use_norm=use_norm,
                            nonfinite=nonfinite, lazy=lazy_sparse, all_dense=all_dense, grad_scale=grad_scale,
-                           rounding=None if rounding_seed is None else
-                           (rounding_seed, tf.cast(self.iterations, tf.float64) + 1.0))
+                           rounding=None if rounding_seed is None else (rounding_seed, self._rounding_step(counter)))
         after = self._after_step(result.applied)
         if counter is None:
             after.append(self.iterations.assign_add(tf.cast(result.applied, tf.int64), read_value=False))
@@ -378,6 +377,14 @@ class Rule:
             return result.outputs
         with tf.control_dependencies(after):
             return ClipApplyResult(*[tf.identity(t) for t in result.outputs])
+
+    def _rounding_step(self, counter):
+        """Stochastic rounding's step (iterations + 1): where the op owns the counter, 1, to which
+        the op adds the count it reads under its locks (as to Adam's `step`: two concurrent steps
+        draw by their own counts); else iterations + 1, read before the counter advances."""
+        if counter is not None:
+            return 1.0
+        return tf.cast(self.iterations, tf.float64) + 1.0
 
     def _before_step(self, variables):
         """State a step needs made before its hyper-parameters are read: none by default."""

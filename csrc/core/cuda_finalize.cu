@@ -30,6 +30,10 @@ __device__ int ReadDeviceScalars(const FinalizeArgs& a, const HParams& host_hp, 
   if (a.ds.rounding[0] != nullptr) hp.rounding_seed = *a.ds.rounding[0];
   if (a.ds.rounding[1] != nullptr) hp.rounding_step = *a.ds.rounding[1];
   if (a.ds.rounding[2] != nullptr) hp.rounding_tensor = *a.ds.rounding[2];
+  // (counted from the op's step counter, as `step`: after the rounding step is read)
+  if (a.ds.iterations != nullptr && hp.stochastic_rounding) {
+    hp.rounding_step += static_cast<double>(*a.ds.iterations);
+  }
   const int k = FirstBadHParam(RuleHParams(a.rule), hp);
   if (k >= 0) {
     *bad_value = hp.Get(static_cast<HP>(k));

@@ -90,8 +90,10 @@ struct HParams {
   // their sum (a dense gradient's result; TF1 Adam; Keras after global_clipnorm densified it).
   bool sum_of_squares = false;
   // Stochastic rounding of bfloat16 variables (the apply ops' `rounding` input, [seed, step];
-  // csrc/core/rounding.h): a NaN seed (the default) is off, round to nearest.
-  double rounding_seed = NAN;
+  // csrc/core/rounding.h): on where the input is given (else round to nearest). With a step
+  // counter given to the op (`iterations`) the step is counted from it, as `step` is.
+  bool stochastic_rounding = false;
+  double rounding_seed = 0.0;
   double rounding_step = 0.0;
   double rounding_tensor = 0.0;  // the step's first tensor's position (an XLA group call's)
 
@@ -167,11 +169,12 @@ TFCLIP_HD int FirstBadHParam(uint32_t mask, const HParams& hp) {
   return -1;
 }
 
-// The `rounding` input's values: 0 when they are fine (or off: a NaN seed), 1 for a bad seed, 2
-// for a bad step. Each must be an integer in [0, 2^53] (csrc/core/rounding.h, kMaxRoundingWord).
+// The `rounding` input's values: 0 when they are fine (or it is off), 1 for a bad seed, 2 for a
+// bad step. Each must be an integer in [0, 2^53] (csrc/core/rounding.h, kMaxRoundingWord): NaN
+// is refused.
 TFCLIP_HD int RoundingError(const HParams& hp) {
   auto ok = [](double v) { return v >= 0.0 && v <= 9007199254740992.0 && v == std::floor(v); };
-  if (hp.rounding_seed != hp.rounding_seed) return 0;
+  if (!hp.stochastic_rounding) return 0;
   if (!ok(hp.rounding_seed)) return 1;
   return ok(hp.rounding_step) ? 0 : 2;
 }

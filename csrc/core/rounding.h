@@ -65,11 +65,11 @@ TFCLIP_HD uint64_t RoundingWord(double v) {
   return v >= 0.0 && v <= kMaxRoundingWord ? static_cast<uint64_t>(v) : 0u;
 }
 
-// The key from the `rounding` input's values (a NaN seed: off, round to nearest), and the
-// position of the step's first tensor (0 but in an XLA call of a later group of the op's).
-TFCLIP_HD RoundKey MakeRoundKey(double seed, double step, double first_tensor) {
+// The key from the `rounding` input's values (off: round to nearest), and the position of the
+// step's first tensor (0 but in an XLA call of a later group of the op's).
+TFCLIP_HD RoundKey MakeRoundKey(bool on, double seed, double step, double first_tensor) {
   RoundKey k;
-  if (seed != seed) return k;
+  if (!on) return k;
   const uint64_t s = RoundingWord(seed);
   k.on = true;
   k.k0 = static_cast<uint32_t>(s);

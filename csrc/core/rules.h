@@ -51,7 +51,7 @@ TFCLIP_HD void MakeStepBase(const HParams& hp, StepBase<M>* c) {
   c->weight_decay = static_cast<M>(hp.weight_decay);
   c->decay = hp.weight_decay != 0.0;
   c->sum_of_squares = hp.sum_of_squares;
-  c->round = MakeRoundKey(hp.rounding_seed, hp.rounding_step, hp.rounding_tensor);
+  c->round = MakeRoundKey(hp.stochastic_rounding, hp.rounding_seed, hp.rounding_step, hp.rounding_tensor);
 }
 
 // A step's constants for the tensor at position `tensor` of the step: stochastic rounding's

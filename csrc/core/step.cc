@@ -17,13 +17,17 @@ std::string NonFiniteError(double norm) {
 
 std::string StepHParams(const StepArgs& a, HParams* hp) {
   *hp = a.hp;
-  if (a.iterations != nullptr) hp->step += static_cast<double>(*a.iterations);
+  if (a.iterations != nullptr) {
+    hp->step += static_cast<double>(*a.iterations);
+    if (hp->stochastic_rounding) hp->rounding_step += static_cast<double>(*a.iterations);
+  }
   std::string e = ValidateHParams(a.rule, *hp);
   if (!e.empty() && a.iterations != nullptr) {
     std::ostringstream os;
     os << " (iterations + step = " << hp->step << ")";
     e += os.str();
   }
+  if (e.empty()) e = ValidateRounding(*hp);
   if (e.empty()) e = ValidateClipConfig(a.cfg);
   return e;
 }

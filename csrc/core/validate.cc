@@ -58,7 +58,10 @@ std::string RoundingMessage(int bad, double value) {
 
 std::string ValidateHParams(RuleKind rule, const HParams& hp) {
   const int k = FirstBadHParam(RuleHParams(rule), hp);
-  if (k >= 0) return HParamError(k, hp.Get(static_cast<HP>(k)));
+  return k < 0 ? "" : HParamError(k, hp.Get(static_cast<HP>(k)));
+}
+
+std::string ValidateRounding(const HParams& hp) {
   const int r = RoundingError(hp);
   return RoundingMessage(r, r == 1 ? hp.rounding_seed : hp.rounding_step);
 }

@@ -20,5 +20,7 @@ std::string ValidateHParams(RuleKind rule, const HParams& hp);
 std::string HParamError(int k, double v);
 // The message for RoundingError's `bad` (1: the seed, 2: the step) with value v; "" for 0.
 std::string RoundingMessage(int bad, double value);
+// Stochastic rounding's seed and step (RoundingError): "" or the message.
+std::string ValidateRounding(const HParams& hp);
 
 }  // namespace tfclip

@@ -372,6 +372,7 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   }
   if (!rounding.is_none()) {  // (seed, step): numbers, or 1-element float64 device arrays
     const auto r = RoundingPair(rounding);
+    c.hp.stochastic_rounding = true;
     const py::object parts[2] = {r.first, r.second};
     double* fields[2] = {&c.hp.rounding_seed, &c.hp.rounding_step};
     for (int k = 0; k < 2; ++k) {

@@ -122,6 +122,7 @@ py::tuple ClipApply(const std::string& rule_name, const py::list& vars_l, const 
   c.cfg.grad_scale = grad_scale;
   if (!rounding.is_none()) {
     const auto r = RoundingPair(rounding);
+    c.hp.stochastic_rounding = true;
     c.hp.rounding_seed = r.first.cast<double>();
     c.hp.rounding_step = r.second.cast<double>();
   }

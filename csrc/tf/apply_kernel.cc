@@ -240,6 +240,7 @@ class ClipApplyOp : public OpKernel {
       }
     }
     if (has_rounding_) {  // stochastic rounding's seed and step (csrc/core/rounding.h)
+      args->hp.stochastic_rounding = true;
       tf::OpInputList rs;
       TF_RETURN_IF_ERROR(ctx->input_list("rounding", &rs));
       double* fields[2] = {&args->hp.rounding_seed, &args->hp.rounding_step};

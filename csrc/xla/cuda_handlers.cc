@@ -149,6 +149,7 @@ FfiStatus ApplyCudaStep(void* stream, const CudaAllocFn& alloc, const FfiFrame& 
   ds.use_norm = s + j + 1;
   if (call.has_grad_scale) ds.grad_scale = s + j + 2;
   if (call.has_rounding) {
+    a.hp.stochastic_rounding = true;
     for (int k = 0; k < 3; ++k) ds.rounding[k] = s + j + 3 + k;
   }
   if (call.has_iterations) {

@@ -245,6 +245,7 @@ void ApplyCall::ReadHostScalars(StepArgs* a) const {
   a->cfg.use_norm = s[j + 1];
   if (has_grad_scale) a->cfg.grad_scale = s[j + 2];
   if (has_rounding) {
+    a->hp.stochastic_rounding = true;
     a->hp.rounding_seed = s[j + 3];
     a->hp.rounding_step = s[j + 4];
     a->hp.rounding_tensor = s[j + 5];

@@ -372,8 +372,12 @@ class ClipApplyXla : public XlaOpKernel {
       if (!has_grad_scale_) scalars.push_back(xla::ConstantR1<double>(b, {1.0}));
       int start, stop;
       OP_REQUIRES_OK(ctx, InputRange("rounding", &start, &stop));
-      scalars.push_back(xla::Reshape(ctx->Input(start), {1}));
-      scalars.push_back(xla::Reshape(ctx->Input(start + 1), {1}));
+      for (int k = 0; k < 2; ++k) {  // (as the TF kernel: scalars)
+        OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(ctx->InputShape(start + k)),
+                    tf::errors::InvalidArgument("rounding's ", k == 0 ? "seed" : "step", " must be a scalar, got shape ",
+                                                ctx->InputShape(start + k).DebugString()));
+        scalars.push_back(xla::Reshape(ctx->Input(start + k), {1}));
+      }
     }
     const xla::XlaOp scalar_vec = xla::ConcatInDim(b, scalars, 0);
     xla::XlaOp counter;

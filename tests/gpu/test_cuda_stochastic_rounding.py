@@ -88,16 +88,20 @@ def test_cuda_indexed_slices_rows(rng, rule):
         _same(cpu, _cuda(rule, vars0, slots0, grads, hp, (SEED, STEP), indices=idx, lazy=lazy))
 
 
-def test_cuda_agc(rng):
-    """AGC's per-unit scales: the device's unit sums are another order, so against the device's
-    own round-to-nearest step instead: every element is the nearest value or its neighbour on
-    the update's side."""
-    hp, nslots = RULES["sgd"]
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_cuda_agc(rng, rule):
+    """AGC's pass (ApplyRangeAgc): with a clip factor that scales no unit (every scale exactly 1,
+    whatever order the unit sums take) the device draws the CPU's bits; with one that clips
+    (the unit sums in another order), each element is the device's own round-to-nearest value or
+    its neighbour."""
+    hp, nslots = RULES[rule]
     vars0, slots0 = _state(rng, nslots, [(64, 33), (5000,)])
-    grads = [np.asarray(rng.normal(size=v.shape), BF16) for v in vars0]
+    grads = [np.asarray(rng.normal(size=v.shape) * 0.01, BF16) for v in vars0]
+    kw = dict(clip_mode="agc", clip=1e6)
+    _same(_cpu(rule, vars0, slots0, grads, hp, (SEED, STEP), **kw), _cuda(rule, vars0, slots0, grads, hp, (SEED, STEP), **kw))
     kw = dict(clip_mode="agc", clip=0.01)
-    _, sr, _ = _cuda("sgd", vars0, slots0, grads, hp, (SEED, STEP), **kw)
-    _, rn, _ = _cuda("sgd", vars0, slots0, grads, hp, None, **kw)
+    _, sr, _ = _cuda(rule, vars0, slots0, grads, hp, (SEED, STEP), **kw)
+    _, rn, _ = _cuda(rule, vars0, slots0, grads, hp, None, **kw)
     for a, b in zip(sr, rn):
         d = _bits(a).astype(np.int64) - _bits(b).astype(np.int64)
         assert np.isin(d, (-1, 0, 1)).all() and (d != 0).any()
