@@ -59,12 +59,7 @@ def test_folded_is_the_stock_wrapper_step_for_step(rng, inner, how):
     if how == "xla" and not _loader.xla_kernels():
         pytest.skip("this build has no XLA kernels (tests/test_xla.py says why)")
     init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
-    coefs = []
-    for k in range(9):
-        c = [rng.normal(size=x.shape).astype(np.float32) for x in init]
-        if k in (2, 6):
-            c[1].flat[3] = np.inf
-        coefs.append(c)
+    coefs = _coefs(rng, init)
     ours, got = _run(tk.LossScaleOptimizer, INNER[inner], init, coefs, how)
     stock, want = _run(tf_keras.mixed_precision.LossScaleOptimizer, INNER[inner], init, coefs, how)
     assert ours.fold_refusal() is None

@@ -152,6 +152,32 @@ def with_loss_scale(opt, grad_scale, apply):
     return tf.constant(True) if entry[1] is None else entry[1]
 
 
+def graph_op(op):
+    """An assign's op in a graph, None eagerly (tf.cond branches must return alike)."""
+    return None if tf.executing_eagerly() else op.op if hasattr(op, "op") else op
+
+
+def update_dynamic_scale(scale, good_steps, growth_steps, multiplier, applied):
+    """A dynamic loss scale's update by a folded step's outcome, as tf_keras's
+    `_DynamicLossScaleState.update` and TF1's `DynamicLossScale.update` make it: after an applied
+    step `good_steps` counts, and once it reaches `growth_steps` the scale grows by `multiplier`
+    (if that stays finite) and the count restarts; after a skipped one the scale backs off to at
+    least 1 and the count restarts. Returns the update (an op in a graph, None eagerly)."""
+    def finite():
+        def grow():
+            new = scale * multiplier
+            grown = tf.cond(tf.math.is_finite(new), lambda: graph_op(scale.assign(new)),
+                            lambda: graph_op(tf.no_op()))
+            return tf.group(grown, good_steps.assign(0))
+
+        return tf.cond(good_steps + 1 >= growth_steps, grow, lambda: graph_op(good_steps.assign_add(1)))
+
+    def back_off():
+        return tf.group(good_steps.assign(0), scale.assign(tf.maximum(scale / multiplier, 1)))
+
+    return graph_op(tf.cond(applied, finite, back_off))
+
+
 def power_of_two(x):
     """Whether the number x is a power of two (a loss scale whose unscale folds exactly)."""
     m, _ = math.frexp(float(x))

@@ -29,31 +29,10 @@ from tfclip import _step, _tf_keras_legacy, _tf_keras_step
 from tfclip import clipping as _clipping
 
 
-def _graph_op(op):
-    """An assign's op in a graph, None eagerly (tf.cond branches must return alike)."""
-    return None if tf.executing_eagerly() else op.op if hasattr(op, "op") else op
-
-
 def _update_loss_scale(state, applied):
-    """The stock dynamic loss scale's update (`_DynamicLossScaleState.update`) by the folded
-    step's outcome: grow by `multiplier` after `growth_steps` applied steps in a row (if the grown
-    scale is finite), back off to at least 1 after a skipped one. Returns the update (an op in a
-    graph)."""
-    def finite():
-        def grow():
-            new = state.current_loss_scale * state.multiplier
-            grown = tf.cond(tf.math.is_finite(new), lambda: _graph_op(state.current_loss_scale.assign(new)),
-                            lambda: _graph_op(tf.no_op()))
-            return tf.group(grown, state.counter.assign(0))
-
-        return tf.cond(state.counter + 1 >= state.growth_steps, grow,
-                       lambda: _graph_op(state.counter.assign_add(1)))
-
-    def back_off():
-        return tf.group(state.counter.assign(0), state.current_loss_scale.assign(
-            tf.maximum(state.current_loss_scale / state.multiplier, 1)))
-
-    return tf.cond(applied, finite, back_off)
+    """The stock `_DynamicLossScaleState.update` by the folded step's outcome."""
+    return _step.update_dynamic_scale(state.current_loss_scale, state.counter, state.growth_steps,
+                                      state.multiplier, applied)
 
 
 def _refusal_of(wrapper, inner, mixin):
@@ -133,7 +112,7 @@ class LossScaleOptimizer(_lso.LossScaleOptimizerV3):
             inner, grad_scale, lambda: inner.apply_gradients(grads_and_vars, skip_gradients_aggregation=True))
         def update(applied):
             if lr_before is not None:
-                tf.cond(applied, lambda: _graph_op(tf.no_op()), lambda: _graph_op(lr_var.assign(lr_before)))
+                tf.cond(applied, lambda: _step.graph_op(tf.no_op()), lambda: _step.graph_op(lr_var.assign(lr_before)))
             _update_loss_scale(self._loss_scale, applied)
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():

@@ -23,11 +23,6 @@ from tfclip import clipping as _clipping
 from tfclip.compat._fused import _Fused
 
 
-def _graph_op(op):
-    """An assign's op in a graph, None eagerly (tf.cond branches must return alike)."""
-    return None if tf.executing_eagerly() else op.op if hasattr(op, "op") else op
-
-
 class MixedPrecisionLossScaleOptimizer(_lso.MixedPrecisionLossScaleOptimizer):
     """tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer with the unscale folded into
     a tfclip.compat.v1 optimizer's step in `minimize` (see the module docstring). The same
@@ -85,29 +80,14 @@ class MixedPrecisionLossScaleOptimizer(_lso.MixedPrecisionLossScaleOptimizer):
         with tf.control_dependencies(deps):
             updates = [self._update_loss_scale(applied)]
             if global_step is not None:
-                updates.append(tf.cond(applied, lambda: _graph_op(tf.compat.v1.assign_add(global_step, 1)),
-                                       lambda: _graph_op(tf.no_op())))
+                updates.append(tf.cond(applied, lambda: _step.graph_op(tf.compat.v1.assign_add(global_step, 1)),
+                                       lambda: _step.graph_op(tf.no_op())))
         if tf.executing_eagerly():
             return None
         return tf.group(*deps, *[u for u in updates if u is not None], name=name)
 
     def _update_loss_scale(self, applied):
-        """The stock DynamicLossScale.update, by the folded step's outcome: grow by the multiplier
-        after increment_period applied steps in a row (if finite), back off to at least 1 after a
-        skipped one."""
+        """The stock `DynamicLossScale.update` by the folded step's outcome."""
         ls = self._loss_scale
-        scale, good = ls._current_loss_scale, ls._num_good_steps
-
-        def finite():
-            def grow():
-                new = scale * ls._multiplier
-                grown = tf.cond(tf.math.is_finite(new), lambda: _graph_op(scale.assign(new)),
-                                lambda: _graph_op(tf.no_op()))
-                return tf.group(grown, good.assign(0))
-
-            return tf.cond(good + 1 >= ls._increment_period, grow, lambda: _graph_op(good.assign_add(1)))
-
-        def back_off():
-            return tf.group(good.assign(0), scale.assign(tf.maximum(scale / ls._multiplier, 1)))
-
-        return _graph_op(tf.cond(applied, finite, back_off))
+        return _step.update_dynamic_scale(ls._current_loss_scale, ls._num_good_steps, ls._increment_period,
+                                          ls._multiplier, applied)
