@@ -170,10 +170,13 @@ TFCLIP_HD int FirstBadHParam(uint32_t mask, const HParams& hp) {
 }
 
 // The `rounding` input's values: 0 when they are fine (or it is off), 1 for a bad seed, 2 for a
-// bad step. Each must be an integer in [0, 2^53] (csrc/core/rounding.h, kMaxRoundingWord): NaN
+// bad step. Each must be an integer in [0, 2^53] (kMaxRoundingWord; csrc/core/rounding.h): NaN
 // is refused.
+// The largest seed or step the `rounding` input takes: every integer up to it is a double.
+constexpr double kMaxRoundingWord = 9007199254740992.0;  // 2^53
+
 TFCLIP_HD int RoundingError(const HParams& hp) {
-  auto ok = [](double v) { return v >= 0.0 && v <= 9007199254740992.0 && v == std::floor(v); };
+  auto ok = [](double v) { return v >= 0.0 && v <= kMaxRoundingWord && v == std::floor(v); };
   if (!hp.stochastic_rounding) return 0;
   if (!ok(hp.rounding_seed)) return 1;
   return ok(hp.rounding_step) ? 0 : 2;

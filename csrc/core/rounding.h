@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "csrc/core/hparams.h"  // (kMaxRoundingWord)
 #include "csrc/core/types.h"
 
 namespace tfclip {
@@ -55,9 +56,6 @@ struct RoundKey {
   const uint16_t* bits = nullptr;
   int64_t bits_at = 0;
 };
-
-// The largest seed or step the `rounding` input takes: every integer up to it is a double.
-constexpr double kMaxRoundingWord = 9007199254740992.0;  // 2^53
 
 // A seed or step value as the integer it is (checked by RoundingError where the value is read
 // on the host; a bad value read on the device is refused there too, so this never sees one).
