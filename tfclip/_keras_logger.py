@@ -116,7 +116,7 @@ class GradientNormLogger(keras.callbacks.Callback):
                 tf.summary.scalar(f"{p}/clip_fraction", clipped / steps)
                 tf.summary.scalar(f"{p}/clip_scale_mean", scale_sum / steps)
             if opt.clip is not None:  # the adaptive threshold of the last step, beside its norm
-                tf.summary.scalar(f"{p}/clip_threshold", float(opt.clip_threshold.numpy()))
+                tf.summary.scalar(f"{p}/clip_threshold", float(opt.adaptive_threshold.numpy()))
             if opt.clipped_units is not None:  # AGC: the last step's clipped units
                 total = int(opt.clipped_units.numpy().sum())
                 units = sum(_clipping.num_units(v.shape) for v in opt._trainable_variables)

@@ -97,6 +97,12 @@ class NormState:
         clipped (tfclip.clipping.ClipStep.threshold); NaN without one (a variable)."""
         return self._clip_threshold
 
+    @property
+    def adaptive_threshold(self):
+        """`clip_threshold` by another name, for Adafactor, whose `clip_threshold` is its own
+        (stock) argument, the bound on rms(u)."""
+        return self._clip_threshold
+
     def _norm_positions(self, tvars):
         """Where the step's variables sit in `tensor_norms`: (their indices, its length), or None
         where that is not known (then `tensor_norms` keeps its value)."""

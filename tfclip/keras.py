@@ -68,7 +68,7 @@ from tfclip._keras_step import _check_betas, _FusedMixin  # noqa: E402
 from tfclip._step import STEP, Binding  # noqa: E402
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
-           "Lamb", "GradientNormLogger", "LossScaleOptimizer", "get"] + (
+           "Lamb", "Adafactor", "GradientNormLogger", "LossScaleOptimizer", "get"] + (
     ["ScheduleFreeAdamW"] if hasattr(keras.optimizers, "ScheduleFreeAdamW") else [])
 
 
@@ -239,6 +239,51 @@ class Lamb(_Generic, keras.optimizers.Lamb):
     _checked = ("beta_1", "beta_2", "epsilon")
 
 
+class Adafactor(_Generic, keras.optimizers.Adafactor):
+    """keras.optimizers.Adafactor (Shazeer & Stern 2018) as fused ops: the norm pass, then
+    Adafactor's own passes (csrc/core/factored.h): each matrix's row and column means of
+    g^2 + epsilon_1 with rms(w), then rms(u), then the update. The stock slots `_r`, `_c`
+    (factored over the last two axes) and `_v`, the stock arguments (`beta_2_decay`,
+    `epsilon_1`, `epsilon_2`, `clip_threshold`, `relative_step`). Extra: `nonfinite`, and
+    `factored_state=True`, which keeps the `velocity` of each variable of rank >= 2 as a scalar
+    placeholder: keras writes it every step and never reads it back, so the optimizer then
+    keeps R + C numbers for an R x C matrix, not R C (its checkpoints are then not the stock
+    layout). On a GPU the variables are refused for now: the CUDA passes are not written yet.
+    `clip_threshold` is Adafactor's bound on rms(u); an adaptive `clip=`'s threshold is
+    `adaptive_threshold`."""
+
+    _tfclip_binding = Binding("adafactor", slots=(("r", "_r"), ("c", "_c"), ("v", "_v")),
+                              hparams=(("beta_2_decay", "beta_2_decay"), ("epsilon_1", "epsilon_1"),
+                                       ("epsilon_2", "epsilon_2"), ("clip_threshold", "clip_threshold"),
+                                       ("step", STEP)))
+    _checked = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold")
+    low_precision_state = False
+    int8_state = False
+    # Adafactor's own argument, a number (the stock attribute), over tfclip's property of that
+    # name: an adaptive clip's threshold is `adaptive_threshold` here.
+    clip_threshold = 1.0
+
+    def __init__(self, *args, factored_state=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "factored_state", bool(factored_state))
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        # factored_state: the `velocity` of a factored variable (rank >= 2), which keras writes
+        # every step and never reads back, is a scalar placeholder (tfclip.rules.Adafactor).
+        if name == "velocity" and self.factored_state and len(reference_variable.shape) >= 2:
+            ref = reference_variable
+            base = (ref.path.replace("/", "_") if hasattr(ref, "path")
+                    else str(ref.name).replace("/", "_").replace(":", "_"))  # (the stock name)
+            return self.add_variable(shape=(), dtype=ref.dtype, name=f"{base}_velocity", initializer=initializer)
+        return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+
+    def get_config(self):
+        config = super().get_config()
+        if self.factored_state:
+            config["factored_state"] = True
+        return config
+
+
 # keras.optimizers.ScheduleFreeAdamW is recent (Keras 3.15 has it): with a Keras without it tfclip.keras has
 # no ScheduleFreeAdamW either (the module's __getattr__ says why).
 _StockScheduleFree = getattr(keras.optimizers, "ScheduleFreeAdamW", None)
@@ -282,7 +327,7 @@ def get(identifier):
     return keras.optimizers.get(identifier)
 
 
-_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb) + (
+_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb, Adafactor) + (
     (ScheduleFreeAdamW,) if _StockScheduleFree is not None else ())
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 

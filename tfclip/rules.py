@@ -368,6 +368,46 @@ class Lamb(_BetasEpsilonStep):
     int8_state = False
     int8_state_why = "its trust ratio reads the slots back a pass later (csrc/core/step.cc)"
 
+class Adafactor(Rule):
+    """Keras Adafactor (Shazeer & Stern 2018): for a variable of rank >= 2, second moments
+    factored over its last two axes (slot `r`: a mean per row, shape[:-1]; slot `c`: a mean per
+    column, shape[:-2] + shape[-1:]), else a full `v`; the update `g / sqrt(v)` clipped to
+    rms <= `clip_threshold` and scaled by `max(epsilon_2, rms(var)) * min(lr, 1/sqrt(t))`.
+    Slots `r`, `c`, `v` as keras makes them (r and c of a variable of rank < 2 are scalar
+    placeholders); keras writes the full `v` of a factored variable every step without reading
+    it back: `factored_state=True` keeps it as a scalar placeholder instead, so the state is
+    R + C numbers for an R x C matrix, not R C (the memory Adafactor was designed for). Three
+    passes after the norm (csrc/core/factored.h). Variables on a GPU are refused for now (its
+    CUDA passes are not written yet)."""
+
+    binding = Binding("adafactor", slots=(("r", "r"), ("c", "c"), ("v", "v")),
+                      hparams=(("beta_2_decay", "beta_2_decay"), ("epsilon_1", "epsilon_1"),
+                               ("epsilon_2", "epsilon_2"), ("clip_threshold", "clip_threshold"),
+                               ("step", STEP)))
+
+    def __init__(self, learning_rate=0.001, beta_2_decay=-0.8, epsilon_1=1e-30, epsilon_2=1e-3,
+                 clip_threshold=1.0, weight_decay=0.0, name=None, factored_state=False):
+        self.beta_2_decay, self.epsilon_1, self.epsilon_2 = beta_2_decay, epsilon_1, epsilon_2
+        self.clip_threshold = clip_threshold
+        self.factored_state = bool(factored_state)
+        super().__init__(learning_rate, weight_decay, name)
+
+    def _config_numbers(self):
+        return {"learning_rate": self.learning_rate, "beta_2_decay": self.beta_2_decay,
+                "epsilon_1": self.epsilon_1, "epsilon_2": self.epsilon_2,
+                "clip_threshold": self.clip_threshold, "weight_decay": self.weight_decay}
+
+    def _slot_initial_value(self, name, var):
+        shape = var.shape
+        if len(shape) < 2:
+            return tf.zeros(shape if name == "v" else [], var.dtype)
+        if name == "r":
+            return tf.zeros(shape[:-1], var.dtype)
+        if name == "c":
+            return tf.zeros(shape[:-2] + shape[-1:], var.dtype)
+        return tf.zeros([] if self.factored_state else shape, var.dtype)
+
+
 class ScheduleFreeAdamW(_BetasEpsilonStep):
     """Keras ScheduleFreeAdamW (Defazio et al. 2024) as stock Keras runs it on TensorFlow: the
     variable is the interpolation y, slot `momentum` the sequence z the gradient steps move

@@ -108,6 +108,11 @@ StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& ex
     s->grads[i] = TensorView{const_cast<void*>(ts[i].grad), ts[i].grad_size(), ts[i].grad_dtype};
   }
   PlanList(s->grads.data(), n, &s->plan);
+  const bool factored = RuleFactored(a.rule);
+  if (factored) {
+    r.error = PlanFactored(ts, n, &s->factored.plan);
+    if (!r.error.empty()) return r;
+  }
   s->per_tensor.assign(n, 0.0);
   s->factors.resize(n);
   double total = 0.0;
@@ -150,7 +155,9 @@ StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& ex
     if (a.cfg.policy == NonFinitePolicy::kRaise) r.error = NonFiniteError(r.global_norm);
     return r;
   }
-  if (!RuleTrustRatio(a.rule)) {
+  if (factored) {
+    FactoredApplyCpu(hp, ts, n, s->factors.data(), &s->factored, exec);
+  } else if (!RuleTrustRatio(a.rule)) {
     ApplyCpu(a.rule, hp, ts, s->plan, s->factors.data(), exec);
     SparseApplyCpu(a.rule, hp, ts, s->sparse, s->factors.data(), exec);
   } else {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "csrc/core/agc.h"
+#include "csrc/core/factored.h"
 #include "csrc/core/chunk_plan.h"
 #include "csrc/core/clip.h"
 #include "csrc/core/rule_table.h"
@@ -86,6 +87,7 @@ struct StepScratch {
   // AGC (agc.h): the plan, the tiles' partials, per-unit sums and scales.
   AgcPlan agc;
   std::vector<double> agc_part_g, agc_part_w, unit_g, unit_w, unit_scale, sparse_vsq;
+  FactoredScratch factored;  // a factored rule's (Adafactor; factored.h)
 };
 // Both passes of a clip-and-apply step (StepArgs, StepResult: csrc/core/step.h), with the
 // non-finite policy.

@@ -159,6 +159,12 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
   }
   r->error = ValidateState(args);
   if (!r->error.empty()) return "";
+  if (RuleFactored(args.rule)) {
+    r->error = std::string("rule '") + GetRuleInfo(args.rule).name +
+               "' runs on the CPU only for now: its factored passes (csrc/core/factored.h) have no "
+               "CUDA kernels yet; place the variables on the CPU";
+    return "";
+  }
   HParams hp;
   if (!on_device) {
     r->error = StepHParams(args, &hp);

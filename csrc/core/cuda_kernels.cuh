@@ -275,7 +275,7 @@ std::string Launched(const char* what);
 template <typename Launch>
 std::string LaunchForRule(RuleKind rule, int nslots, const char* what, Launch&& launch) {
   std::string err = std::string("internal: no ") + what + " for this rule's slot count";
-  DispatchRule(rule, [&](auto rule_tag) {
+  DispatchElementRule(rule, [&](auto rule_tag) {
     DispatchSlots<decltype(rule_tag)>(nslots, [&](auto slots_tag) { err = launch(rule_tag, slots_tag); });
   });
   return err;

@@ -25,6 +25,8 @@ namespace tfclip {
 // (optional) scales the exponent of Nadam's momentum schedule, u_t = beta_1 * (1 - 0.5 *
 // 0.96^(schedule_decay * t)): not given, 0.96^t (Keras 3's and tf_keras's Nadam); tf_keras's
 // legacy Nadam gives its `schedule_decay` (0.004 by default), whose range stock does not check.
+// beta_2_decay, epsilon_1, epsilon_2, clip_threshold: Adafactor's (keras's names and defaults;
+// stock checks none of them).
 #define TFCLIP_FOR_EACH_HPARAM(X)                                      \
   X(lr, "learning_rate", 0.0, -INFINITY, false, INFINITY, false)      \
   X(momentum, "momentum", 0.0, -INFINITY, false, INFINITY, false)      \
@@ -44,7 +46,11 @@ namespace tfclip {
   X(beta, "beta", 0.0, -INFINITY, false, INFINITY, false)               \
   X(warmup_steps, "warmup_steps", 0.0, -INFINITY, false, INFINITY, false) \
   X(global_step, "global_step", 1.0, -INFINITY, false, INFINITY, false) \
-  X(schedule_decay, "schedule_decay", NAN, -INFINITY, false, INFINITY, false)
+  X(schedule_decay, "schedule_decay", NAN, -INFINITY, false, INFINITY, false) \
+  X(beta_2_decay, "beta_2_decay", -0.8, -INFINITY, false, INFINITY, false) \
+  X(epsilon_1, "epsilon_1", 1e-30, -INFINITY, false, INFINITY, false)    \
+  X(epsilon_2, "epsilon_2", 1e-3, -INFINITY, false, INFINITY, false)     \
+  X(clip_threshold, "clip_threshold", 1.0, -INFINITY, false, INFINITY, false)
 
 // X(field, op attr name): the rules' boolean options. eps_outside (Adagrad, RMSprop): epsilon
 // added to the square root, lr*g / (sqrt(x) + eps), as TF's ResourceApplyAdagradV2 and

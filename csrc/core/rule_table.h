@@ -72,7 +72,11 @@ namespace tfclip {
     0u TFCLIP_H(lr) TFCLIP_H(l1) TFCLIP_H(l2), 0u)                                             \
   X(kAdagradDa, AdagradDaRule, "AdagradDa", "adagrad_da",                                      \
     "gradient_accumulator,gradient_squared_accumulator",                                       \
-    0u TFCLIP_H(lr) TFCLIP_H(l1) TFCLIP_H(l2) TFCLIP_H(global_step), 0u)
+    0u TFCLIP_H(lr) TFCLIP_H(l1) TFCLIP_H(l2) TFCLIP_H(global_step), 0u)                  \
+  X(kAdafactor, AdafactorRule, "Adafactor", "adafactor", "r,c,v",                             \
+    0u TFCLIP_H(lr) TFCLIP_H(beta_2_decay) TFCLIP_H(epsilon_1) TFCLIP_H(epsilon_2)            \
+        TFCLIP_H(clip_threshold) TFCLIP_H(weight_decay) TFCLIP_H(step),                        \
+    0u)
 
 enum class RuleKind : int {
 #define TFCLIP_RULE_ENUM(kind, ...) kind,
@@ -150,6 +154,16 @@ TFCLIP_HD void DispatchRule(RuleKind r, Fn&& fn) {
   }
 }
 
+// DispatchRule for the element-wise passes (dense, sparse, trust; CPU and CUDA): fn(Struct{})
+// for every rule but a factored one (Adafactor), whose passes are csrc/core/factored.h's and
+// for which it calls nothing, so those loops are never compiled for it.
+template <typename Fn>
+TFCLIP_HD void DispatchElementRule(RuleKind r, Fn&& fn) {
+  DispatchRule(r, [&](auto rule_tag) {
+    if constexpr (!decltype(rule_tag)::kFactored) fn(rule_tag);
+  });
+}
+
 // The slot count a step of `rule` uses with these flags.
 TFCLIP_HD int NumSlots(RuleKind rule, const HParams& hp) {
   int n = 0;
@@ -170,6 +184,14 @@ TFCLIP_HD bool RuleTrustRatio(RuleKind rule) {
   bool t = false;
   DispatchRule(rule, [&](auto r) { t = decltype(r)::kTrustRatio; });
   return t;
+}
+
+// Whether a rule keeps factored second moments (Adafactor; csrc/core/factored.h): slots of
+// other shapes than the variable's, and passes of their own.
+TFCLIP_HD bool RuleFactored(RuleKind rule) {
+  bool f = false;
+  DispatchRule(rule, [&](auto r) { f = decltype(r)::kFactored; });
+  return f;
 }
 
 // The hyper-parameters a rule takes (HPBit mask). Host and device.

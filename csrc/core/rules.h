@@ -15,6 +15,7 @@
 //   AdamRule           ResourceApplyAdam / keras Adam, AdamW (decoupled weight decay), amsgrad
 //   AdagradRule, RmsPropRule, AdadeltaRule, AdamaxRule, LionRule, NadamRule, FtrlRule, LambRule: keras's
 //                      optimizers of the same names (LambRule: a per-tensor trust ratio)
+//   AdafactorRule      keras Adafactor (factored second moments: passes of its own, factored.h)
 //   ScheduleFreeAdamWRule  keras ScheduleFreeAdamW (as it runs on the TensorFlow backend)
 //   TfRmsPropRule      ResourceApplyRMSProp / ResourceApplyCenteredRMSProp (tf.compat.v1)
 //   ProximalSgdRule, ProximalAdagradRule, AdagradDaRule: ResourceApplyProximalGradientDescent,
@@ -111,6 +112,7 @@ TFCLIP_HD M DecayVar(const StepBase<M>& c, M var) {
 // (one without the other does not compile: MakeConsts's type is not the one Update takes).
 struct RuleBase {
   static constexpr bool kTrustRatio = false;
+  static constexpr bool kFactored = false;  // Adafactor's passes (csrc/core/factored.h)
   // Bit k: slot k is never negative (a second moment, an accumulator of squares or of |g|):
   // stored with the unsigned code under int8 state (csrc/core/quant8.h), the others signed.
   static constexpr unsigned kUnsignedSlots = 0u;
@@ -598,6 +600,71 @@ struct LambRule : RuleBase {
   }
 };
 using FtrlSqrtRule = FtrlRule<true>;
+
+struct AdafactorRule : RuleBase {
+  // keras Adafactor (Shazeer & Stern 2018) as keras 3 computes it, in the variable's dtype, with
+  // t = iterations + 1:
+  //   rho = min(lr, 1/sqrt(t)); alpha = max(epsilon_2, rms(w)) * rho; b = 1 - t^beta_2_decay;
+  //   q = g^2 + epsilon_1;
+  //   rank >= 2 (the last two axes M x N factored): r = b r + (1 - b) mean(q, axis=-1);
+  //     c = b c + (1 - b) mean(q, axis=-2); v = (r / mean(r, axis=-1)) c  (written, not kept);
+  //   rank < 2: v = b v + (1 - b) q;
+  //   u = g / sqrt(v); var -= alpha * (u / max(1, rms(u) / clip_threshold)).
+  // w is the variable after decoupled weight decay (keras decays before update_step). keras's
+  // relative_step (lr = min(lr, 1/sqrt(t)) for a constant lr) changes nothing: rho takes that
+  // minimum anyway. The means and rms are reductions: the passes of csrc/core/factored.h take
+  // them in float64 in a fixed order; these are the per-element parts. Slots: r, c, v.
+  static constexpr bool kScatter = false;
+  static constexpr bool kFactored = true;
+  static constexpr int kMinSlots = 3, kMaxSlots = 3;
+  static constexpr unsigned kUnsignedSlots = 0b111u;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 3; }
+  template <typename M>
+  struct Consts : StepBase<M> {
+    M rho, beta_2_t, one_minus_beta_2_t, epsilon_1, epsilon_2, clip_threshold;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    const M t = static_cast<M>(hp.step);
+    const M inv_sqrt_t = M(1) / std::sqrt(t);
+    c.rho = c.lr < inv_sqrt_t ? c.lr : inv_sqrt_t;
+    c.beta_2_t = M(1) - std::pow(t, static_cast<M>(hp.beta_2_decay));
+    c.one_minus_beta_2_t = M(1) - c.beta_2_t;
+    c.epsilon_1 = static_cast<M>(hp.epsilon_1);
+    c.epsilon_2 = static_cast<M>(hp.epsilon_2);
+    c.clip_threshold = static_cast<M>(hp.clip_threshold);
+    return c;
+  }
+  // q, the element's regulated square.
+  template <typename M>
+  static TFCLIP_HD M Square(const Consts<M>& c, M g) { return g * g + c.epsilon_1; }
+  // A second-moment statistic's moving average: r, c or an unfactored v, from its old value and
+  // the new mean of q (a single q for an unfactored v).
+  template <typename M>
+  static TFCLIP_HD M Average(const Consts<M>& c, M old, M mean_q) {
+    return c.beta_2_t * old + c.one_minus_beta_2_t * mean_q;
+  }
+  // A factored variable's v from its row's r, the mean of its matrix's r, and its column's c.
+  template <typename M>
+  static TFCLIP_HD M FactoredV(M r, M r_mean, M col) { return (r / r_mean) * col; }
+  template <typename M>
+  static TFCLIP_HD M Direction(M g, M v) { return g / std::sqrt(v); }
+  // alpha and the update clip's denominator, from the tensor's rms(w) and rms(u).
+  template <typename M>
+  static TFCLIP_HD M Alpha(const Consts<M>& c, M rms_w) {
+    return (c.epsilon_2 > rms_w ? c.epsilon_2 : rms_w) * c.rho;
+  }
+  template <typename M>
+  static TFCLIP_HD M Denominator(const Consts<M>& c, M rms_u) {
+    const M q = rms_u / c.clip_threshold;
+    return M(1) > q ? M(1) : q;
+  }
+  // The variable (after weight decay) stepped by alpha * (u / denominator).
+  template <typename M>
+  static TFCLIP_HD void Step(M alpha, M denominator, M u, M& var) { var = var - alpha * (u / denominator); }
+};
 
 struct ScheduleFreeAdamWRule : RuleBase {
   // keras ScheduleFreeAdamW (Defazio et al. 2024), the 1 - b in the dtype. The variable is y,

@@ -59,6 +59,12 @@ struct ApplyTensor {
   // whole tensor one unit); element i of the variable is in unit i % units. Set by every adapter
   // from the variable's shape; 0 (not given) is an error for an AGC step.
   int64_t units = 0;
+  // A factored rule's (Adafactor; csrc/core/factored.h) view of the variable: the last two axes
+  // M = shape[-2], N = shape[-1] of a variable of rank >= 2 (0, 0 below rank 2: not factored),
+  // and whether its full-size v slot is kept (the stock layout) or is a scalar placeholder
+  // (factored_state). Set by every adapter from the shapes it checked (FactoredSlotShape).
+  int64_t fac_rows = 0, fac_cols = 0;
+  bool fac_full_v = true;
   int64_t grad_size() const { return sparse ? nnz * width : size; }
 };
 

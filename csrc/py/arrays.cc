@@ -1,6 +1,7 @@
 // tfclip._core: the arrays a call hands over, checked (arrays.h).
 #include "csrc/py/arrays.h"
 
+#include "csrc/core/factored.h"
 #include "csrc/core/quant8.h"
 
 #include <cstring>
@@ -294,6 +295,8 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
     t.grad_dtype = g.dtype;
     t.size = v.size;
     t.units = v.shape.size() >= 2 ? v.shape.back() : 1;  // AGC's units (csrc/core/agc.h)
+    const bool factored = RuleFactored(call.rule);
+    if (factored) SetFactoredDims(v.shape, &t);
     for (int k = 0; k < nslots; ++k) {
       const Array& s = slots[k][i];
       SlotStorage storage;
@@ -321,7 +324,14 @@ ApplyCall PrepareApply(const std::string& rule_name, const py::list& vars_l, con
         call.streams.push_back(am.stream);
         continue;
       }
-      if (!SlotStorageOf(v.dtype, s.dtype, &storage) || s.shape != v.shape) {
+      if (factored) {  // Adafactor's r, c, v (csrc/core/factored.h)
+        bool placeholder = false;
+        const std::string e = FactoredSlotShape(k, v.shape, s.shape, &placeholder);
+        if (!e.empty()) Fail(s.name + " " + e);
+        if (k == 2) t.fac_full_v = !placeholder;
+        if (placeholder) continue;  // neither read nor written: any dtype
+      }
+      if (!SlotStorageOf(v.dtype, s.dtype, &storage) || (!factored && s.shape != v.shape)) {
         Fail(s.name + " must have the shape of " + v.name + " and its dtype (or bfloat16 for a float32 "
              "variable's state)");
       }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "csrc/core/apply_op.h"
+#include "csrc/core/factored.h"
 #include "csrc/core/quant8.h"
 #include "csrc/core/cpu_driver.h"
 #include "csrc/core/rule_table.h"
@@ -33,6 +34,12 @@ using tf::OpKernelConstruction;
 using tf::OpKernelContext;
 using tf::Tensor;
 using namespace tf_glue;  // NOLINT(build/namespaces): the glue both kernel files share (device.h)
+
+std::vector<int64_t> ShapeDims(const tf::TensorShape& s) {
+  std::vector<int64_t> d(static_cast<size_t>(s.dims()));
+  for (int k = 0; k < s.dims(); ++k) d[static_cast<size_t>(k)] = s.dim_size(k);
+  return d;
+}
 
 // An IndexedSlices gradient of vars[i]: values [k] + var.shape[1:], indices [k] (int32 or
 // int64, read as int64 here; their range is checked by PlanSparse before anything is written).
@@ -382,6 +389,8 @@ class ClipApplyOp : public OpKernel {
       }
       ts[i].size = vt.NumElements();
       ts[i].units = vt.dims() >= 2 ? vt.dim_size(vt.dims() - 1) : 1;  // AGC's (csrc/core/agc.h)
+      const bool factored = RuleFactored(rule_.kind);
+      if (factored) SetFactoredDims(ShapeDims(vt.shape()), &ts[i]);
       if (vr.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, vr.var, gpu_stream));
       ts[i].var = const_cast<char*>(vr.tensor()->tensor_data().data());
       ts[i].grad = grads[i].tensor_data().data();
@@ -396,8 +405,15 @@ class ClipApplyOp : public OpKernel {
         }
         DType sdt = DType::kFloat;
         SlotStorage storage = SlotStorage::kVariable;
+        if (factored) {  // Adafactor's r, c, v (csrc/core/factored.h)
+          bool placeholder = false;
+          const std::string e = FactoredSlotShape(k, ShapeDims(vt.shape()), ShapeDims(st.shape()), &placeholder);
+          if (!e.empty()) return tf::errors::InvalidArgument(s.name(), " (slot of ", vr.name(), ") ", e);
+          if (k == 2) ts[i].fac_full_v = !placeholder;
+          if (placeholder) continue;  // neither read nor written: any dtype (keras's are float32)
+        }
         if (!ToCoreDType(st.dtype(), &sdt) || !SlotStorageOf(ts[i].var_dtype, sdt, &storage) ||
-            st.shape() != vt.shape()) {
+            (!factored && st.shape() != vt.shape())) {
           return tf::errors::InvalidArgument(
               s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ",
               vr.name(), " is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),

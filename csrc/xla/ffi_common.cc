@@ -1,6 +1,7 @@
 // tfclip XLA glue: decoding shared by the Host and CUDA custom-call handlers (ffi_common.h).
 #include "csrc/xla/ffi_common.h"
 
+#include "csrc/core/factored.h"
 #include "csrc/core/quant8.h"
 
 #include <cstring>
@@ -176,6 +177,8 @@ FfiStatus ApplyCall::Tensors(const FfiFrame& f, ApplyTensor* ts) const {
     t.grad = gv.data;
     t.grad_dtype = gv.dtype;
     t.units = v.rank >= 2 ? v.dims[v.rank - 1] : 1;  // AGC's units (csrc/core/agc.h)
+    const bool factored = RuleFactored(step.rule);
+    if (factored) SetFactoredDims(std::vector<int64_t>(v.dims, v.dims + v.rank), &t);
     FfiBuffer s0;
     if (nslots > 0) TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>(n + i), &s0));
     if (nslots > 0 && s0.dtype == XLA_FFI_DataType_U8) {  // int8 state: codes, then their absmax
@@ -185,6 +188,16 @@ FfiStatus ApplyCall::Tensors(const FfiFrame& f, ApplyTensor* ts) const {
     for (int k = 0; k < nslots; ++k) {
       FfiBuffer s;
       TFCLIP_FFI_RETURN_IF_ERROR(f.Ret(static_cast<size_t>((k + 1) * n + i), &s));
+      if (factored) {  // Adafactor's r, c, v (csrc/core/factored.h)
+        bool placeholder = false;
+        const std::string e = FactoredSlotShape(k, std::vector<int64_t>(v.dims, v.dims + v.rank),
+                                                std::vector<int64_t>(s.dims, s.dims + s.rank), &placeholder);
+        if (!e.empty()) {
+          return FfiStatus::InvalidArgument("slot " + std::to_string(k) + " of vars[" + std::to_string(i) + "] " + e);
+        }
+        if (k == 2) t.fac_full_v = !placeholder;
+        if (placeholder) continue;  // neither read nor written: any dtype
+      }
       DType sdt;
       SlotStorage storage;
       if (!ToCoreDType(s.dtype, &sdt) || !SlotStorageOf(t.var_dtype, sdt, &storage) ||

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "csrc/core/apply_op.h"
+#include "csrc/core/factored.h"
 #include "csrc/core/quant8.h"
 #include "csrc/core/clip.h"
 #include "csrc/core/rule_table.h"
@@ -50,6 +51,12 @@ namespace tf = ::tensorflow;
 using tf::XlaOpKernel;
 using tf::XlaOpKernelContext;
 using xla_glue::kGroupVars;
+
+std::vector<int64_t> ShapeDims(const tf::TensorShape& s) {
+  std::vector<int64_t> d(static_cast<size_t>(s.dims()));
+  for (int k = 0; k < s.dims(); ++k) d[static_cast<size_t>(k)] = s.dim_size(k);
+  return d;
+}
 
 // A call's attributes: i64 scalars and arrays. For a typed-FFI call, the backend config: an MLIR
 // dictionary; for a legacy one (TF 2.16), tokens of the opaque string (legacy_call.h).
@@ -240,8 +247,21 @@ class ClipApplyXla : public XlaOpKernel {
                   tf::errors::InvalidArgument("got ", stop - start, " ", s, " slots, but with these flags rule '",
                                               rule_.name, "' takes ", nslots_, " slot lists"));
       const size_t first = index.size();
-      OP_REQUIRES_OK(ctx, ReadList(ctx, s.c_str(), s.c_str(), &index, &types, &shapes, &values, /*codes=*/true));
+      const bool factored = RuleFactored(rule_.kind);
+      OP_REQUIRES_OK(ctx, ReadList(ctx, s.c_str(), s.c_str(), &index, &types, &shapes, &values, /*codes=*/true,
+                                   /*any_dtype=*/factored));
       for (int i = 0; i < n_; ++i) {
+        if (factored) {  // Adafactor's r, c, v (csrc/core/factored.h): a placeholder may be any dtype
+          bool placeholder = false;
+          const std::string e = FactoredSlotShape(used, ShapeDims(shapes[i]), ShapeDims(shapes[first + i]),
+                                                  &placeholder);
+          OP_REQUIRES(ctx, e.empty(), tf::errors::InvalidArgument(s, "[", i, "] ", e));
+          OP_REQUIRES(ctx, placeholder || types[first + i] == types[i],
+                      tf::errors::InvalidArgument(s, "[", i, "] is ", tf::DataTypeString(types[first + i]),
+                                                  " but vars[", i, "] is ", tf::DataTypeString(types[i]),
+                                                  "; Adafactor's state has its variable's dtype"));
+          continue;
+        }
         // Its variable's dtype, or bfloat16 (bf16 state) or uint8 (int8 state's codes) for a float
         // variable's state (SlotStorage), as every slot of that variable (the handler checks the
         // storage against the variable's dtype).
@@ -513,7 +533,7 @@ class ClipApplyXla : public XlaOpKernel {
   absl::Status ReadList(XlaOpKernelContext* ctx, const char* input, const char* what,
                         std::vector<int>* index, std::vector<tf::DataType>* types,
                         std::vector<tf::TensorShape>* shapes, std::vector<xla::XlaOp>* values,
-                        bool codes = false) {
+                        bool codes = false, bool any_dtype = false) {
     int start, stop;
     TF_RETURN_IF_ERROR(InputRange(input, &start, &stop));
     if (stop - start != n_) {
@@ -529,7 +549,7 @@ class ClipApplyXla : public XlaOpKernel {
         return tf::errors::FailedPrecondition(what, "[", i, "] is not initialized");
       }
       if (t != tf::DT_HALF && t != tf::DT_BFLOAT16 && t != tf::DT_FLOAT && t != tf::DT_DOUBLE &&
-          !(codes && t == tf::DT_UINT8)) {  // (a slot list: uint8 is int8 state's codes)
+          !(codes && t == tf::DT_UINT8) && !any_dtype) {  // (any_dtype: Adafactor's placeholders)  // (a slot list: uint8 is int8 state's codes)
         return tf::errors::InvalidArgument(what, "[", i, "] has dtype ", tf::DataTypeString(t),
                                            "; only half, bfloat16, float and double variables");
       }

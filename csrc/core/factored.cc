@@ -1,0 +1,312 @@
+// tfclip core: factored second moments (Adafactor), its plan and its CPU passes (factored.h).
+#include "csrc/core/factored.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "csrc/core/apply_elem.h"
+#include "csrc/core/cpu_driver.h"
+
+namespace tfclip {
+
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t k = 0; k < s.size(); ++k) os << (k ? ", " : "") << s[k];
+  os << "]";
+  return os.str();
+}
+
+// Element k of a tensor's gradient, clipped (any clip mode; AGC: its unit's scale) and in V's
+// math type, as the apply passes read it.
+template <typename V>
+struct ClippedGrad {
+  const void* g;
+  DType gt;
+  ClipFactor f;
+  typename Elem<V>::Math operator()(int64_t k) const {
+    if (f.unit_scale == nullptr) return CastClipGradAt<V>(g, gt, k, f);
+    ClipFactor u = f;
+    u.scale = f.unit_scale[k % f.units];
+    return CastClipGradAt<V>(g, gt, k, u);
+  }
+};
+
+using Rule = AdafactorRule;
+
+}  // namespace
+
+std::string FactoredSlotShape(int k, const std::vector<int64_t>& var, const std::vector<int64_t>& slot,
+                              bool* placeholder) {
+  const size_t rank = var.size();
+  *placeholder = false;
+  std::vector<int64_t> want;
+  const char* what = "";
+  if (k == 2) {
+    if (slot == var) return "";
+    if (rank >= 2 && slot.empty()) {
+      *placeholder = true;
+      return "";
+    }
+    want = var;
+    what = rank >= 2 ? " (Adafactor's v: the variable's shape, or [] with factored_state)"
+                     : " (Adafactor's v: the variable's shape)";
+  } else if (rank < 2) {
+    *placeholder = true;
+    what = k == 0 ? " (Adafactor's r of a variable of rank < 2: a scalar placeholder)"
+                  : " (Adafactor's c of a variable of rank < 2: a scalar placeholder)";
+  } else if (k == 0) {
+    want.assign(var.begin(), var.end() - 1);
+    what = " (Adafactor's r: the variable's shape without its last axis)";
+  } else {
+    want.assign(var.begin(), var.end() - 2);
+    want.push_back(var.back());
+    what = " (Adafactor's c: the variable's shape without its second-to-last axis)";
+  }
+  if (slot == want) return "";
+  return "has shape " + ShapeText(slot) + " but must have shape " + ShapeText(want) + what;
+}
+
+void SetFactoredDims(const std::vector<int64_t>& var, ApplyTensor* t) {
+  const size_t rank = var.size();
+  t->fac_rows = rank >= 2 ? var[rank - 2] : 0;
+  t->fac_cols = rank >= 2 ? var[rank - 1] : 0;
+}
+
+std::string PlanFactored(const ApplyTensor* ts, int n, FactoredPlan* plan) {
+  plan->tiles.clear();
+  plan->tile_off.assign(1, 0);
+  plan->row_off.assign(1, 0);
+  plan->col_off.assign(1, 0);
+  plan->part_off.assign(1, 0);
+  plan->mat_off.assign(1, 0);
+  for (int i = 0; i < n; ++i) {
+    const ApplyTensor& t = ts[i];
+    std::ostringstream err;
+    err << "tensor " << i << ": ";
+    if (t.sparse) {
+      err << "Adafactor takes a dense gradient (its row and column means cover every element); "
+             "pass tf.convert_to_tensor(grad), as keras's Adafactor densifies it";
+      return err.str();
+    }
+    if (t.slot_storage != SlotStorage::kVariable) {
+      err << "Adafactor keeps its state in the variable's dtype (state_dtype='float32' for a float32 "
+             "variable): its factored r and c are already a small fraction of the variable";
+      return err.str();
+    }
+    const int64_t m = t.fac_rows, cols = t.fac_cols;
+    int64_t rows = 0, mats = 0, parts = 0;
+    if (cols > 0 || m > 0) {
+      if (m <= 0 || cols <= 0 || t.size % (m * cols) != 0) {
+        if (t.size != 0) {
+          err << "factored dims " << m << " x " << cols << " do not divide its " << t.size << " elements";
+          return err.str();
+        }
+      }
+    }
+    if (t.size > 0 && cols > 0) {
+      rows = t.size / cols;
+      mats = rows / m;
+      int64_t per = kFactoredTileElems / cols;
+      if (per < kFactoredMinRows) per = kFactoredMinRows;
+      for (int64_t b = 0; b < mats; ++b) {
+        for (int64_t r0 = b * m; r0 < (b + 1) * m; r0 += per) {
+          const int64_t r1 = r0 + per < (b + 1) * m ? r0 + per : (b + 1) * m;
+          plan->tiles.push_back(FactoredTile{i, b, r0, r1, parts});
+          ++parts;
+        }
+      }
+    } else {
+      for (int64_t e0 = 0; e0 < t.size; e0 += kFactoredTileElems) {
+        const int64_t e1 = e0 + kFactoredTileElems < t.size ? e0 + kFactoredTileElems : t.size;
+        plan->tiles.push_back(FactoredTile{i, 0, e0, e1, 0});
+      }
+    }
+    plan->tile_off.push_back(static_cast<int64_t>(plan->tiles.size()));
+    plan->row_off.push_back(plan->row_off.back() + rows);
+    plan->col_off.push_back(plan->col_off.back() + mats * (cols > 0 ? cols : 0));
+    plan->part_off.push_back(plan->part_off.back() + parts * (cols > 0 ? cols : 0));
+    plan->mat_off.push_back(plan->mat_off.back() + mats);
+  }
+  return "";
+}
+
+void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const ClipFactor* factors,
+                      FactoredScratch* s, const CpuExecutor& exec) {
+  const FactoredPlan& plan = s->plan;
+  const RuleConsts<Rule> rc = MakeRuleConsts<Rule>(hp);
+  const int64_t ntiles = static_cast<int64_t>(plan.tiles.size());
+  s->rows.assign(static_cast<size_t>(plan.row_off.back()), 0.0);
+  s->part.assign(static_cast<size_t>(plan.part_off.back()), 0.0);
+  s->cols.assign(static_cast<size_t>(plan.col_off.back()), 0.0);
+  s->r_mean.assign(static_cast<size_t>(plan.mat_off.back()), 0.0);
+  s->w_part.assign(static_cast<size_t>(ntiles), 0.0);
+  s->u_part.assign(static_cast<size_t>(ntiles), 0.0);
+  s->w_sum.assign(static_cast<size_t>(n), 0.0);
+  s->u_sum.assign(static_cast<size_t>(n), 0.0);
+  const int64_t cost = kFactoredTileElems * kApplyCostPerElem;
+
+  // 1. stats: row sums and column partials of q, sums of w^2.
+  exec.parallel_for(ntiles, cost, [&](int64_t xb, int64_t xe) {
+    for (int64_t x = xb; x < xe; ++x) {
+      const FactoredTile& tile = plan.tiles[x];
+      const int i = tile.tensor;
+      const ApplyTensor& t = ts[i];
+      DispatchDType(t.var_dtype, [&](auto vtag) {
+        using V = decltype(vtag);
+        using M = typename Elem<V>::Math;
+        const auto& c = ConstsFor<V>(rc);
+        const V* var = static_cast<const V*>(t.var);
+        const ClippedGrad<V> grad{t.grad, t.grad_dtype, factors[i]};
+        double w2 = 0.0;
+        if (t.fac_cols > 0) {
+          const int64_t cols = t.fac_cols;
+          double* part = s->part.data() + plan.part_off[i] + tile.part * cols;
+          double* rows = s->rows.data() + plan.row_off[i];
+          for (int64_t r = tile.r0; r < tile.r1; ++r) {
+            double row = 0.0;
+            for (int64_t k = 0; k < cols; ++k) {
+              const int64_t e = r * cols + k;
+              const double q = static_cast<double>(Rule::Square(c, grad(e)));
+              row += q;
+              part[k] += q;
+              const double w = static_cast<double>(DecayVar(c, Elem<V>::Load(var[e])));
+              w2 += w * w;
+            }
+            rows[r] = row;
+          }
+        } else {
+          for (int64_t e = tile.r0; e < tile.r1; ++e) {
+            const double w = static_cast<double>(DecayVar(c, Elem<V>::Load(var[e])));
+            w2 += w * w;
+          }
+        }
+        s->w_part[x] = w2;
+        (void)sizeof(M);
+      });
+    }
+  });
+
+  // Per tensor, in order: column sums, r and c updated and stored, each matrix's mean of r.
+  for (int i = 0; i < n; ++i) {
+    const ApplyTensor& t = ts[i];
+    double w2 = 0.0;
+    for (int64_t x = plan.tile_off[i]; x < plan.tile_off[i + 1]; ++x) w2 += s->w_part[x];
+    s->w_sum[i] = w2;
+    if (t.fac_cols <= 0 || t.size == 0) continue;
+    DispatchDType(t.var_dtype, [&](auto vtag) {
+      using V = decltype(vtag);
+      using M = typename Elem<V>::Math;
+      const auto& c = ConstsFor<V>(rc);
+      const int64_t m = t.fac_rows, cols = t.fac_cols;
+      const int64_t nrows = plan.row_off[i + 1] - plan.row_off[i];
+      const int64_t mats = plan.mat_off[i + 1] - plan.mat_off[i];
+      double* colsum = s->cols.data() + plan.col_off[i];
+      for (int64_t x = plan.tile_off[i]; x < plan.tile_off[i + 1]; ++x) {
+        const FactoredTile& tile = plan.tiles[x];
+        const double* part = s->part.data() + plan.part_off[i] + tile.part * cols;
+        double* dst = colsum + tile.matrix * cols;
+        for (int64_t k = 0; k < cols; ++k) dst[k] += part[k];
+      }
+      V* r = static_cast<V*>(t.slots[0]);
+      V* cc = static_cast<V*>(t.slots[1]);
+      const double* rows = s->rows.data() + plan.row_off[i];
+      for (int64_t k = 0; k < nrows; ++k) {
+        const M mean = static_cast<M>(rows[k] / static_cast<double>(cols));
+        r[k] = Elem<V>::Store(Rule::Average(c, Elem<V>::Load(r[k]), mean));
+      }
+      for (int64_t k = 0; k < mats * cols; ++k) {
+        const M mean = static_cast<M>(colsum[k] / static_cast<double>(m));
+        cc[k] = Elem<V>::Store(Rule::Average(c, Elem<V>::Load(cc[k]), mean));
+      }
+      double* r_mean = s->r_mean.data() + plan.mat_off[i];
+      for (int64_t b = 0; b < mats; ++b) {
+        double sum = 0.0;
+        for (int64_t k = b * m; k < (b + 1) * m; ++k) sum += static_cast<double>(Elem<V>::Load(r[k]));
+        r_mean[b] = static_cast<double>(static_cast<M>(sum / static_cast<double>(m)));
+      }
+    });
+  }
+
+  // v and u of element e of a tile's tensor, in M: v rounded to V as keras stores it.
+  auto for_each_u = [&](const FactoredTile& tile, auto vtag, auto&& fn) {
+    using V = decltype(vtag);
+    using M = typename Elem<V>::Math;
+    const int i = tile.tensor;
+    const ApplyTensor& t = ts[i];
+    const auto& c = ConstsFor<V>(rc);
+    const ClippedGrad<V> grad{t.grad, t.grad_dtype, factors[i]};
+    if (t.fac_cols > 0) {
+      const int64_t cols = t.fac_cols;
+      const V* r = static_cast<const V*>(t.slots[0]);
+      const V* cc = static_cast<const V*>(t.slots[1]) + tile.matrix * cols;
+      const M r_mean = static_cast<M>(s->r_mean[plan.mat_off[i] + tile.matrix]);
+      for (int64_t row = tile.r0; row < tile.r1; ++row) {
+        const M rr = Elem<V>::Load(r[row]);
+        for (int64_t k = 0; k < cols; ++k) {
+          const int64_t e = row * cols + k;
+          const M v = RoundTo<V>(Rule::FactoredV(rr, r_mean, Elem<V>::Load(cc[k])));
+          fn(e, v, Rule::Direction(grad(e), v));
+        }
+      }
+    } else {
+      const V* vs = static_cast<const V*>(t.slots[2]);
+      for (int64_t e = tile.r0; e < tile.r1; ++e) {
+        const M g = grad(e);
+        const M v = RoundTo<V>(Rule::Average(c, Elem<V>::Load(vs[e]), Rule::Square(c, g)));
+        fn(e, v, Rule::Direction(g, v));
+      }
+    }
+  };
+
+  // 2. rms(u): sums of u^2 (reads only).
+  exec.parallel_for(ntiles, cost, [&](int64_t xb, int64_t xe) {
+    for (int64_t x = xb; x < xe; ++x) {
+      const FactoredTile& tile = plan.tiles[x];
+      DispatchDType(ts[tile.tensor].var_dtype, [&](auto vtag) {
+        using M = typename Elem<decltype(vtag)>::Math;
+        double u2 = 0.0;
+        for_each_u(tile, vtag, [&](int64_t, M, M u) {
+          const double d = static_cast<double>(u);
+          u2 += d * d;
+        });
+        s->u_part[x] = u2;
+      });
+    }
+  });
+  for (int i = 0; i < n; ++i) {
+    double u2 = 0.0;
+    for (int64_t x = plan.tile_off[i]; x < plan.tile_off[i + 1]; ++x) u2 += s->u_part[x];
+    s->u_sum[i] = u2;
+  }
+
+  // 3. the update: var, and v where it is kept.
+  exec.parallel_for(ntiles, cost, [&](int64_t xb, int64_t xe) {
+    for (int64_t x = xb; x < xe; ++x) {
+      const FactoredTile& tile = plan.tiles[x];
+      const int i = tile.tensor;
+      const ApplyTensor& t = ts[i];
+      DispatchDType(t.var_dtype, [&](auto vtag) {
+        using V = decltype(vtag);
+        using M = typename Elem<V>::Math;
+        const auto c = WithTensor(ConstsFor<V>(rc), i);  // stochastic rounding's key (rounding.h)
+        const double size = static_cast<double>(t.size);
+        const M alpha = Rule::Alpha(c, static_cast<M>(std::sqrt(s->w_sum[i] / size)));
+        const M denom = Rule::Denominator(c, static_cast<M>(std::sqrt(s->u_sum[i] / size)));
+        V* var = static_cast<V*>(t.var);
+        V* vs = static_cast<V*>(t.slots[2]);
+        const bool write_v = t.fac_cols <= 0 || t.fac_full_v;
+        for_each_u(tile, vtag, [&](int64_t e, M v, M u) {
+          M w = DecayVar(c, Elem<V>::Load(var[e]));
+          Rule::Step(alpha, denom, u, w);
+          var[e] = StoreVar<V>(c.round, w, e);
+          if (write_v) vs[e] = Elem<V>::Store(v);
+        });
+      });
+    }
+  });
+}
+
+}  // namespace tfclip
