@@ -2,6 +2,18 @@
 import numpy as np
 
 
+def slot_shape(row, slot, shape):
+    """The shape of slot `slot` of a rule-table row (`_core.rule_table()[rule]`) for a variable of
+    `shape`: the variable's, but for a factored rule (Adafactor) keras's: r is shape[:-1], c
+    shape[:-2] + shape[-1:] (both scalars below rank 2)."""
+    shape = tuple(shape)
+    if not row.get("factored") or slot == "v":
+        return shape
+    if len(shape) < 2:
+        return ()
+    return shape[:-1] if slot == "r" else shape[:-2] + shape[-1:]
+
+
 def global_norm(grads):
     return float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads)))
 
@@ -166,6 +178,31 @@ def schedule_free_adamw(var, slots, g, hp, t, gsq=None, paper=False):
     x = (var - (1 - b1) * (z_old if paper else slots[0])) / b1
     x = (1 - 1 / t) * x + (1 / t) * slots[0]
     return (1 - b1) * slots[0] + b1 * x
+
+
+def adafactor(var, r, c, v, g, hp, t):
+    """One Adafactor step in float64 from its definitions (Shazeer & Stern 2018, Algorithms 4 and
+    5, with keras 3's choices: rho_t = min(lr, 1/sqrt(t)), beta2_t = 1 - t^beta_2_decay,
+    alpha_t = max(epsilon_2, rms(w)) rho_t, the update clipped to rms(u) <= clip_threshold,
+    factored over the last two axes for rank >= 2, v = (r / mean(r)) c). Decoupled weight decay
+    first (keras). Returns (var, r, c, v); r and c unchanged for rank < 2."""
+    lr = hp.get("lr", 0.01)
+    var = np.asarray(var, np.float64)
+    g = np.asarray(g, np.float64)
+    var = var - var * hp.get("weight_decay", 0.0) * lr
+    rho = min(lr, 1.0 / np.sqrt(t))
+    alpha = max(hp.get("epsilon_2", 1e-3), np.sqrt(np.mean(var ** 2))) * rho
+    b = 1.0 - t ** hp.get("beta_2_decay", -0.8)
+    q = g * g + hp.get("epsilon_1", 1e-30)
+    if var.ndim >= 2:
+        r = b * np.asarray(r, np.float64) + (1 - b) * q.mean(axis=-1)
+        c = b * np.asarray(c, np.float64) + (1 - b) * q.mean(axis=-2)
+        v = (r / r.mean(axis=-1, keepdims=True))[..., None] * c[..., None, :]
+    else:
+        v = b * np.asarray(v, np.float64) + (1 - b) * q
+    u = g / np.sqrt(v)
+    u = u / max(1.0, np.sqrt(np.mean(u ** 2)) / hp.get("clip_threshold", 1.0))
+    return var - alpha * u, r, c, v
 
 
 def num_slots(rule, hp):

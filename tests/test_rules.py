@@ -192,7 +192,7 @@ def test_every_hyperparameter_out_of_range_is_named_and_writes_nothing(rule, nam
     row = _core.rule_table()[rule]
     rng = np.random.default_rng(2)
     var = [rng.normal(size=(9,))]
-    slots = [[np.abs(rng.normal(size=(9,)))] for _ in row["slots"][:row["min_slots"]]]
+    slots = [[np.array(np.abs(rng.normal(size=reference.slot_shape(row, s, (9,)))))] for s in row["slots"][:row["min_slots"]]]
     before = [var[0].copy()] + [s[0].copy() for s in slots]
     hp = {n: (0.01 if n == "lr" else table[n]["default"]) for n in row["hparams"]}
     hp = {n: v for n, v in hp.items() if not np.isnan(v)}

@@ -172,7 +172,8 @@ def test_adam_matches_float64_reference(rng):
 HP_VALUES = {"lr": 0.01, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7,
              "weight_decay": 0.01, "rho": 0.9, "step": 3.0, "u_product": 0.7,
              "lr_power": -0.6, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.01, "beta": 0.1, "warmup_steps": 5.0,
-             "global_step": 3.0, "schedule_decay": 0.004}
+             "global_step": 3.0, "schedule_decay": 0.004, "beta_2_decay": -0.8, "epsilon_1": 1e-30,
+             "epsilon_2": 1e-3, "clip_threshold": 1.0}
 
 
 def _table_cases():
@@ -193,7 +194,7 @@ def test_every_rule_table_row_same_bits(rng, rule, flags):
     def make_state():
         # Slots start positive (Adagrad's and Ftrl's accumulators must be).
         return ([tf.Variable(v, dtype=tf.float32) for v in var0],
-                {s: [tf.Variable(np.full(np.shape(v), 0.1 + 0.01 * j), dtype=tf.float32)
+                {s: [tf.Variable(np.full(ref.slot_shape(row, s, np.shape(v)), 0.1 + 0.01 * j), dtype=tf.float32)
                      for j, v in enumerate(var0)] for s in row["slots"]},
                 tf.Variable(0, dtype=tf.int64))
 

@@ -33,6 +33,8 @@ class NormState:
             config["clip"] = clipping.serialize(self._tfclip_clip)
         if self.state_dtype is not None:
             config["state_dtype"] = self.state_dtype
+        if getattr(self, "factored_state", False):  # (Adafactor's)
+            config["factored_state"] = True
         if getattr(self, "stochastic_rounding", False):
             config["stochastic_rounding"] = True
             config["rounding_seed"] = self.rounding_seed

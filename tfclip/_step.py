@@ -86,9 +86,14 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
         grad_scale = _opcall.scalar(grad_scale, "grad_scale")
     given = use_norm is not None
     pass_norms = None
+    # A factored rule (Adafactor) takes dense gradients (its row and column means cover every
+    # element): IndexedSlices are densified for it, as keras's Adafactor densifies them, after a
+    # norm pass over their values (TF's global norm of IndexedSlices, duplicates apart).
+    densify = not all_dense and any(_opcall.RULES[g.kind]["factored"] for g in groups) and any(
+        isinstance(x, tf.IndexedSlices) for x in grads)
     if given:
         use_norm = _opcall.scalar(use_norm, "use_norm")
-    elif len(groups) > 1 or (clip_obj is not None and not agc):
+    elif len(groups) > 1 or (clip_obj is not None and not agc) or densify:
         # Every group's op takes the norms of one norm pass; so does an adaptive clip, whose
         # threshold comes from it (scalar ops on the device).
         values = grads if all_dense else _opcall.op_grads(grads)[0]
@@ -106,6 +111,8 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     outs = []
     for k, g in enumerate(groups):
         part = grads if len(groups) == 1 else [grads[i] for i in g.positions]
+        if densify and _opcall.RULES[g.kind]["factored"]:
+            part = [tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else x for x in part]
         values, sparse_kw = (part, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(part)
         outs.append(_opcall.apply(g.kind, g.var, g.slots, values, g.hparams, g.flags, refs=g.refs,
                                   iterations=list(g.iterations), absmax=g.absmax, clip=clip, use_norm=norm_input,
@@ -277,6 +284,12 @@ class Binding(collections.namedtuple("Binding", ["kinds", "slots", "hparams", "f
 
     def all_kinds(self):
         return (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+
+
+# Adafactor's binding, the same for keras 3 and tf_keras (their attributes share names).
+ADAFACTOR = Binding("adafactor", slots=(("r", "_r"), ("c", "_c"), ("v", "_v")),
+                    hparams=(("beta_2_decay", "beta_2_decay"), ("epsilon_1", "epsilon_1"),
+                             ("epsilon_2", "epsilon_2"), ("clip_threshold", "clip_threshold"), ("step", STEP)))
 
 
 def _holds(opt, row):

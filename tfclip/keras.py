@@ -252,10 +252,7 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
     `clip_threshold` is Adafactor's bound on rms(u); an adaptive `clip=`'s threshold is
     `adaptive_threshold`."""
 
-    _tfclip_binding = Binding("adafactor", slots=(("r", "_r"), ("c", "_c"), ("v", "_v")),
-                              hparams=(("beta_2_decay", "beta_2_decay"), ("epsilon_1", "epsilon_1"),
-                                       ("epsilon_2", "epsilon_2"), ("clip_threshold", "clip_threshold"),
-                                       ("step", STEP)))
+    _tfclip_binding = _step.ADAFACTOR
     _checked = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold")
     low_precision_state = False
     int8_state = False
@@ -276,12 +273,6 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
                     else str(ref.name).replace("/", "_").replace(":", "_"))  # (the stock name)
             return self.add_variable(shape=(), dtype=ref.dtype, name=f"{base}_velocity", initializer=initializer)
         return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
-
-    def get_config(self):
-        config = super().get_config()
-        if self.factored_state:
-            config["factored_state"] = True
-        return config
 
 
 # keras.optimizers.ScheduleFreeAdamW is recent (Keras 3.15 has it): with a Keras without it tfclip.keras has

@@ -7,7 +7,7 @@ For projects on the `tf-keras` package (Keras 2; `TF_USE_LEGACY_KERAS=1` makes
     optimizer = tf_keras.optimizers.Adam(1e-3, global_clipnorm=1.0)   # before
     optimizer = tfclip.tf_keras.Adam(1e-3, global_clipnorm=1.0)       # after
 
-`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion` and `Ftrl` subclass
+`SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion`, `Ftrl` and `Adafactor` subclass
 the stock `tf_keras.optimizers` classes and take the same constructor arguments (learning-rate
 schedules, `clipnorm`, `clipvalue`, `global_clipnorm`, `weight_decay`, `use_ema`, `jit_compile`,
 Adam's `adaptive_epsilon`, ...), create the same variables (`optimizer.variables` is the stock
@@ -47,13 +47,13 @@ tf_keras step there (which also clips after the all-reduce).
 """
 import tensorflow as tf
 
-from tfclip import _mixup, _opcall
+from tfclip import _mixup, _opcall, _step
 from tfclip._step import STEP, Binding
 from tfclip._tf_keras_legacy import _LEGACY_CLASSES, legacy
 from tfclip._tf_keras_step import _FusedMixin, _tf_keras
 
-__all__ = ["LossScaleOptimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "legacy",
-           "get"]
+__all__ = ["LossScaleOptimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
+           "Adafactor", "legacy", "get"]
 
 _stock = _tf_keras.optimizers
 
@@ -191,7 +191,30 @@ class Ftrl(_FusedMixin, _stock.Ftrl):
                 "l2_shrinkage_regularization_strength", "beta", "initial_accumulator_value")
 
 
-_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl)
+class Adafactor(_FusedMixin, _stock.Adafactor):
+    """tf_keras.optimizers.Adafactor as fused ops: Adafactor's own passes after the norm
+    (csrc/core/factored.h; tfclip.keras.Adafactor says more), the stock slots `_r`, `_c`, `_v`.
+    Extra: `factored_state=True` (a scalar placeholder for the `v` of each variable of rank >= 2,
+    which stock writes every step and never reads back). `clip_threshold` is Adafactor's bound
+    on rms(u); an adaptive `clip=`'s threshold is `adaptive_threshold`."""
+
+    _tfclip_binding = _step.ADAFACTOR
+    _checked = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold")
+    low_precision_state = False
+    int8_state = False
+    clip_threshold = 1.0  # (the stock attribute, over tfclip's property of that name)
+
+    def __init__(self, *args, factored_state=False, **kwargs):
+        object.__setattr__(self, "factored_state", bool(factored_state))
+        super().__init__(*args, **kwargs)
+
+    def add_variable_from_reference(self, model_variable, variable_name, shape=None, initial_value=None):
+        if variable_name == "v" and self.factored_state and len(model_variable.shape) >= 2:
+            shape = ()
+        return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
+
+
+_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Adafactor)
 
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 

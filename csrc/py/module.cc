@@ -48,6 +48,7 @@ py::dict RuleTable() {
       if ((r.unsigned_slots >> k) & 1u) unsigned_slots.append(names[k]);
     }
     d["unsigned_slots"] = unsigned_slots;
+    d["factored"] = RuleFactored(r.kind);  // slots of other shapes (csrc/core/factored.h)
     d["hparams"] = hps;
     d["flags"] = flags;
     rules[r.name] = d;
