@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding]
+                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding,adafactor]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -634,6 +634,54 @@ def rounding_table(args, rng):
     print("(x floor: against a copy moving 16 B/param, the bf16 step's bytes)")
 
 
+def adafactor_table(args, rng):
+    """Adafactor on the BERT-base set, float32, global_clipnorm=1.0, whole tf.function calls of
+    opt.apply (and jit_compile=True): tfclip.keras.Adafactor (stock layout: the full `velocity`
+    written every step), with factored_state=True (no full velocity), and stock
+    keras.optimizers.Adafactor; the optimizer's bytes per parameter for each. The floor is the
+    fused step's own bytes (csrc/core/factored.h): per parameter of a factored matrix 4 (norm)
+    + 8 (g, w: row/column sums, rms(w)) + 4 (g: rms(u)) + 12 (g, w read, w written) + 4 (the full
+    v written) = 32 B, 28 without the full v."""
+    shapes = SETS["bert_base"]()
+    variables = [tf.Variable(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+    grads = [tf.constant(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+    n = sum(int(np.prod(s)) for s in shapes)
+    print(f"\nbert_base ({n / 1e6:.1f}M params), float32: Adafactor, global clip 1.0, whole tf.function calls "
+          f"of opt.apply")
+    print(f"{'step':<52} {'ms/call':>8} {'x stock':>8} {'x floor':>8} {'state B/param':>14}")
+    opts = {
+        "tfclip.keras.Adafactor": (tfclip.keras.Adafactor(1e-9, global_clipnorm=1.0), 32, False),
+        "tfclip.keras.Adafactor(factored_state=True)": (
+            tfclip.keras.Adafactor(1e-9, global_clipnorm=1.0, factored_state=True), 28, False),
+        "keras.optimizers.Adafactor (stock)": (keras.optimizers.Adafactor(1e-9, global_clipnorm=1.0), None, False),
+    }
+    if args.jit:
+        opts.update({
+            "tfclip.keras.Adafactor, jit_compile": (tfclip.keras.Adafactor(1e-9, global_clipnorm=1.0), 32, True),
+            "keras.optimizers.Adafactor (stock), jit_compile": (
+                keras.optimizers.Adafactor(1e-9, global_clipnorm=1.0), None, True),
+        })
+    fns, state = {}, {}
+    for label, (opt, _, jit) in opts.items():
+        opt.build(variables)
+        state[label] = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in opt.variables
+                           if "iteration" not in v.name and "learning_rate" not in v.name) / n
+
+        def make(opt=opt, jit=jit):
+            @tf.function(jit_compile=jit)
+            def f():
+                opt.apply(grads, variables)
+            return f
+        fns[label] = make()
+    r = interleaved_medians({**fns, "floor32": floor_copy(n), "floor28": floor_copy(n * 28 // 32)}, args.repeats)
+    stock = r["keras.optimizers.Adafactor (stock)"]
+    for label, (_, floor, _) in opts.items():
+        fl = f"{r[label] / r[f'floor{floor}']:8.2f}" if floor else f"{'':>8}"
+        print(f"{label:<52} {r[label] * 1e3:8.2f} {r[label] / stock:8.2f} {fl} {state[label]:14.3f}", flush=True)
+    print("(x floor: against a copy moving the step's own bytes, 32 or 28 B/param; state: the optimizer's "
+          "variables but its counter and learning rate, bytes per model parameter)")
+
+
 def overhead_table(args, rng):
     """The fixed cost of one call with 200 variables of 4 elements (kernel time ~0).
 
@@ -754,9 +802,10 @@ def main(argv=None):
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
-    p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding",
-                   help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, loss_scale, rounding "
-                   "(or empty)")
+    p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding,"
+                   "adafactor", help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, loss_scale, "
+                   "rounding, adafactor (or empty)")
+    p.add_argument("--jit", action="store_true", help="adafactor: also jit_compile=True steps")
     args = p.parse_args(argv)
 
     isa = tfclip._core.cpu_isa()
@@ -782,6 +831,8 @@ def main(argv=None):
         loss_scale_table(args, rng)
     if "rounding" in extras:
         rounding_table(args, rng)
+    if "adafactor" in extras:
+        adafactor_table(args, rng)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ FAULTS=(
   "q8_code|TFCLIP_PLANT_Q8_CODE|test_int8_state_parity"
   "grad_scale|TFCLIP_PLANT_GRAD_SCALE|test_grad_scale_on_the_device"
   "round_tensor|TFCLIP_PLANT_ROUND_TENSOR|test_cuda_draws_the_cpu_bits"
+  "factored_row|TFCLIP_PLANT_FACTORED_ROW|adafactor"
+  "factored_barrier|TFCLIP_PLANT_FACTORED_BARRIER|adafactor"
 )
 # What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
 declare -A WHAT=(
@@ -49,6 +51,8 @@ declare -A WHAT=(
   [q8_code]="int8 state: every slot quantized with the signed code, the second moments too"
   [grad_scale]="the finalize's clip factors without grad_scale (the loss-scale unscale left out of the apply)"
   [round_tensor]="stochastic rounding: the dense apply draws every variable's bits as the first variable's (its position left out)"
+  [factored_row]="Adafactor: a row's sum of g^2 + epsilon_1 loses its last element"
+  [factored_barrier]="Adafactor: no __syncthreads() between storing r and each matrix's mean of it"
 )
 
 mkdir -p "$BUILD/planted"

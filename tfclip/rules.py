@@ -28,6 +28,8 @@ The rules match TF's own training ops and the Keras 3 optimizers:
 `Nadam`              keras.optimizers.Nadam (its momentum-cache product carried across steps)
 `Ftrl`               keras.optimizers.Ftrl / ResourceApplyFtrlV2
 `Lamb`               keras.optimizers.Lamb (a per-tensor trust ratio: three passes, not two)
+`Adafactor`          keras.optimizers.Adafactor (factored second moments: passes of its own;
+                     `factored_state=True` keeps no full `v` for a matrix)
 `ScheduleFreeAdamW`  keras.optimizers.ScheduleFreeAdamW (warmup_steps; slot `momentum` starts
                      as a copy of the variable)
 `ProximalGradient`   tf.compat.v1.train.ProximalGradientDescentOptimizer

@@ -57,11 +57,11 @@ std::vector<DevTensor> TensorsFromViews(const TensorView* in, const TensorView* 
 template <typename Fn>
 std::string WithStepMemory(const int64_t* sizes, int n, const SparsePlan* sparse, bool trust,
                            CudaStepMemory* mem, void* stream, Fn&& fn, const AgcPlan* agc = nullptr,
-                           bool q8 = false) {
+                           bool q8 = false, const FactoredPlan* fac = nullptr) {
   g_last_launches = 0;
   g_last_stream = stream;
   CudaPlan p;
-  PlanCudaStep(sizes, n, &p, sparse, trust, agc, q8);
+  PlanCudaStep(sizes, n, &p, sparse, trust, agc, q8, fac);
   g_last_blocks = p.plan.num_blocks();
   void* host = nullptr;
   void* dev = nullptr;
@@ -159,11 +159,11 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
   }
   r->error = ValidateState(args);
   if (!r->error.empty()) return "";
-  if (RuleFactored(args.rule)) {
-    r->error = std::string("rule '") + GetRuleInfo(args.rule).name +
-               "' runs on the CPU only for now: its factored passes (csrc/core/factored.h) have no "
-               "CUDA kernels yet; place the variables on the CPU";
-    return "";
+  const bool factored = RuleFactored(args.rule);
+  FactoredPlan fac_plan;
+  if (factored) {
+    r->error = PlanFactored(ts, n, &fac_plan);
+    if (!r->error.empty()) return "";
   }
   HParams hp;
   if (!on_device) {
@@ -206,6 +206,9 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       dt.bf16_slots = ts[i].slot_storage == SlotStorage::kBFloat16 ? 1 : 0;
       dt.q8_slots = ts[i].slot_storage == SlotStorage::kInt8 ? 1 : 0;
       for (int k = 0; k < kMaxSlots; ++k) dt.absmax[k] = ts[i].absmax[k];
+      dt.fac_rows = ts[i].fac_rows;
+      dt.fac_cols = ts[i].fac_cols;
+      dt.fac_full_v = ts[i].fac_full_v ? 1 : 0;
     }
     ChunkRanges(p, dts.data());
     DevAgc dagc{};
@@ -274,7 +277,31 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       dsp.ustart = reinterpret_cast<const int64_t*>(dc + l.off_ustart);
       dsp.nunits = static_cast<int64_t>(sparse.units.size());
     }
-    if (nblocks > 0) err = LaunchDenseApply(args.rule, nslots, t, nblocks, stream, &g_last_launches);
+    if (factored) {
+      const HostLayout l = Layout(p);
+      char* dc = static_cast<char*>(d);
+      DevFactored f{};
+      f.tiles = reinterpret_cast<const FactoredTile*>(dc + l.off_ftiles);
+      f.ntiles = static_cast<int64_t>(fac_plan.tiles.size());
+      f.tile_off = reinterpret_cast<const int64_t*>(dc + l.off_ftile_off);
+      f.row_off = reinterpret_cast<const int64_t*>(dc + l.off_frow_off);
+      f.part_off = reinterpret_cast<const int64_t*>(dc + l.off_fpart_off);
+      f.mat_off = reinterpret_cast<const int64_t*>(dc + l.off_fmat_off);
+      size_t o = p.off_fac;
+      auto take = [&](int64_t count) {
+        double* q = reinterpret_cast<double*>(dc + o);
+        o += Align256(sizeof(double) * static_cast<size_t>(count));
+        return q;
+      };
+      f.rows = take(fac_plan.row_off.back());
+      f.part = take(fac_plan.part_off.back());
+      f.r_mean = take(fac_plan.mat_off.back());
+      f.w_part = take(f.ntiles);
+      f.u_part = take(f.ntiles);
+      err = LaunchFactored(t, f, stream, &g_last_launches);
+    } else if (nblocks > 0) {
+      err = LaunchDenseApply(args.rule, nslots, t, nblocks, stream, &g_last_launches);
+    }
     if (err.empty() && has_sparse) err = LaunchSparseApply(args.rule, nslots, t, dsp, stream, &g_last_launches);
     if (err.empty() && trust && n > 0) err = LaunchTrust(args.rule, nslots, t, dsp, nblocks, stream, &g_last_launches);
     if (!err.empty()) return err;
@@ -286,7 +313,7 @@ std::string CudaClipApply(const StepArgs& args, const DeviceScalars& ds, CudaSte
       if (ce != cudaSuccess) return CudaError(ce, "reading the step's status");
     }
     return "";
-  }, agc ? &agc_plan : nullptr, q8);
+  }, agc ? &agc_plan : nullptr, q8, factored ? &fac_plan : nullptr);
   if (!e.empty()) return e;
   if (args.cfg.policy == NonFinitePolicy::kRaise) {
     r->global_norm = status.norm;

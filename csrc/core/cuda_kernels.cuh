@@ -8,6 +8,7 @@
 //   cuda_finalize.cu      the finalize kernel and the clip op's scale kernel
 //   cuda_apply.cu         the dense apply kernel and the trust-ratio kernels (Lamb)
 //   cuda_sparse_apply.cu  the IndexedSlices apply kernel
+//   cuda_factored.cu      a factored rule's passes (Adafactor; csrc/core/factored.h)
 //   cuda_workspace.cu     the workspace (cuda_workspace.h), and the copies _core makes
 // The apply kernels are most of the device code (one instantiation per rule and slot count), so
 // they have files of their own: the build compiles them side by side.
@@ -20,6 +21,7 @@
 
 #include "csrc/core/agc.h"
 #include "csrc/core/apply_elem.h"
+#include "csrc/core/factored.h"
 #include "csrc/core/quant8.h"
 #include "csrc/core/sparse.h"
 #include "csrc/core/validate.h"
@@ -84,6 +86,27 @@ struct DevTensor {
   const double* unit_scale;
   int64_t units;
   float* absmax[kMaxSlots];  // int8 state: each slot's absmax (quant8.h)
+  // A factored rule's (Adafactor; factored.h): the last two axes (0, 0 below rank 2), and
+  // whether the full v is kept.
+  int64_t fac_rows;
+  int64_t fac_cols;
+  int32_t fac_full_v;
+};
+
+// A factored rule's plan (csrc/core/factored.h; uploaded with the tensor table) and its device
+// scratch, as the CPU driver's FactoredScratch has them.
+struct DevFactored {
+  const FactoredTile* tiles;
+  int64_t ntiles;
+  const int64_t* tile_off;  // n + 1 each
+  const int64_t* row_off;
+  const int64_t* part_off;
+  const int64_t* mat_off;
+  double* rows;    // each row's sum of q
+  double* part;    // each tile's column partials
+  double* r_mean;  // each matrix's mean of r
+  double* w_part;  // each tile's sum of w^2
+  double* u_part;  // each tile's sum of u^2
 };
 
 // AGC's norm pass and scales (csrc/core/agc.h): the plan's tables (uploaded with the tensor
@@ -296,6 +319,8 @@ struct CudaPlan {
   const AgcPlan* agc = nullptr;  // an AGC step's plan (null otherwise)
   bool q8 = false;               // a step with int8 state: the codes go up with the table
   size_t off_agc = 0;            // its device buffers: part_g, part_w, unit_g, unit_w, unit_scale, vsq
+  const FactoredPlan* fac = nullptr;  // a factored rule's plan (null otherwise)
+  size_t off_fac = 0;                 // its device buffers: rows, part, r_mean, w_part, u_part
 };
 
 inline size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
@@ -305,14 +330,15 @@ inline size_t Align256(size_t x) { return (x + 255) & ~size_t{255}; }
 // (each 256-aligned).
 struct HostLayout {
   size_t off_hparams, off_tensors, off_chunks, off_blocks, off_many, off_units, off_order,
-      off_urows, off_ustart, off_tiles, off_uoff, off_poff, off_ablocks, off_spans, off_codes, bytes;
+      off_urows, off_ustart, off_tiles, off_uoff, off_poff, off_ablocks, off_spans, off_codes,
+      off_ftiles, off_ftile_off, off_frow_off, off_fpart_off, off_fmat_off, bytes;
 };
 HostLayout Layout(const CudaPlan& p);
 
 // The plan of a step over n tensors of sizes[i] gradient elements (the sparse plan, a
 // trust-ratio rule's buffers and AGC's plan when given; q8: the codes of int8 state).
 void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust,
-                  const AgcPlan* agc, bool q8 = false);
+                  const AgcPlan* agc, bool q8 = false, const FactoredPlan* fac = nullptr);
 // Fills the host table, uploads it, and returns the device-side view of the workspace. With
 // hyper-parameters (an apply step), the table's constants are `rule`'s from them.
 std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* hp, RuleKind rule,
@@ -356,6 +382,9 @@ std::string LaunchDenseApply(RuleKind rule, int nslots, const Table& t, unsigned
 // one block per sparse unit).
 std::string LaunchTrust(RuleKind rule, int nslots, const Table& t, const DevSparse& sp,
                         unsigned nblocks, cudaStream_t stream, int* launches);
+// cuda_factored.cu: a factored rule's passes after the finalize (csrc/core/factored.h): stats,
+// r and c, rms(u), the update. Four launches whatever the tensor count.
+std::string LaunchFactored(const Table& t, const DevFactored& f, cudaStream_t stream, int* launches);
 // cuda_sparse_apply.cu: one block per unit of the sparse plan.
 std::string LaunchSparseApply(RuleKind rule, int nslots, const Table& t, const DevSparse& sp,
                               cudaStream_t stream, int* launches);

@@ -58,12 +58,22 @@ HostLayout Layout(const CudaPlan& p) {
   }
   l.off_codes = l.bytes;
   if (p.q8) l.bytes += Align256(sizeof(float) * 2 * kQuantCodeSize);
+  l.off_ftiles = l.off_ftile_off = l.off_frow_off = l.off_fpart_off = l.off_fmat_off = l.bytes;
+  if (p.fac != nullptr) {
+    const FactoredPlan& f = *p.fac;
+    l.off_ftile_off = l.off_ftiles + Bytes(f.tiles);
+    l.off_frow_off = l.off_ftile_off + Bytes(f.tile_off);
+    l.off_fpart_off = l.off_frow_off + Bytes(f.row_off);
+    l.off_fmat_off = l.off_fpart_off + Bytes(f.part_off);
+    l.bytes = l.off_fmat_off + Bytes(f.mat_off);
+  }
   return l;
 }
 
 void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sparse, bool trust,
-                  const AgcPlan* agc, bool q8) {
+                  const AgcPlan* agc, bool q8, const FactoredPlan* fac) {
   p->n = n;
+  p->fac = fac;
   p->q8 = q8;
   p->sparse = sparse;
   p->trust = trust;
@@ -91,6 +101,13 @@ void PlanCudaStep(const int64_t* sizes, int n, CudaPlan* p, const SparsePlan* sp
     const size_t np = static_cast<size_t>(agc->num_partials()), nu = static_cast<size_t>(agc->num_units());
     p->device_bytes += 2 * Align256(sizeof(double) * np) + 3 * Align256(sizeof(double) * nu) +
                        Align256(sizeof(double) * static_cast<size_t>(n));
+  }
+  p->off_fac = p->device_bytes;
+  if (fac != nullptr) {
+    p->device_bytes += Align256(sizeof(double) * static_cast<size_t>(fac->row_off.back())) +
+                       Align256(sizeof(double) * static_cast<size_t>(fac->part_off.back())) +
+                       Align256(sizeof(double) * static_cast<size_t>(fac->mat_off.back())) +
+                       2 * Align256(sizeof(double) * fac->tiles.size());
   }
 }
 
@@ -134,6 +151,14 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
     if (p.sparse != nullptr && !p.sparse->spans.empty()) {
       std::memcpy(h + l.off_spans, p.sparse->spans.data(), sizeof(SparseSpan) * p.sparse->spans.size());
     }
+  }
+  if (p.fac != nullptr) {
+    const FactoredPlan& f = *p.fac;
+    if (!f.tiles.empty()) std::memcpy(h + l.off_ftiles, f.tiles.data(), sizeof(FactoredTile) * f.tiles.size());
+    std::memcpy(h + l.off_ftile_off, f.tile_off.data(), sizeof(int64_t) * f.tile_off.size());
+    std::memcpy(h + l.off_frow_off, f.row_off.data(), sizeof(int64_t) * f.row_off.size());
+    std::memcpy(h + l.off_fpart_off, f.part_off.data(), sizeof(int64_t) * f.part_off.size());
+    std::memcpy(h + l.off_fmat_off, f.mat_off.data(), sizeof(int64_t) * f.mat_off.size());
   }
   if (p.q8) {
     std::memcpy(h + l.off_codes, DynamicCode(true), sizeof(float) * kQuantCodeSize);

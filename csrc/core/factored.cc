@@ -19,21 +19,6 @@ std::string ShapeText(const std::vector<int64_t>& s) {
   return os.str();
 }
 
-// Element k of a tensor's gradient, clipped (any clip mode; AGC: its unit's scale) and in V's
-// math type, as the apply passes read it.
-template <typename V>
-struct ClippedGrad {
-  const void* g;
-  DType gt;
-  ClipFactor f;
-  typename Elem<V>::Math operator()(int64_t k) const {
-    if (f.unit_scale == nullptr) return CastClipGradAt<V>(g, gt, k, f);
-    ClipFactor u = f;
-    u.scale = f.unit_scale[k % f.units];
-    return CastClipGradAt<V>(g, gt, k, u);
-  }
-};
-
 using Rule = AdafactorRule;
 
 }  // namespace
@@ -111,6 +96,7 @@ std::string PlanFactored(const ApplyTensor* ts, int n, FactoredPlan* plan) {
       mats = rows / m;
       int64_t per = kFactoredTileElems / cols;
       if (per < kFactoredMinRows) per = kFactoredMinRows;
+      if (per > kFactoredMaxRows) per = kFactoredMaxRows;
       for (int64_t b = 0; b < mats; ++b) {
         for (int64_t r0 = b * m; r0 < (b + 1) * m; r0 += per) {
           const int64_t r1 = r0 + per < (b + 1) * m ? r0 + per : (b + 1) * m;
@@ -133,6 +119,40 @@ std::string PlanFactored(const ApplyTensor* ts, int n, FactoredPlan* plan) {
   return "";
 }
 
+namespace {
+
+// fn(V{}, reader) with the tensor's gradient reader: the typed one of its dtype pair (clip
+// factors read once), or ClippedGrad for AGC's per-unit scales. Both read the same values.
+template <typename Fn>
+void WithReader(const ApplyTensor& t, const ClipFactor& f, Fn&& fn) {
+  if (f.unit_scale != nullptr) {
+    DispatchDType(t.var_dtype, [&](auto vtag) {
+      using V = decltype(vtag);
+      fn(vtag, ClippedGrad<V>{t.grad, t.grad_dtype, f});
+    });
+    return;
+  }
+  DispatchPair(t.var_dtype, t.grad_dtype, [&](auto vtag, auto gtag) {
+    using V = decltype(vtag);
+    fn(vtag, GradReader<V, decltype(gtag)>(t.grad, t.grad_dtype, f));
+  });
+}
+
+// A tile's rows: fn(e0, n, row) for each, in order (factored: the matrix's rows; else rows of
+// kFactoredRowElems).
+template <typename Fn>
+void ForEachRow(const ApplyTensor& t, const FactoredTile& tile, Fn&& fn) {
+  if (t.fac_cols > 0) {
+    for (int64_t r = tile.r0; r < tile.r1; ++r) fn(r * t.fac_cols, t.fac_cols, r);
+  } else {
+    for (int64_t e0 = tile.r0; e0 < tile.r1; e0 += kFactoredRowElems) {
+      fn(e0, e0 + kFactoredRowElems < tile.r1 ? kFactoredRowElems : tile.r1 - e0, int64_t{-1});
+    }
+  }
+}
+
+}  // namespace
+
 void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const ClipFactor* factors,
                       FactoredScratch* s, const CpuExecutor& exec) {
   const FactoredPlan& plan = s->plan;
@@ -154,37 +174,27 @@ void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const Cli
       const FactoredTile& tile = plan.tiles[x];
       const int i = tile.tensor;
       const ApplyTensor& t = ts[i];
-      DispatchDType(t.var_dtype, [&](auto vtag) {
+      WithReader(t, factors[i], [&](auto vtag, const auto& grad) {
         using V = decltype(vtag);
-        using M = typename Elem<V>::Math;
         const auto& c = ConstsFor<V>(rc);
         const V* var = static_cast<const V*>(t.var);
-        const ClippedGrad<V> grad{t.grad, t.grad_dtype, factors[i]};
-        double w2 = 0.0;
+        double w2 = 0.0, q;
         if (t.fac_cols > 0) {
-          const int64_t cols = t.fac_cols;
-          double* part = s->part.data() + plan.part_off[i] + tile.part * cols;
+          double* part = s->part.data() + plan.part_off[i] + tile.part * t.fac_cols;
           double* rows = s->rows.data() + plan.row_off[i];
-          for (int64_t r = tile.r0; r < tile.r1; ++r) {
-            double row = 0.0;
-            for (int64_t k = 0; k < cols; ++k) {
-              const int64_t e = r * cols + k;
-              const double q = static_cast<double>(Rule::Square(c, grad(e)));
-              row += q;
-              part[k] += q;
-              const double w = static_cast<double>(DecayVar(c, Elem<V>::Load(var[e])));
-              w2 += w * w;
-            }
-            rows[r] = row;
-          }
+          ForEachRow(t, tile, [&](int64_t e0, int64_t len, int64_t r) {
+            double w;
+            FactoredStatsRow<true, V>(c, grad, var, e0, len, part, &rows[r], &w);
+            w2 += w;
+          });
         } else {
-          for (int64_t e = tile.r0; e < tile.r1; ++e) {
-            const double w = static_cast<double>(DecayVar(c, Elem<V>::Load(var[e])));
-            w2 += w * w;
-          }
+          ForEachRow(t, tile, [&](int64_t e0, int64_t len, int64_t) {
+            double w;
+            FactoredStatsRow<false, V>(c, grad, var, e0, len, nullptr, &q, &w);
+            w2 += w;
+          });
         }
         s->w_part[x] = w2;
-        (void)sizeof(M);
       });
     }
   });
@@ -230,47 +240,34 @@ void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const Cli
     });
   }
 
-  // v and u of element e of a tile's tensor, in M: v rounded to V as keras stores it.
-  auto for_each_u = [&](const FactoredTile& tile, auto vtag, auto&& fn) {
+  // A row's scale r / mean(r) (factored), in M.
+  auto row_scale = [&](const ApplyTensor& t, int i, int64_t r, auto vtag) {
     using V = decltype(vtag);
     using M = typename Elem<V>::Math;
-    const int i = tile.tensor;
-    const ApplyTensor& t = ts[i];
-    const auto& c = ConstsFor<V>(rc);
-    const ClippedGrad<V> grad{t.grad, t.grad_dtype, factors[i]};
-    if (t.fac_cols > 0) {
-      const int64_t cols = t.fac_cols;
-      const V* r = static_cast<const V*>(t.slots[0]);
-      const V* cc = static_cast<const V*>(t.slots[1]) + tile.matrix * cols;
-      const M r_mean = static_cast<M>(s->r_mean[plan.mat_off[i] + tile.matrix]);
-      for (int64_t row = tile.r0; row < tile.r1; ++row) {
-        const M rr = Elem<V>::Load(r[row]);
-        for (int64_t k = 0; k < cols; ++k) {
-          const int64_t e = row * cols + k;
-          const M v = RoundTo<V>(Rule::FactoredV(rr, r_mean, Elem<V>::Load(cc[k])));
-          fn(e, v, Rule::Direction(grad(e), v));
-        }
-      }
-    } else {
-      const V* vs = static_cast<const V*>(t.slots[2]);
-      for (int64_t e = tile.r0; e < tile.r1; ++e) {
-        const M g = grad(e);
-        const M v = RoundTo<V>(Rule::Average(c, Elem<V>::Load(vs[e]), Rule::Square(c, g)));
-        fn(e, v, Rule::Direction(g, v));
-      }
-    }
+    if (r < 0) return M(0);
+    const M rm = static_cast<M>(s->r_mean[plan.mat_off[i] + r / t.fac_rows]);
+    return Rule::RowScale(Elem<V>::Load(static_cast<const V*>(t.slots[0])[r]), rm);
+  };
+  // What a row reads beside its gradient: its matrix's c row (factored), or v at the row.
+  auto row_cv = [&](const ApplyTensor& t, int64_t e0, int64_t r, auto vtag) {
+    using V = decltype(vtag);
+    if (r < 0) return static_cast<const V*>(t.slots[2]) + e0;
+    return static_cast<const V*>(t.slots[1]) + (r / t.fac_rows) * t.fac_cols;
   };
 
   // 2. rms(u): sums of u^2 (reads only).
   exec.parallel_for(ntiles, cost, [&](int64_t xb, int64_t xe) {
     for (int64_t x = xb; x < xe; ++x) {
       const FactoredTile& tile = plan.tiles[x];
-      DispatchDType(ts[tile.tensor].var_dtype, [&](auto vtag) {
-        using M = typename Elem<decltype(vtag)>::Math;
+      const int i = tile.tensor;
+      const ApplyTensor& t = ts[i];
+      WithReader(t, factors[i], [&](auto vtag, const auto& grad) {
+        using V = decltype(vtag);
+        const auto& c = ConstsFor<V>(rc);
         double u2 = 0.0;
-        for_each_u(tile, vtag, [&](int64_t, M, M u) {
-          const double d = static_cast<double>(u);
-          u2 += d * d;
+        ForEachRow(t, tile, [&](int64_t e0, int64_t len, int64_t r) {
+          u2 += r >= 0 ? FactoredURow<true, V>(c, grad, e0, len, row_scale(t, i, r, vtag), row_cv(t, e0, r, vtag))
+                       : FactoredURow<false, V>(c, grad, e0, len, row_scale(t, i, r, vtag), row_cv(t, e0, r, vtag));
         });
         s->u_part[x] = u2;
       });
@@ -288,7 +285,7 @@ void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const Cli
       const FactoredTile& tile = plan.tiles[x];
       const int i = tile.tensor;
       const ApplyTensor& t = ts[i];
-      DispatchDType(t.var_dtype, [&](auto vtag) {
+      WithReader(t, factors[i], [&](auto vtag, const auto& grad) {
         using V = decltype(vtag);
         using M = typename Elem<V>::Math;
         const auto c = WithTensor(ConstsFor<V>(rc), i);  // stochastic rounding's key (rounding.h)
@@ -297,12 +294,19 @@ void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const Cli
         const M denom = Rule::Denominator(c, static_cast<M>(std::sqrt(s->u_sum[i] / size)));
         V* var = static_cast<V*>(t.var);
         V* vs = static_cast<V*>(t.slots[2]);
-        const bool write_v = t.fac_cols <= 0 || t.fac_full_v;
-        for_each_u(tile, vtag, [&](int64_t e, M v, M u) {
-          M w = DecayVar(c, Elem<V>::Load(var[e]));
-          Rule::Step(alpha, denom, u, w);
-          var[e] = StoreVar<V>(c.round, w, e);
-          if (write_v) vs[e] = Elem<V>::Store(v);
+        ForEachRow(t, tile, [&](int64_t e0, int64_t len, int64_t r) {
+          const M scale = row_scale(t, i, r, vtag);
+          const V* cv = row_cv(t, e0, r, vtag);
+          if (r >= 0) {
+            V* v_out = t.fac_full_v ? vs + e0 : nullptr;
+            for (int64_t k = 0; k < len; ++k) {
+              FactoredUpdateElem<true, V>(c, grad, var, e0, k, scale, cv, v_out, alpha, denom);
+            }
+          } else {
+            for (int64_t k = 0; k < len; ++k) {
+              FactoredUpdateElem<false, V>(c, grad, var, e0, k, scale, cv, vs + e0, alpha, denom);
+            }
+          }
         });
       });
     }

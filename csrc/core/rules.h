@@ -630,7 +630,8 @@ struct AdafactorRule : RuleBase {
     const M t = static_cast<M>(hp.step);
     const M inv_sqrt_t = M(1) / std::sqrt(t);
     c.rho = c.lr < inv_sqrt_t ? c.lr : inv_sqrt_t;
-    c.beta_2_t = M(1) - std::pow(t, static_cast<M>(hp.beta_2_decay));
+    // t^beta_2_decay in double, rounded once: CUDA's powf and glibc's differ by ulps (FtrlRule).
+    c.beta_2_t = M(1) - static_cast<M>(std::pow(static_cast<double>(t), static_cast<double>(static_cast<M>(hp.beta_2_decay))));
     c.one_minus_beta_2_t = M(1) - c.beta_2_t;
     c.epsilon_1 = static_cast<M>(hp.epsilon_1);
     c.epsilon_2 = static_cast<M>(hp.epsilon_2);
@@ -646,9 +647,12 @@ struct AdafactorRule : RuleBase {
   static TFCLIP_HD M Average(const Consts<M>& c, M old, M mean_q) {
     return c.beta_2_t * old + c.one_minus_beta_2_t * mean_q;
   }
-  // A factored variable's v from its row's r, the mean of its matrix's r, and its column's c.
+  // A factored variable's v: its row's scale r / mean(r) (the mean over its matrix's rows),
+  // times its column's c.
   template <typename M>
-  static TFCLIP_HD M FactoredV(M r, M r_mean, M col) { return (r / r_mean) * col; }
+  static TFCLIP_HD M RowScale(M r, M r_mean) { return r / r_mean; }
+  template <typename M>
+  static TFCLIP_HD M FactoredV(M row_scale, M col) { return row_scale * col; }
   template <typename M>
   static TFCLIP_HD M Direction(M g, M v) { return g / std::sqrt(v); }
   // alpha and the update clip's denominator, from the tensor's rms(w) and rms(u).

@@ -48,7 +48,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def _wire(a):
     """bfloat16 travels as a uint16 view: no array library exports a bfloat16 typestr."""
-    a = np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a).reshape(np.shape(a))  # (ascontiguousarray makes a 0-d array 1-d)
     return a.view(np.uint16) if a.dtype == BF16 else a
 
 
