@@ -120,7 +120,7 @@ def test_fused_clip_apply_in_a_replica_context_honours_the_aggregation(replica_a
     assert int(r[f"iterations_{aggregation}"]) == 2
 
 
-@pytest.mark.parametrize("rule", ["Adam", "Nadam", "Lamb"])
+@pytest.mark.parametrize("rule", ["Adam", "Nadam", "Lamb", "Adafactor"])
 def test_fused_clip_apply_in_a_replica_context_is_one_device_on_the_summed_gradient(replica_apply, rule):
     """Keras weights (aggregation NONE), a different gradient per replica, global_clipnorm=1:
     clipped after the sum, three steps, equal to one device given the summed gradient."""

@@ -8,6 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 
+import reference
 from gpu_arrays import BF16, EMULATED, core, to_dev, to_host
 
 pytestmark = pytest.mark.emulation_only
@@ -66,8 +67,8 @@ def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_d
     cnt_out = to_dev(np.asarray(-1, np.int64).reshape(()))
     clipped = to_dev(np.full((n,), -7, np.int64))  # poisoned: every count must be written
     state = [(d, var_dt, s) for d, s in zip(vars_d, shapes)]
-    for sl in slots_d:
-        state += [(d, np.uint8 if absmax_d else var_dt, s) for d, s in zip(sl, shapes)]
+    for sl in slots_d:  # (each slot's own shape: Adafactor's r and c are not their variable's)
+        state += [(d, np.uint8 if absmax_d else var_dt, tuple(d.shape)) for d in sl]
     for sl in absmax_d or []:  # int8 state: the codes' absmax lists follow them (custom_calls.h)
         state += [(d, np.float32, (-(-int(np.prod(s)) // 256),)) for d, s in zip(sl, shapes)]
     args = state + [(d, grad_dt, s) for d, s in zip(grads_d, shapes)] + \
@@ -93,8 +94,8 @@ def _problem(rng, rule, shapes, var_dt, grad_dt):
     nslots = row["min_slots"]
     vars_ = [np.asarray(rng.normal(size=s)).astype(var_dt) for s in shapes]
     grads = [np.asarray(rng.normal(size=s)).astype(grad_dt) for s in shapes]
-    slots = [[np.asarray(np.abs(rng.normal(size=s)) + 0.1).astype(var_dt) for s in shapes]
-             for _ in range(nslots)]
+    slots = [[np.asarray(np.abs(rng.normal(size=reference.slot_shape(row, name, s))) + 0.1).astype(var_dt)
+              for s in shapes] for name in row["slots"][:nslots]]
     table = core.hparam_table()
     names = row["hparams"]
     values = []

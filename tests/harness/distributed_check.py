@@ -161,7 +161,7 @@ def _replica_apply(strategy):
     shapes = [(4, 3), (3,), ()]
     init = [rng.normal(size=s).astype("float32") for s in shapes]
     bases = [tf.constant(rng.normal(size=s).astype("float32")) for s in shapes]
-    for rule_name in ("Adam", "Nadam", "Lamb"):
+    for rule_name in ("Adam", "Nadam", "Lamb", "Adafactor"):
         with strategy.scope():
             ws = [keras.Variable(x) for x in init]
             rule = getattr(tfclip.rules, rule_name)(0.05)
