@@ -95,7 +95,8 @@ def test_core_half_conversion_matches_numpy(rng):
 def test_every_cpu_variant_gives_the_same_bits():
     """The CPU passes are compiled per instruction set and picked at run time; every variant
     this CPU runs gives the same bits for the norm, the clip, each rule's apply and AGC (so the
-    emulated CUDA suite, built with the baseline alone, checks the kernels against all of them)."""
+    emulated CUDA suite, built with the baseline alone, checks the kernels against all of them),
+    Adafactor's factored passes too."""
     isas = _core.cpu_isas()
     assert isas[-1] == "baseline" and _core.cpu_isa() in isas
     rng = np.random.default_rng(3)
@@ -131,6 +132,18 @@ def test_every_cpu_variant_gives_the_same_bits():
                     out.append(_core.clip_apply(rule, vs, gs, sl, hp, "agc", 0.05, tensor_norms_out=tn,
                                                 agc_clipped_out=cu))
                     out += [tn.tobytes(), cu.tobytes()] + [a.tobytes() for a in vs + [x for s in sl for x in s]]
+            # Adafactor's factored passes (csrc/core/cpu_factored.inc): matrices of several tiles,
+            # a batch of matrices, unfactored vectors; its r and c slots of their own shapes.
+            for gdt in (np.float32, np.float16):
+                r = np.random.default_rng(6)
+                fac_shapes = [(3, 5), (), (257,), (2000, 40), (40, 3000), (2, 30, 70)]
+                vs = [np.asarray(r.normal(size=s), np.float32) for s in fac_shapes]
+                gs = [np.asarray(r.normal(size=s), gdt) for s in fac_shapes]
+                sl = [[np.zeros(s[:-1] if len(s) > 1 else (), np.float32) for s in fac_shapes],
+                      [np.zeros(s[:-2] + s[-1:] if len(s) > 1 else (), np.float32) for s in fac_shapes],
+                      [np.zeros(s, np.float32) for s in fac_shapes]]
+                out.append(_core.clip_apply("adafactor", vs, gs, sl, {"lr": 0.1, "step": 2}, "global_norm", 0.5))
+                out += [a.tobytes() for a in vs + [x for s in sl for x in s]]
             clipped, norm = _core.clip_by_global_norm([np.asarray(r.normal(size=s), np.float64) for s in shapes], 0.3)
             out += [norm] + [c.tobytes() for c in clipped]
             results[isa] = out

@@ -28,6 +28,9 @@ struct CpuKernels {
                        const CpuExecutor& exec);
   void (*trust)(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const ChunkPlan& plan,
                 const SparsePlan& sp, const double* sums, const CpuExecutor& exec);
+  // A factored rule's pass 1, 2 or 3 (stats, rms(u), update) over its tiles (factored.h).
+  void (*factored)(int pass, const HParams& hp, const ApplyTensor* ts, const ClipFactor* factors,
+                   FactoredScratch* s, const CpuExecutor& exec);
   // AGC's norm pass (agc.h): the tiles' partials and the sparse gradients' unit sums.
   void (*agc_sums)(const ApplyTensor* ts, const AgcPlan& plan, const SparsePlan& sp,
                    double* part_g, double* part_w, double* unit_g, double* sparse_values_sumsq,
