@@ -6,7 +6,7 @@ Change one line::
     optimizer = tfclip.keras.Adam(1e-3, global_clipnorm=1.0)        # after
 
 `SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion`, `Ftrl`,
-`Lamb` and `ScheduleFreeAdamW` (with a Keras that has it) subclass the stock Keras classes and
+`Lamb`, `Adafactor` and `ScheduleFreeAdamW` (with a Keras that has it) subclass the stock Keras classes and
 take the same constructor arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
 `weight_decay`, `use_ema`, `loss_scale_factor`, `gradient_accumulation_steps`, ...), create the
 same slot variables, and follow the same trajectories step by step. `optimizer.variables` is the
