@@ -25,6 +25,19 @@ __device__ ClipFactor FactorOf(const Table& t, int i) {
   return f;
 }
 
+// Once every thread has written its rows' sums (row_sums, shared): the tile's total, over its
+// rows in order, by one thread (factored.h's order).
+// (Rows: the __shared__ array, whose type the emulation checks every access through.)
+template <typename Rows>
+__device__ void TileTotal(Rows& row_sums, int64_t nrows, double* out) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int64_t j = 0; j < nrows; ++j) total += row_sums[j];
+    *out = total;
+  }
+}
+
 // 1. stats: each row's sums of q and w^2 (one thread a row: FactoredStatsRow, as the CPU), each
 // column's partial over the tile's rows (one thread a column), the tile's sum of w^2 over its
 // rows in order.
@@ -74,12 +87,7 @@ __global__ void FactoredStatsKernel(Table t, DevFactored f) {
       }
     }
   });
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double w2 = 0.0;
-    for (int64_t j = 0; j < nrows; ++j) w2 += row_w[j];
-    f.w_part[blockIdx.x] = w2;
-  }
+  TileTotal(row_w, nrows, &f.w_part[blockIdx.x]);
 }
 
 // 2. per factored tensor (a block each): column sums over its tiles in order, r and c updated
@@ -179,12 +187,7 @@ __global__ void FactoredRmsKernel(Table t, DevFactored f) {
                               : FactoredURow<false, V>(c, grad, row.e0, row.n, row.scale, row.cv);
     }
   });
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double u2 = 0.0;
-    for (int64_t j = 0; j < nrows; ++j) u2 += row_u[j];
-    f.u_part[blockIdx.x] = u2;
-  }
+  TileTotal(row_u, nrows, &f.u_part[blockIdx.x]);
 }
 
 // 4. the update: the tensor's sums of w^2 and u^2 (its tiles in order, by one thread), alpha
