@@ -19,8 +19,8 @@ from tfclip import _core
 
 ROW = _core.rule_table()["adafactor"]
 HP = {"lr": 0.05, "beta_2_decay": -0.8, "epsilon_1": 1e-30, "epsilon_2": 1e-3, "clip_threshold": 1.0}
-# (2, 70, 300): several matrices; (70000, 2): one matrix in three tiles (column partials added
-# over tiles); (3, 1000, 130): two tiles a matrix.
+# (2, 70, 300): several matrices; (70000, 2): one matrix in 69 tiles of 1024 rows (column
+# partials added over tiles); (3, 1000, 130): two tiles a matrix.
 SHAPES = [(7, 5), (3, 4, 6), (9,), (), (70000, 2), (3, 1000, 130), (2, 70, 300)]
 
 
@@ -308,7 +308,8 @@ def _model(seed):
 @needs_keras
 @pytest.mark.parametrize("jit", [False, True])
 def test_keras_model_fit_with_an_embedding_follows_stock(jit):
-    """model.fit; the Embedding's gradient is IndexedSlices (densified for Adafactor, as stock)."""
+    """model.fit; the Embedding's gradient is IndexedSlices, which global_clipnorm's scale densifies
+    in stock Keras too (without it, test_keras_indexed_slices_with_repeated_rows_follow_stock)."""
     rng = np.random.default_rng(3)
     x = rng.integers(0, 20, size=(64, 4)).astype(np.int32)
     y = rng.standard_normal((64, 1)).astype(np.float32)
@@ -320,6 +321,53 @@ def test_keras_model_fit_with_an_embedding_follows_stock(jit):
         out.append((h.history["loss"], m.get_weights()))
     np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5)
     _assert_trajectories_close(out[0][1], out[1][1], 1e-4, 1e-5)
+
+
+def _sparse_grads(rng, table_shape=(10, 6)):
+    """An embedding's IndexedSlices gradient with repeated rows, and dense ones for the others."""
+    values = tf.constant(rng.standard_normal((7,) + table_shape[1:]).astype(np.float32))
+    emb = tf.IndexedSlices(values, tf.constant([1, 4, 4, 0, 4, 9, 1]), tf.constant(table_shape))
+    return [emb] + [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in SHAPES_K]
+
+
+@needs_keras
+@pytest.mark.parametrize("kw", [{}, {"clipnorm": 0.5}, {"global_clipnorm": 1.0}], ids=lambda kw: "-".join(kw) or "plain")
+def test_keras_indexed_slices_with_repeated_rows_follow_stock(kw):
+    """Stock Keras 3 squares each slice apart (r, c and rms(u) take the sum of a repeated row's
+    squares) and scatters each slice's update; without global_clipnorm tfclip runs the stock
+    step for such a gradient, so the bits are stock's; with it, both take the dense gradient."""
+    rng = np.random.default_rng(8)
+    init = [rng.standard_normal(s).astype(np.float32) for s in [(10, 6)] + SHAPES_K]
+    steps = [_sparse_grads(rng) for _ in range(3)]
+    out = []
+    for cls in (keras.optimizers.Adafactor, tk.Adafactor):
+        vs = [tf.Variable(x) for x in init]
+        opt = cls(learning_rate=0.05, **kw)
+        for g in steps:
+            opt.apply(g, vs)
+        out.append([v.numpy() for v in vs])
+    _assert_trajectories_close(out[0], out[1], 1e-6, 1e-7)
+    if not kw:  # the same ops: the same bits
+        for a, b in zip(out[0], out[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+@needs_keras
+def test_keras_factored_state_takes_indexed_slices_as_the_dense_gradient():
+    rng = np.random.default_rng(9)
+    init = [rng.standard_normal(s).astype(np.float32) for s in [(10, 6)] + SHAPES_K]
+    steps = [_sparse_grads(rng) for _ in range(3)]
+    out = []
+    for dense in (False, True):
+        vs = [tf.Variable(x) for x in init]
+        opt = tk.Adafactor(learning_rate=0.05, factored_state=True)
+        for g in steps:
+            opt.apply([tf.convert_to_tensor(x) for x in g] if dense else g, vs)
+        out.append([v.numpy() for v in vs])
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="factored_state=True needs tfclip's fused op"):
+        tk.Adafactor(factored_state=True)._stock_update_step([], [], [], 0.1, cannot="a test")
 
 
 @needs_keras
@@ -414,3 +462,21 @@ def test_tf_keras_factored_state_and_checkpoints(tmp_path):
     tf.train.Checkpoint(opt=back).read(path).assert_consumed()
     for a, b in zip(so.variables, back.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@needs_tf_keras
+@pytest.mark.parametrize("kw", [{}, {"clipnorm": 0.5}], ids=["plain", "clipnorm"])
+def test_tf_keras_indexed_slices_with_repeated_rows_follow_stock(kw):
+    """tf_keras sums a repeated row's slices first (convert_to_tensor), as tfclip's dense
+    passes take it; its clipnorm is of the slices (tf.clip_by_norm), as tfclip clips it first."""
+    rng = np.random.default_rng(10)
+    init = [rng.standard_normal(s).astype(np.float32) for s in [(10, 6)] + SHAPES_K]
+    steps = [_sparse_grads(rng) for _ in range(3)]
+    out = []
+    for cls in (tf_keras.optimizers.Adafactor, tfk.Adafactor):
+        vs = [tf.Variable(x) for x in init]
+        opt = cls(learning_rate=0.05, **kw)
+        for g in steps:
+            opt.apply_gradients(zip(g, vs))
+        out.append([v.numpy() for v in vs])
+    _assert_trajectories_close(out[0], out[1])

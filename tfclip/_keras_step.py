@@ -50,7 +50,9 @@ def _xla_fallback_reason(opt, grads, tvars):
                 f"docs/xla.md, Versions)")
     # On GPU the XLA kernel densifies IndexedSlices (XLA keeps their indices on the device), which
     # cannot give lazy_sparse's rows or stock Keras's sum of a repeated row's squares.
+    # (Adafactor with factored_state takes them densified anyway: tfclip/_step.py, run.)
     if (any(isinstance(g, tf.IndexedSlices) for g in grads) and any("GPU" in v.device for v in tvars)
+            and not getattr(opt, "factored_state", False)
             and (opt.lazy_sparse or (opt._clip_mode()[0] != "global_norm" and opt.clip is None))):
         return ("IndexedSlices on the GPU are densified inside XLA, which cannot give "
                 + ("lazy_sparse's touched rows" if opt.lazy_sparse else
@@ -273,7 +275,18 @@ class _FusedMixin(_optstate.NormState):
                                    f"cannot run tfclip's kernels: {why}")
             _warn_xla_fallback(why)
             return self._stock_update_step(grads, trainable_variables, tvars, learning_rate)
+        why = self._tfclip_stock_semantics(grads)
+        if why is not None:
+            if _step.loss_scale(self) is not None:
+                raise RuntimeError(f"tfclip.keras.LossScaleOptimizer folded its unscale into a step that "
+                                   f"runs stock ops: {why}")
+            return self._stock_update_step(grads, trainable_variables, tvars, learning_rate, cannot=why)
         return self._fused_update_step(grads, trainable_variables, learning_rate)
+
+    def _tfclip_stock_semantics(self, grads):
+        """Why these gradients need the stock class's own step to get its result (a class whose
+        stock arithmetic on them the fused op does not have: Adafactor's), or None."""
+        return None
 
     # -- the fused op -------------------------------------------------------------------
     def _fused_update_step(self, grads, keras_vars, learning_rate):
@@ -347,19 +360,18 @@ class _FusedMixin(_optstate.NormState):
         return tf.cast(self.iterations + 1, tf.float64)
 
     # -- the XLA fallback: stock Keras ops, clipping after the all-reduce -------------------
-    def _stock_update_step(self, grads, keras_vars, tvars, learning_rate):
-        if self.state_dtype is not None:
-            raise ValueError(f"state_dtype={self.state_dtype!r} needs tfclip's fused op, which this build "
-                             "cannot compile inside an XLA-compiled function (jit_compile=True); compile "
-                             "the model with jit_compile=False, or leave state_dtype at None")
-        if self.stochastic_rounding:
-            raise ValueError("stochastic_rounding=True needs tfclip's fused op, which this build cannot "
-                             "compile inside an XLA-compiled function (jit_compile=True); compile the "
-                             "model with jit_compile=False, or leave stochastic_rounding off")
+    def _stock_update_step(self, grads, keras_vars, tvars, learning_rate, cannot=None):
+        # cannot: why the fused op cannot take this step (default: XLA's fallback).
+        cannot = cannot or ("this build cannot compile inside an XLA-compiled function (jit_compile=True); "
+                            "compile the model with jit_compile=False")
+        for on, what in ((self.state_dtype is not None, f"state_dtype={self.state_dtype!r}"),
+                         (self.stochastic_rounding, "stochastic_rounding=True"),
+                         (getattr(self, "factored_state", False), "factored_state=True")):
+            if on:
+                raise ValueError(f"{what} needs tfclip's fused op, and this step runs stock Keras ops: {cannot}")
         if self.nonfinite == "raise":
-            raise ValueError("nonfinite='raise' needs tfclip's fused op, which cannot run inside an "
-                             "XLA-compiled function (jit_compile=True); use 'skip' or 'propagate', "
-                             "or compile the model with jit_compile=False")
+            raise ValueError(f"nonfinite='raise' needs tfclip's fused op, and this step runs stock Keras ops: "
+                             f"{cannot}; use 'skip' or 'propagate'")
         # One reduction per gradient gives both its norm and the global one (as the fused pass).
         sumsq = tf.stack([tf.reduce_sum(tf.square(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
                                                           tf.float32))) for g in grads])

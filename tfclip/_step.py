@@ -102,6 +102,13 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     if clip_obj is not None and not agc:  # (its threshold follows the scaled gradients' norms)
         adaptive = clip_obj.step(use_norm if grad_scale is None else use_norm * grad_scale)
         clip_mode, clip = "global_norm", adaptive.clip
+    op_mode = clip_mode
+    if densify and clip_mode == "norm":
+        # A per-tensor clipnorm takes an IndexedSlices' norm of its slices (TF's clip_by_norm, as
+        # the stock classes clip), which the dense passes cannot see once its duplicate rows are
+        # summed: each gradient is clipped here, as TF clips it, and the op clips none.
+        grads = [tf.clip_by_norm(g, tf.cast(clip, g.dtype)) for g in grads]
+        op_mode = "none"
     clip = _opcall.scalar(clip, "clip")
     norm_input = use_norm if given else _opcall.scalar(0.0, "use_norm")
     squares = keras_sparse_squares and clip_mode != "global_norm"
@@ -116,7 +123,7 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
         values, sparse_kw = (part, _opcall.NO_SPARSE) if all_dense else _opcall.op_grads(part)
         outs.append(_opcall.apply(g.kind, g.var, g.slots, values, g.hparams, g.flags, refs=g.refs,
                                   iterations=list(g.iterations), absmax=g.absmax, clip=clip, use_norm=norm_input,
-                                  clip_mode=clip_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy,
+                                  clip_mode=op_mode, nonfinite=nonfinite, use_given_norm=given, lazy=lazy,
                                   **({"sum_of_squares": True} if squares else {}), **agc, **sparse_kw,
                                   **({"grad_scale": [grad_scale]} if grad_scale is not None else {}),
                                   **({"rounding": [_opcall.scalar(float(seed + k * 2 ** 32), "rounding_seed"), rstep]}

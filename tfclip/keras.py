@@ -248,9 +248,11 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
     `factored_state=True`, which keeps the `velocity` of each variable of rank >= 2 as a scalar
     placeholder: keras writes it every step and never reads it back, so the optimizer then
     keeps R + C numbers for an R x C matrix, not R C (its checkpoints are then not the stock
-    layout). On a GPU the variables are refused for now: the CUDA passes are not written yet.
-    `clip_threshold` is Adafactor's bound on rms(u); an adaptive `clip=`'s threshold is
-    `adaptive_threshold`."""
+    layout). An IndexedSlices gradient (an embedding's) without `global_clipnorm` runs stock's own
+    step (stock squares each slice apart, the fused passes take dense gradients); with
+    `factored_state` it is applied as the dense gradient it stands for (duplicate rows summed,
+    as tf_keras does). `clip_threshold` is Adafactor's bound on rms(u); an adaptive `clip=`'s
+    threshold is `adaptive_threshold`."""
 
     _tfclip_binding = _step.ADAFACTOR
     _checked = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold")
@@ -263,6 +265,21 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
     def __init__(self, *args, factored_state=False, **kwargs):
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "factored_state", bool(factored_state))
+
+    def _tfclip_stock_semantics(self, grads):
+        # Stock Keras 3 squares an IndexedSlices gradient's slices apart (a repeated row feeds
+        # the sum of their squares to r, c and rms(u)) and scatters each slice's update, unless
+        # global_clipnorm's scale densified it first; its per-tensor clipnorm takes the norm of
+        # the slices. tfclip's factored passes take dense gradients (the duplicates summed), so
+        # such a step runs the stock class's own ops. factored_state=True (tfclip's layout)
+        # takes the dense gradient instead (tfclip/_step.py, run).
+        if self.factored_state or not any(isinstance(g, tf.IndexedSlices) for g in grads):
+            return None
+        if self._clip_mode()[0] == "global_norm" or self.clip is not None:
+            return None
+        return ("keras's Adafactor squares an IndexedSlices gradient's slices apart (without "
+                "global_clipnorm), which tfclip's dense factored passes cannot; set global_clipnorm, "
+                "or factored_state=True for the dense gradient's step")
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         # factored_state: the `velocity` of a factored variable (rank >= 2), which keras writes

@@ -379,8 +379,9 @@ class Adafactor(Rule):
     placeholders); keras writes the full `v` of a factored variable every step without reading
     it back: `factored_state=True` keeps it as a scalar placeholder instead, so the state is
     R + C numbers for an R x C matrix, not R C (the memory Adafactor was designed for). Three
-    passes after the norm (csrc/core/factored.h). Variables on a GPU are refused for now (its
-    CUDA passes are not written yet)."""
+    passes after the norm (csrc/core/factored.h), on CPU and CUDA alike. An IndexedSlices
+    gradient is applied as the dense gradient it stands for (duplicate rows summed; its global
+    norm, and a per-tensor clipnorm's, is of its slices, as TF's)."""
 
     binding = Binding("adafactor", slots=(("r", "r"), ("c", "c"), ("v", "v")),
                       hparams=(("beta_2_decay", "beta_2_decay"), ("epsilon_1", "epsilon_1"),

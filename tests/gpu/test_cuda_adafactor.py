@@ -105,3 +105,19 @@ def test_adafactor_cuda_skip_writes_nothing_and_launches_four_kernels(rng):
     _both(v40, s40, [np.asarray(rng.normal(size=s), np.float32) for s in shapes],
           clip_mode="global_norm", clip=1.0, use_norm=3.0)
     assert core.cuda_last_launches() == 5
+
+
+def test_adafactor_cuda_hyper_parameters_read_on_the_device(rng):
+    """As TF's GPU kernel hands them over (apply_kernel.cc): every hyper-parameter a device
+    scalar, the step constants made by the finalize kernel (MakeConsts on the device; t^decay in
+    double, rounded once, so a GPU's pow and glibc's agree for float32 variables)."""
+    vars0, slots0 = _state(rng, np.float32)
+    grads = [np.asarray(rng.normal(size=s), np.float32) for s in SHAPES]
+    cv = [x.copy() for x in vars0]
+    cs = [[x.copy() for x in lst] for lst in slots0]
+    core.clip_apply("adafactor", cv, grads, cs, HP)
+    gv = [to_dev(x) for x in vars0]
+    gs = [[to_dev(x) for x in lst] for lst in slots0]
+    hp_dev = {k: to_dev(np.asarray(v, np.float64)) for k, v in HP.items()}
+    core.cuda_clip_apply("adafactor", gv, [to_dev(g) for g in grads], gs, hp_dev)
+    _same(((), cv, cs), ((), [to_host(x, np.float32) for x in gv], [[to_host(x, np.float32) for x in lst] for lst in gs]))
