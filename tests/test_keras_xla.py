@@ -21,7 +21,7 @@ CLASSES = {
     "SGD": dict(momentum=0.9, nesterov=True), "Adam": dict(amsgrad=True), "AdamW": {}, "RMSprop":
     dict(momentum=0.5, centered=True), "Adagrad": {}, "Adadelta": {}, "Adamax": {}, "Nadam": {},
     "Lion": {}, "Ftrl": dict(l1_regularization_strength=0.01), "Lamb": {},
-    "ScheduleFreeAdamW": dict(warmup_steps=2, weight_decay=0.01),
+    "ScheduleFreeAdamW": dict(warmup_steps=2, weight_decay=0.01), "Adafactor": dict(weight_decay=0.01),
 }
 
 
