@@ -92,6 +92,78 @@ T RoundNorm(double norm) {
 template float RoundNorm<float>(double);
 template double RoundNorm<double>(double);
 
+// A factored step (Adafactor; csrc/core/factored.h) after the clip factors: the stats pass, each
+// tensor's column sums, r and c and each matrix's mean of r (in order, on this thread), the
+// rms(u) pass, each tensor's sums, the update pass. The passes are the per-ISA kernels'
+// (cpu_factored.inc).
+void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const ClipFactor* factors,
+                      FactoredScratch* s, const CpuExecutor& exec) {
+  const FactoredPlan& plan = s->plan;
+  using Rule = AdafactorRule;
+  const RuleConsts<Rule> rc = MakeRuleConsts<Rule>(hp);
+  const int64_t ntiles = static_cast<int64_t>(plan.tiles.size());
+  s->rows.assign(static_cast<size_t>(plan.row_off.back()), 0.0);
+  s->part.assign(static_cast<size_t>(plan.part_off.back()), 0.0);
+  s->cols.assign(static_cast<size_t>(plan.col_off.back()), 0.0);
+  s->r_mean.assign(static_cast<size_t>(plan.mat_off.back()), 0.0);
+  s->w_part.assign(static_cast<size_t>(ntiles), 0.0);
+  s->u_part.assign(static_cast<size_t>(ntiles), 0.0);
+  s->w_sum.assign(static_cast<size_t>(n), 0.0);
+  s->u_sum.assign(static_cast<size_t>(n), 0.0);
+
+  ActiveCpuKernels().factored(1, hp, ts, factors, s, exec);  // stats
+
+  // Per tensor, in order: column sums, r and c updated and stored, each matrix's mean of r.
+  for (int i = 0; i < n; ++i) {
+    const ApplyTensor& t = ts[i];
+    double w2 = 0.0;
+    for (int64_t x = plan.tile_off[i]; x < plan.tile_off[i + 1]; ++x) w2 += s->w_part[x];
+    s->w_sum[i] = w2;
+    if (t.fac_cols <= 0 || t.size == 0) continue;
+    DispatchDType(t.var_dtype, [&](auto vtag) {
+      using V = decltype(vtag);
+      using M = typename Elem<V>::Math;
+      const auto& c = ConstsFor<V>(rc);
+      const int64_t m = t.fac_rows, cols = t.fac_cols;
+      const int64_t nrows = plan.row_off[i + 1] - plan.row_off[i];
+      const int64_t mats = plan.mat_off[i + 1] - plan.mat_off[i];
+      double* colsum = s->cols.data() + plan.col_off[i];
+      for (int64_t x = plan.tile_off[i]; x < plan.tile_off[i + 1]; ++x) {
+        const FactoredTile& tile = plan.tiles[x];
+        const double* part = s->part.data() + plan.part_off[i] + tile.part * cols;
+        double* dst = colsum + tile.matrix * cols;
+        for (int64_t k = 0; k < cols; ++k) dst[k] += part[k];
+      }
+      V* r = static_cast<V*>(t.slots[0]);
+      V* cc = static_cast<V*>(t.slots[1]);
+      const double* rows = s->rows.data() + plan.row_off[i];
+      for (int64_t k = 0; k < nrows; ++k) {
+        const M mean = static_cast<M>(rows[k] / static_cast<double>(cols));
+        r[k] = Elem<V>::Store(Rule::Average(c, Elem<V>::Load(r[k]), mean));
+      }
+      for (int64_t k = 0; k < mats * cols; ++k) {
+        const M mean = static_cast<M>(colsum[k] / static_cast<double>(m));
+        cc[k] = Elem<V>::Store(Rule::Average(c, Elem<V>::Load(cc[k]), mean));
+      }
+      double* r_mean = s->r_mean.data() + plan.mat_off[i];
+      for (int64_t b = 0; b < mats; ++b) {
+        double sum = 0.0;
+        for (int64_t k = b * m; k < (b + 1) * m; ++k) sum += static_cast<double>(Elem<V>::Load(r[k]));
+        r_mean[b] = static_cast<double>(static_cast<M>(sum / static_cast<double>(m)));
+      }
+    });
+  }
+
+  ActiveCpuKernels().factored(2, hp, ts, factors, s, exec);  // rms(u)
+  for (int i = 0; i < n; ++i) {
+    double u2 = 0.0;
+    for (int64_t x = plan.tile_off[i]; x < plan.tile_off[i + 1]; ++x) u2 += s->u_part[x];
+    s->u_sum[i] = u2;
+  }
+
+  ActiveCpuKernels().factored(3, hp, ts, factors, s, exec);  // the update
+}
+
 StepResult ClipApplyCpu(const StepArgs& a, StepScratch* s, const CpuExecutor& exec) {
   StepResult r;
   HParams hp;

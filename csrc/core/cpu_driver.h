@@ -89,6 +89,11 @@ struct StepScratch {
   std::vector<double> agc_part_g, agc_part_w, unit_g, unit_w, unit_scale, sparse_vsq;
   FactoredScratch factored;  // a factored rule's (Adafactor; factored.h)
 };
+// A factored rule's passes (factored.h: stats, rms(u), update) after the clip factors, the
+// non-finite policy already decided.
+void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const ClipFactor* factors,
+                      FactoredScratch* s, const CpuExecutor& exec);
+
 // Both passes of a clip-and-apply step (StepArgs, StepResult: csrc/core/step.h), with the
 // non-finite policy.
 StepResult ClipApplyCpu(const StepArgs& args, StepScratch* scratch, const CpuExecutor& exec);

@@ -34,8 +34,6 @@
 
 namespace tfclip {
 
-struct CpuExecutor;
-
 // A tile: rows [r0, r1) of one matrix of a factored tensor (column partials at `part`, in units
 // of the tensor's N), or elements [r0, r1) of an unfactored one.
 struct FactoredTile {
@@ -180,9 +178,5 @@ struct FactoredScratch {
   std::vector<double> rows, part, cols, w_part, u_part, r_mean;
   std::vector<double> w_sum, u_sum;
 };
-
-// Steps 1-3 above on the CPU, after the clip factors (the non-finite policy already decided).
-void FactoredApplyCpu(const HParams& hp, const ApplyTensor* ts, int n, const ClipFactor* factors,
-                      FactoredScratch* s, const CpuExecutor& exec);
 
 }  // namespace tfclip
