@@ -344,3 +344,30 @@ def stochastic_round_bf16(x, seed, step, tensor):
     nan = np.isnan(x)
     out[nan] = ((u[nan] >> np.uint64(16)) | np.uint64(0x40)).astype(np.uint16)
     return out
+
+
+def muon_orthogonalize(x, a=3.4445, b=-4.7750, c=2.0315, steps=5, eps=1e-7):
+    """Muon's quintic Newton–Schulz iteration (Jordan et al.'s Muon; Keras's docstring), float64:
+    X / (||X||_F + eps), then `X <- a X + (b A + c A^2) X` with `A = X X^T`, on the wide
+    orientation (a tall matrix transposed, and back)."""
+    x = np.asarray(x, np.float64)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (np.linalg.norm(x) + eps)
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
+
+
+def muon_matrix(w, m, g, lr, momentum=0.95, nesterov=True, weight_decay=0.0, rms_rate=0.2, **ns):
+    """One Muon step of a matrix (Keras's Muon, Moonlight's `rms_rate` scale), float64: decoupled
+    decay `w - w wd lr`, `m <- momentum m + g`, the update `g + momentum m` (Nesterov) or `m`
+    orthogonalized, times `sqrt(max(rows, cols)) rms_rate`. Returns (w, m)."""
+    w, m, g = (np.asarray(a, np.float64) for a in (w, m, g))
+    w = w - w * weight_decay * lr
+    m = momentum * m + g
+    o = muon_orthogonalize(g + momentum * m if nesterov else m, **ns)
+    if rms_rate is not None:
+        o = o * np.sqrt(max(w.shape)) * rms_rate
+    return w - lr * o, m

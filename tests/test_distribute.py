@@ -58,6 +58,9 @@ def test_mirrored_two_replicas(single, tmp_path):
     assert stock_delta == pytest.approx(-2.0)   # stock Keras: clip(3) + clip(3)
     _same_weights(m, single, "fit")
     _same_weights(m, single, "custom")
+    # Muon: the fused Adam op on the biases, TF ops on the matrices, on each replica's copy
+    _same_weights(m, single, "muon_fit")
+    _same_weights(m, single, "muon_custom")
     np.testing.assert_allclose(m["fit_norm"], single["fit_norm"], rtol=1e-5)
     # Per-tensor norms of the all-reduced gradient: those of the one-device run's.
     assert m["tnorms_fit"].shape == (4,) and np.all(m["tnorms_fit"] > 0)

@@ -22,6 +22,7 @@ CLASSES = {
     dict(momentum=0.5, centered=True), "Adagrad": {}, "Adadelta": {}, "Adamax": {}, "Nadam": {},
     "Lion": {}, "Ftrl": dict(l1_regularization_strength=0.01), "Lamb": {},
     "ScheduleFreeAdamW": dict(warmup_steps=2, weight_decay=0.01), "Adafactor": dict(weight_decay=0.01),
+    "Muon": dict(weight_decay=0.01),
 }
 
 
@@ -58,7 +59,15 @@ def test_optimizer_step_under_xla_runs_the_custom_calls_with_the_same_bits(rng, 
             assert 'custom_call_target="tfclip_apply"' in hlo, hlo[:2000]
         results.append([np.asarray(v.numpy()) for v in vs] + [np.asarray(v.numpy()) for v in opt.variables])
     for a, b in zip(*results):
-        np.testing.assert_array_equal(a, b)
+        if name in TF_OPS:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+# Classes whose step also runs TF ops, which XLA compiles with its own kernels (their bits are
+# not TF's): Muon's Newton–Schulz products (tfclip/_muon.py); its AdamW variables are the op's.
+TF_OPS = {"Muon"}
 
 
 def _model():

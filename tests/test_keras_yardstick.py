@@ -12,7 +12,7 @@ import keras
 import tfclip
 
 CLASSES = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb",
-           "Adafactor"]
+           "Adafactor", "Muon"]
 # ScheduleFreeAdamW where this Keras has it (its test file is then in the wheel too).
 CLASSES += ["ScheduleFreeAdamW"] if hasattr(keras.optimizers, "ScheduleFreeAdamW") else []
 TFCLIP = {**{c: getattr(tfclip.keras, c) for c in CLASSES}, "get": tfclip.keras.get}

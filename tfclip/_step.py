@@ -128,7 +128,12 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
                                   **({"grad_scale": [grad_scale]} if grad_scale is not None else {}),
                                   **({"rounding": [_opcall.scalar(float(seed + k * 2 ** 32), "rounding_seed"), rstep]}
                                      if rounding is not None else {})))
-    norm, applied, tensor_norms, clipped_units = outs[0]
+    if groups:
+        norm, applied, tensor_norms, clipped_units = outs[0]
+    else:  # the caller makes every update (Muon's matrices): the non-finite policy on the norm
+        norm = norm_input if grad_scale is None else norm_input * grad_scale
+        tensor_norms = clipped_units = None
+        applied = nonfinite_applied(norm, nonfinite)
     if len(groups) > 1:
         order = [i for g in groups for i in g.positions]
         clipped_units = in_order([o[3] for o in outs], order)
@@ -141,6 +146,27 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
         clip_obj._remember(adaptive)
         update = _clipping.assign_updates(adaptive, after=[applied])
     return StepResult(norm, applied, tensor_norms, clipped_units, clip_mode, clip, adaptive, update)
+
+
+def norm_pass(grads):
+    """(the global norm, each gradient's norm), float64, of `grads` (tensors or IndexedSlices,
+    whose norm is their values'): the one norm pass (`TfclipGlobalNorm`)."""
+    return _loader.ops().tfclip_global_norm(t=_opcall.op_grads(grads)[0], Tnorm=tf.float64)
+
+
+def nonfinite_applied(norm, nonfinite):
+    """Whether a step with this global norm is applied under the non-finite policy, where no
+    apply op decides it: "skip" applies a finite norm's step, "propagate" every step, "raise"
+    fails a non-finite one with the op's message."""
+    finite = tf.math.is_finite(norm)
+    if nonfinite == "skip":
+        return finite
+    if nonfinite == "raise":
+        check = tf.debugging.Assert(finite, ["the global norm of the gradients is", norm,
+                                             "(non-finite) and nonfinite='raise'; no variable was updated"])
+        with tf.control_dependencies([check] if check is not None else []):
+            return tf.identity(finite)
+    return tf.constant(True)
 
 
 # The loss-scale unscales being folded into a step, per thread (as a step is built: eagerly or

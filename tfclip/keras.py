@@ -51,6 +51,7 @@ once and falls back there to the stock Keras ops (still clipping after the all-r
 same results; `nonfinite="skip"` is then honoured without a strategy, under a strategy the
 fallback applies the step as `"propagate"` does, and `"raise"` is an error when the step is built.
 """
+import math
 import numbers
 
 from tfclip._keras_version import KERAS_PROBLEM as _KERAS_PROBLEM
@@ -61,14 +62,15 @@ if _KERAS_PROBLEM is not None:
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfclip import _opcall, _step  # noqa: E402
+from tfclip import _muon, _opcall, _step  # noqa: E402
+from tfclip import clipping as _clipping  # noqa: E402
 from tfclip._keras_logger import GradientNormLogger  # noqa: E402, F401  (tfclip.keras.GradientNormLogger)
 from tfclip._keras_loss_scale import LossScaleOptimizer  # noqa: E402, F401  (tfclip.keras.LossScaleOptimizer)
-from tfclip._keras_step import _check_betas, _FusedMixin  # noqa: E402
+from tfclip._keras_step import _check_betas, _FusedMixin, _tf_var  # noqa: E402
 from tfclip._step import STEP, Binding  # noqa: E402
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
-           "Lamb", "Adafactor", "GradientNormLogger", "LossScaleOptimizer", "get"] + (
+           "Lamb", "Adafactor", "Muon", "GradientNormLogger", "LossScaleOptimizer", "get"] + (
     ["ScheduleFreeAdamW"] if hasattr(keras.optimizers, "ScheduleFreeAdamW") else [])
 
 
@@ -292,6 +294,138 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
         return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
 
 
+class Muon(_Generic, keras.optimizers.Muon):
+    """keras.optimizers.Muon (momentum with Nesterov, five Newton–Schulz iterations per matrix,
+    Moonlight's `rms_rate` scaling; AdamW for every variable that is not 2-D, an embedding, or
+    in `exclude_layers`) with the stock arguments, slots and trajectory. One norm pass over every
+    gradient; the AdamW variables are one fused Adam op (with the clip, the non-finite policy and
+    `adam_weight_decay`); the orthogonalized matrices are TF ops (tfclip/_muon.py) run when that op
+    applied its step, with the same clip, their Newton–Schulz iterations batched over the matrices
+    of one shape (transposed shapes joined): a few batched matrix products per distinct shape,
+    not per matrix. Extra: `nonfinite`. Not `state_dtype` (the matrices' momentum is read by TF
+    ops) or `stochastic_rounding` (their update is written by TF ops)."""
+
+    _tfclip_binding = Binding("adam", slots=(("m", "momentums"), ("v", "adam_velocities")),
+                              hparams=(("beta_1", "adam_beta_1"), ("beta_2", "adam_beta_2"),
+                                       ("epsilon", "epsilon"), ("step", STEP)),
+                              flags=(("amsgrad", lambda o: False),))
+    _checked = ("epsilon", "momentum")
+    low_precision_state = False
+    int8_state = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name, table in (("adam_beta_1", "beta_1"), ("adam_beta_2", "beta_2")):
+            _check_number_as(name, table, getattr(self, name))
+        for name in ("adam_lr_ratio", "adam_weight_decay", "rms_rate", "muon_a", "muon_b", "muon_c"):
+            v = getattr(self, name)
+            if v is not None and not callable(v):
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                    raise ValueError(f"{name} must be a finite number{' or None' if name != 'adam_lr_ratio' else ''}, "
+                                     f"got {v!r}")
+        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, numbers.Integral) or self.ns_steps < 0:
+            raise ValueError(f"ns_steps must be an int >= 0, got {self.ns_steps!r}")
+        if self.stochastic_rounding:
+            raise ValueError("Muon does not take stochastic_rounding=True: its matrices' update is written by "
+                             "TF ops (tfclip/_muon.py), which round to nearest")
+
+    def _tfclip_is_matrix(self, v):
+        """Whether `v` takes Muon's own step (stock keeps no AdamW velocity for it)."""
+        return self.adam_velocities[self._get_variable_index(v)] is None
+
+    def _fused_update_step(self, grads, keras_vars, learning_rate):
+        mats = [self._tfclip_is_matrix(v) for v in keras_vars]
+        # The matrices take dense gradients (stock adds them to the dense momentum).
+        grads = [tf.convert_to_tensor(g) if m and isinstance(g, tf.IndexedSlices) else g for g, m in zip(grads, mats)]
+        adam = [i for i, m in enumerate(mats) if not m]
+        muon = [i for i, m in enumerate(mats) if m]
+        tvars = [_tf_var(v) for v in keras_vars]
+        loss_scale = _step.loss_scale(self)
+        nonfinite = self.nonfinite if loss_scale is None else "skip"
+        norm, pass_norms = _step.norm_pass(grads)
+        # The AdamW part: keras's Adam update at learning_rate * adam_lr_ratio, after the decay
+        # `w - w * adam_weight_decay * learning_rate` (the op's own where the two rates agree).
+        learning_rate = tf.convert_to_tensor(learning_rate)
+        ratio = self.adam_lr_ratio
+        adam_lr = learning_rate if ratio == 1 else learning_rate * ratio
+        wd = self.adam_weight_decay
+        decaying = [wd is not None and wd != 0 and self._use_weight_decay(keras_vars[i]) for i in adam]
+        if ratio != 1 and any(decaying):
+            gate = _step.nonfinite_applied(norm, "skip") if nonfinite != "propagate" else tf.constant(True)
+            tf.cond(gate, lambda: _muon_decay([tvars[i] for i, d in zip(adam, decaying) if d], wd, learning_rate),
+                    lambda: None)
+        groups = []
+        for with_decay, idx in _step.partition([d and ratio == 1 for d in decaying] if adam else []):
+            group = [keras_vars[adam[i]] for i in idx]
+            kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
+            hparams.update(lr=_opcall.scalar(adam_lr, "learning_rate"), weight_decay=wd if with_decay else 0.0)
+            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx))
+        mode, clip = self._clip_mode()
+        result = _step.run([grads[i] for i in adam], groups, mode, clip, clip_obj=self.clip, use_norm=norm,
+                           nonfinite=nonfinite, lazy=self.lazy_sparse, keras_sparse_squares=True,
+                           grad_scale=loss_scale)
+        applied = result.applied
+        if loss_scale is not None:
+            _step.loss_scale_applied(self, applied)
+        # The matrices: clipped as the op clipped the rest (AGC per unit, from the variables
+        # before the step; its counts also for a skipped step, as the op's), then updated where
+        # the op applied its step.
+        mg, counts = [grads[i] for i in muon], None
+        if isinstance(self.clip, _clipping.AGC):
+            mg, counts = self.clip.unfused(mg, [tvars[i] for i in muon], counts=True)
+        elif muon:
+            mg = _muon.clip_gradients(mg, result.clip_mode, result.clip, norm,
+                                      [pass_norms[i] for i in muon], loss_scale)
+        if muon:
+            tf.cond(applied, lambda: self._tfclip_matrices(mg, [keras_vars[i] for i in muon], learning_rate),
+                    lambda: None)
+        tensor_norms = tf.cast(pass_norms if loss_scale is None else pass_norms * tf.cast(loss_scale, tf.float64),
+                               tf.float32)
+        units = None
+        if counts is not None:
+            units = _step.in_order([result.clipped_units, counts] if adam else [counts], adam + muon)
+        self._record_norms(result.global_norm, applied, tensor_norms, keras_vars, result.clip_mode, result.clip,
+                           None if result.adaptive is None else result.adaptive.threshold, units)
+        return applied
+
+    def _tfclip_matrices(self, grads, keras_vars, learning_rate):
+        """Muon's step of the matrices (stock `_apply_weight_decay` and `_muon_update_step`, the
+        same ops in the same order), the Newton–Schulz iterations batched by shape."""
+        updates = []
+        for g, v in zip(grads, keras_vars):
+            var, m_var = _tf_var(v), _tf_var(self.momentums[self._get_variable_index(v)])
+            g = tf.cast(g, m_var.dtype)
+            with tf.control_dependencies([_muon.assign_add(m_var.handle, g + _muon.read(m_var.handle, m_var.dtype)
+                                                           * (self.momentum - 1))]):
+                m = _muon.read(m_var.handle, m_var.dtype)
+            updates.append(g + self.momentum * m if self.nesterov else m)
+        ortho = _muon.orthogonalize(updates, lambda x: self.zeropower_via_newtonschulz5(x, self.ns_steps))
+        for v, u in zip(keras_vars, ortho):
+            var = _tf_var(v)
+            if self.weight_decay is not None and self._use_weight_decay(v):
+                _muon_decay([var], self.weight_decay, learning_rate)
+            _muon.assign_sub(var.handle, self.lr_adjust(tf.cast(learning_rate, u.dtype) * u))
+
+
+def _muon_decay(tvars, wd, learning_rate):
+    """Stock `_apply_weight_decay` on these variables: `w - w * wd * lr`."""
+    for var in tvars:
+        w = _muon.read(var.handle, var.dtype)
+        _muon.assign(var.handle, w - w * tf.cast(wd, w.dtype) * tf.cast(learning_rate, w.dtype))
+
+
+def _check_number_as(name, table, v):
+    """A number checked against the table's range for `table` (its error naming `name`)."""
+    if callable(v):
+        return
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"{name} must be a number or a callable, got {v!r}")
+    try:
+        _step.check_number(table, float(v))
+    except ValueError as e:
+        raise ValueError(str(e).replace(table, name, 1)) from None
+
+
 # keras.optimizers.ScheduleFreeAdamW is recent (Keras 3.15 has it): with a Keras without it tfclip.keras has
 # no ScheduleFreeAdamW either (the module's __getattr__ says why).
 _StockScheduleFree = getattr(keras.optimizers, "ScheduleFreeAdamW", None)
@@ -335,7 +469,7 @@ def get(identifier):
     return keras.optimizers.get(identifier)
 
 
-_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb, Adafactor) + (
+_CLASSES = (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, Lamb, Adafactor, Muon) + (
     (ScheduleFreeAdamW,) if _StockScheduleFree is not None else ())
 _BY_NAME = {c.__name__.lower(): c for c in _CLASSES}
 

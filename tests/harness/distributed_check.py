@@ -10,7 +10,7 @@ the installed package).
                                                                             # worker (custom loop)
 
 Each mode trains the same small model on the same global batches with `tfclip.keras.Adam(...,
-global_clipnorm=...)` and saves the weights, so the caller can compare them with `single`.
+global_clipnorm=...)` (and with `tfclip.keras.Muon`, in `mirrored` and `single`) and saves the weights, so the caller can compare them with `single`.
 `mirrored` also runs the two-replica clip example: each replica's gradient is 3,
 `global_clipnorm=1`, SGD with lr 1: tfclip moves the variable by -1 (clip of the summed 6, the
 norm its `tensor_norms` reports), stock Keras by -2 (each replica clipped to 1 before the sum).
@@ -43,19 +43,21 @@ def _model():
     return keras.Model(inp, keras.layers.Dense(1)(h))
 
 
-def _optimizer():
+def _optimizer(muon=False):
     import tfclip
 
+    if muon:  # (its matrices' step is TF ops beside the fused op: tfclip/_muon.py)
+        return tfclip.keras.Muon(0.05, global_clipnorm=0.5)
     return tfclip.keras.Adam(0.05, global_clipnorm=0.5)
 
 
-def _fit(strategy):
+def _fit(strategy, muon=False):
     import tensorflow as tf
 
     x, y = _data()
     with strategy.scope():
         model = _model()
-        model.compile(optimizer=_optimizer(), loss="mse", jit_compile=False)
+        model.compile(optimizer=_optimizer(muon), loss="mse", jit_compile=False)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     opts = tf.data.Options()
     opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -65,14 +67,14 @@ def _fit(strategy):
             model.optimizer.tensor_norms.numpy())
 
 
-def _custom_loop(strategy):
+def _custom_loop(strategy, muon=False):
     """A hand-written loop: per-replica loss scaled by the global batch, strategy.run."""
     import tensorflow as tf
 
     x, y = _data()
     with strategy.scope():
         model = _model()
-        opt = _optimizer()
+        opt = _optimizer(muon)
         opt.build(model.trainable_variables)  # variables are created outside the replica function
     ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
 
@@ -360,6 +362,8 @@ def main(argv=None):
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         result["fit"], result["fit_norm"], result["tnorms_fit"] = _fit(strategy)
         result["custom"] = _custom_loop(strategy)
+        result["muon_fit"] = _fit(strategy, muon=True)[0]
+        result["muon_custom"] = _custom_loop(strategy, muon=True)
         result["two_replica_clip"] = _two_replica_clip(strategy)
         result["replicas"] = strategy.num_replicas_in_sync
     elif mode == "replica_apply":
@@ -372,6 +376,8 @@ def main(argv=None):
         strategy = tf.distribute.get_strategy()
         result["fit"], result["fit_norm"], result["tnorms_fit"] = _fit(strategy)
         result["custom"] = _custom_loop(strategy)
+        result["muon_fit"] = _fit(strategy, muon=True)[0]
+        result["muon_custom"] = _custom_loop(strategy, muon=True)
     elif mode == "worker":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         # A custom loop: Keras 3.15's model.fit fails under MultiWorkerMirroredStrategy on CPU

@@ -1,0 +1,88 @@
+"""Muon's matrix step (keras.optimizers.Muon, `_muon_update_step` and `_apply_weight_decay`) for
+the variables Muon orthogonalizes, in TF ops, with the Newton–Schulz iterations batched: the
+matrices of one shape, and those of its transpose (transposed first, as stock transposes a tall
+matrix), are stacked and orthogonalized as one batch, so a step issues `3 * ns_steps` matrix
+products per distinct shape, not per matrix. The clip is the one the fused op ran on the other
+variables (`clip_factors`), from the same norm pass. tfclip/keras.py's `Muon` calls these; the
+AdamW part of the step is the fused Adam rule (csrc/core/rules.h).
+
+Imports flow one way: tfclip/keras.py imports this module; it imports only TensorFlow.
+"""
+import tensorflow as tf
+
+
+def read(handle, dtype):
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+
+
+def assign(handle, value):
+    return tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+
+
+# Stock's assign_add / assign_sub, as the same ops (a graph's optimizer may reorder a sum it sees
+# whole, `m + (g + m * c)`, but not an AssignAdd's).
+def assign_add(handle, value):
+    return tf.raw_ops.AssignAddVariableOp(resource=handle, value=value)
+
+
+def assign_sub(handle, value):
+    return tf.raw_ops.AssignSubVariableOp(resource=handle, value=value)
+
+
+def global_scale(clip, norm):
+    """TF's clip_by_global_norm scale in float64 (csrc/core/clip.h, GlobalClipScale): NaN for a
+    non-finite norm; 1 for a clip of 0 (no clip)."""
+    clip, norm = tf.cast(clip, tf.float64), tf.cast(norm, tf.float64)
+    scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+    return tf.where(clip > 0, scale, tf.ones_like(scale) + (norm - norm))
+
+
+def clip_gradients(grads, mode, clip, norm, tensor_norms, grad_scale=None):
+    """The gradients clipped as the fused op clips its own (csrc/core/clip.h, TensorClipFactor):
+    the global scale from `norm` (float64, the norm pass's), per tensor by its norm from
+    `tensor_norms`, by value, or none; times `grad_scale` (a loss scale's unscale) first. AGC is
+    the caller's (tfclip.clipping.AGC.unfused)."""
+    gs = tf.constant(1.0, tf.float64) if grad_scale is None else tf.cast(grad_scale, tf.float64)
+    clip = tf.cast(clip, tf.float64)
+    out = []
+    for k, g in enumerate(grads):
+        if mode == "global_norm":
+            factor = global_scale(clip, norm * gs) * gs
+        elif mode == "norm":
+            n = tf.cast(tensor_norms[k], tf.float64) * gs
+            m = tf.where(tf.math.is_nan(n), n, tf.maximum(n, clip))
+            factor = tf.where(clip > 0, clip / m, tf.ones_like(m) + (n - n)) * gs
+        elif mode == "value":
+            g = g if grad_scale is None else g * tf.cast(gs, g.dtype)
+            out.append(tf.where(clip > 0, tf.clip_by_value(g, -tf.cast(clip, g.dtype), tf.cast(clip, g.dtype)), g))
+            continue
+        else:  # "none"
+            factor = gs
+        out.append(g if mode == "none" and grad_scale is None else g * tf.cast(factor, g.dtype))
+    return out
+
+
+def shape_groups(shapes):
+    """The batches of a step: [(rows, cols), [(index, transposed)]] with rows <= cols, in the
+    order each shape first appears; a matrix taller than wide joins its transpose's batch."""
+    groups = {}
+    for i, (r, c) in enumerate(shapes):
+        key, t = ((c, r), True) if r > c else ((r, c), False)
+        groups.setdefault(key, []).append((i, t))
+    return list(groups.items())
+
+
+def orthogonalize(updates, newton_schulz):
+    """Each 2-D update orthogonalized by `newton_schulz(x)` (the stock
+    `zeropower_via_newtonschulz5`, which takes a batch [B, rows, cols] as it takes a matrix),
+    one call per shape batch; in the updates' order and shapes. A batch of one is the matrix
+    itself (the stock call, bit for bit)."""
+    out = [None] * len(updates)
+    for _, members in shape_groups([tuple(u.shape) for u in updates]):
+        if len(members) == 1:
+            out[members[0][0]] = newton_schulz(updates[members[0][0]])
+            continue
+        ys = tf.unstack(newton_schulz(tf.stack([tf.transpose(updates[i]) if t else updates[i] for i, t in members])))
+        for (i, t), y in zip(members, ys):
+            out[i] = tf.transpose(y) if t else y
+    return out
