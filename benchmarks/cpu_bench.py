@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding,adafactor]
+                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding,adafactor,muon]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -682,6 +682,74 @@ def adafactor_table(args, rng):
           "variables but its counter and learning rate, bytes per model parameter)")
 
 
+def bert_layers(layers):
+    """BERT-base's embeddings and `layers` of its transformer layers (bert_base_like has 12)."""
+    h, ff = 768, 3072
+    shapes = [(30522, h), (512, h), (2, h), (h,), (h,)]
+    for _ in range(layers):
+        shapes += [(h, h), (h,)] * 4 + [(h,), (h,), (h, ff), (ff,), (ff, h), (h,), (h,), (h,)]
+    return shapes + [(h, h), (h,)]
+
+
+def muon_table(args, rng):
+    """Muon on BERT-base's shapes (`--muon-layers` transformer layers: each has four (768, 768)
+    matrices and a (768, 3072) with a (3072, 768), so two shape batches whatever the depth; the
+    three embeddings take AdamW, as stock's exclude_embeddings), float32, global_clipnorm=1.0,
+    whole tf.function calls of opt.apply: tfclip.keras.Muon and stock keras.optimizers.Muon
+    (and jit_compile=True with --jit). Beside them, the Newton–Schulz chains alone on the same
+    matrices, per matrix (stock's, and tfclip's on the CPU) and batched by shape (tfclip's on a
+    GPU): the share of the step that is matrix products."""
+    import keras
+
+    from tfclip import _muon
+
+    shapes = bert_layers(args.muon_layers)
+    variables = [keras.Variable(rng.standard_normal(s, dtype=np.float32) * 0.02,
+                                name=("embedding" if k < 3 else "w") + str(k)) for k, s in enumerate(shapes)]
+    grads = [tf.constant(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+    n = sum(int(np.prod(s)) for s in shapes)
+    mats = [g for g, s in zip(grads, shapes) if len(s) == 2][3:]  # (the embeddings are AdamW's)
+    print(f"\nBERT-base shapes, {args.muon_layers} layers ({n / 1e6:.1f}M params, {len(mats)} Muon matrices), "
+          f"float32: Muon, global clip 1.0, whole tf.function calls of opt.apply")
+    print(f"{'step':<52} {'ms/call':>9} {'x stock':>8}")
+    ref = keras.optimizers.Muon()
+    opts = {"tfclip.keras.Muon": (tfclip.keras.Muon(1e-9, global_clipnorm=1.0), False),
+            "keras.optimizers.Muon (stock)": (keras.optimizers.Muon(1e-9, global_clipnorm=1.0), False)}
+    if args.jit:
+        opts.update({"tfclip.keras.Muon, jit_compile": (tfclip.keras.Muon(1e-9, global_clipnorm=1.0), True),
+                     "keras.optimizers.Muon (stock), jit_compile": (
+                         keras.optimizers.Muon(1e-9, global_clipnorm=1.0), True)})
+    fns = {}
+    for label, (opt, jit) in opts.items():
+        opt.build(variables)
+
+        def make(opt=opt, jit=jit):
+            @tf.function(jit_compile=jit)
+            def f():
+                opt.apply(grads, variables)
+            return f
+        fns[label] = make()
+
+    @tf.function
+    def ns_batched():
+        return _muon.orthogonalize(mats, lambda x: ref.zeropower_via_newtonschulz5(x, 5))
+
+    @tf.function
+    def ns_per_matrix():
+        return [ref.zeropower_via_newtonschulz5(x, 5) for x in mats]
+
+    fns["Newton-Schulz alone, per matrix (stock; tfclip, CPU)"] = ns_per_matrix
+    fns["Newton-Schulz alone, batched by shape (tfclip, GPU)"] = ns_batched
+    r = interleaved_medians(fns, args.repeats)
+    stock = r["keras.optimizers.Muon (stock)"]
+    for label, t in r.items():
+        print(f"{label:<52} {t * 1e3:9.1f} {t / stock:8.2f}", flush=True)
+    alone = r["Newton-Schulz alone, per matrix (stock; tfclip, CPU)"]
+    print(f"(the Newton-Schulz chains alone: {alone / r['tfclip.keras.Muon']:.0%} of tfclip's step, {alone / stock:.0%} "
+          f"of stock's; tfclip batches them only on a GPU, where a step is launch-bound: on this CPU the "
+          f"batched chains take {r['Newton-Schulz alone, batched by shape (tfclip, GPU)'] / alone:.2f}x the per-matrix ones)")
+
+
 def overhead_table(args, rng):
     """The fixed cost of one call with 200 variables of 4 elements (kernel time ~0).
 
@@ -804,8 +872,9 @@ def main(argv=None):
     p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
     p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding,"
                    "adafactor", help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, loss_scale, "
-                   "rounding, adafactor (or empty)")
-    p.add_argument("--jit", action="store_true", help="adafactor: also jit_compile=True steps")
+                   "rounding, adafactor, muon (or empty)")
+    p.add_argument("--jit", action="store_true", help="adafactor, muon: also jit_compile=True steps")
+    p.add_argument("--muon-layers", type=int, default=2, help="muon: BERT-base transformer layers (12: all)")
     args = p.parse_args(argv)
 
     isa = tfclip._core.cpu_isa()
@@ -833,6 +902,8 @@ def main(argv=None):
         rounding_table(args, rng)
     if "adafactor" in extras:
         adafactor_table(args, rng)
+    if "muon" in extras:
+        muon_table(args, rng)
 
 
 if __name__ == "__main__":

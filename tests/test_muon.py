@@ -76,23 +76,31 @@ CASES = [{}, {"nesterov": False}, {"rms_rate": None, "weight_decay": 0.1}, {"ada
          {"global_clipnorm": 0.5}, {"clipnorm": 0.1}]
 
 
+@pytest.fixture(params=[False, True], ids=["per_matrix", "batched"])
+def batched(request, monkeypatch):
+    """The Newton–Schulz products per matrix (the CPU's default) or batched by shape (a GPU's)."""
+    monkeypatch.setattr(tk.Muon, "_tfclip_batch_products", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(kw) or "plain")
 @pytest.mark.parametrize("how", ["eager", "function", "xla"])
-def test_follows_stock_muon(kw, how):
+def test_follows_stock_muon(kw, how, batched):
     sw, sv, so = _train(keras.optimizers.Muon, how, **kw)
     ow, ov, oo = _train(tk.Muon, how, **kw)
     # In a graph, TF's graph optimizer (grappler) rewrites stock's per-matrix products and the
     # batched ones differently: test_same_arithmetic_as_stock_in_a_graph shows the bits with it off.
-    exact = how == "eager" and not ({"global_clipnorm", "clipnorm"} & set(kw))
+    exact = (how == "eager" or (how == "function" and not batched)) and not ({"global_clipnorm", "clipnorm"} & set(kw))
     _same(sw, ow, exact)
     _same(sv, ov, exact)
     assert [tuple(v.shape) for v in so.variables] == [tuple(v.shape) for v in oo.variables]
 
 
 @pytest.mark.parametrize("kw", [{}, {"nesterov": False, "adam_lr_ratio": 0.1}], ids=lambda kw: "-".join(kw) or "plain")
-def test_same_arithmetic_as_stock_in_a_graph(kw):
+def test_same_arithmetic_as_stock_in_a_graph(kw, monkeypatch):
     """With grappler off, a tf.function step gives stock's bits: the batched chain is the same
     arithmetic; only the graph optimizer's rewrites (per shape, per op kind) tell them apart."""
+    monkeypatch.setattr(tk.Muon, "_tfclip_batch_products", True)
     before = tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     try:
@@ -110,10 +118,15 @@ def _count_matmuls(fn, *args):
     return sum(n.op in ("MatMul", "BatchMatMulV2", "BatchMatMulV3") for n in nodes)
 
 
-def test_newton_schulz_is_batched_by_shape():
+@pytest.mark.parametrize("device,want_batched", [(None, False), ("GPU", True)])
+def test_newton_schulz_is_batched_by_shape_on_a_gpu(monkeypatch, device, want_batched):
     """Four Muon matrices of two shape classes ((8, 16) with (16, 8) transposed, (16, 16) twice):
-    3 * ns_steps products per class, where stock issues them per matrix; the model's own
-    products are the same in both graphs."""
+    where the variables are on a GPU, 3 * ns_steps products per class, where stock issues them
+    per matrix (the model's own products are the same in both graphs); on the CPU per matrix,
+    as stock. (No GPU here: the device the class reads is the variables' `device`, patched.)"""
+    if device is not None:
+        real = tk._tf_var
+        monkeypatch.setattr(tk, "_tf_var", lambda v: _OnDevice(real(v), device))
     x, y = _data()
     counts = []
     for cls in (keras.optimizers.Muon, tk.Muon):
@@ -128,7 +141,17 @@ def test_newton_schulz_is_batched_by_shape():
             opt.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)
 
         counts.append(_count_matmuls(step, x[:4], y[:4]))
-    assert counts[0] - counts[1] == 3 * 5 * (4 - 2), counts
+    assert counts[0] - counts[1] == (3 * 5 * (4 - 2) if want_batched else 0), counts
+
+
+class _OnDevice:
+    """A variable that says it is on `device` (the rest is the variable's)."""
+
+    def __init__(self, var, device):
+        self._var, self.device = var, f"/job:localhost/replica:0/task:0/device:{device}:0"
+
+    def __getattr__(self, name):
+        return getattr(self._var, name)
 
 
 def test_batches_join_transposed_shapes():

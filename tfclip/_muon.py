@@ -1,8 +1,11 @@
 """Muon's matrix step (keras.optimizers.Muon, `_muon_update_step` and `_apply_weight_decay`) for
-the variables Muon orthogonalizes, in TF ops, with the Newton–Schulz iterations batched: the
-matrices of one shape, and those of its transpose (transposed first, as stock transposes a tall
-matrix), are stacked and orthogonalized as one batch, so a step issues `3 * ns_steps` matrix
-products per distinct shape, not per matrix. The clip is the one the fused op ran on the other
+the variables Muon orthogonalizes, in TF ops, with the Newton–Schulz iterations batched on a GPU:
+the matrices of one shape, and those of its transpose (transposed first, as stock transposes a
+tall matrix), are stacked and orthogonalized as one batch, so a step issues `3 * ns_steps`
+matrix products per distinct shape, not per matrix (a GPU step is launch-bound on small
+products). On the CPU they run per matrix: TF's CPU batched product is slower than its
+per-matrix one, whose independent chains TF already runs side by side (benchmarks/cpu_bench.py
+--extras muon; docs/benchmarks.md). The clip is the one the fused op ran on the other
 variables (`clip_factors`), from the same norm pass. tfclip/keras.py's `Muon` calls these; the
 AdamW part of the step is the fused Adam rule (csrc/core/rules.h).
 
@@ -72,11 +75,13 @@ def shape_groups(shapes):
     return list(groups.items())
 
 
-def orthogonalize(updates, newton_schulz):
+def orthogonalize(updates, newton_schulz, batch=True):
     """Each 2-D update orthogonalized by `newton_schulz(x)` (the stock
     `zeropower_via_newtonschulz5`, which takes a batch [B, rows, cols] as it takes a matrix),
-    one call per shape batch; in the updates' order and shapes. A batch of one is the matrix
-    itself (the stock call, bit for bit)."""
+    one call per shape batch (batch=False: per matrix); in the updates' order and shapes. A batch
+    of one is the matrix itself (the stock call, bit for bit)."""
+    if not batch:
+        return [newton_schulz(u) for u in updates]
     out = [None] * len(updates)
     for _, members in shape_groups([tuple(u.shape) for u in updates]):
         if len(members) == 1:

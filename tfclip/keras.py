@@ -6,7 +6,7 @@ Change one line::
     optimizer = tfclip.keras.Adam(1e-3, global_clipnorm=1.0)        # after
 
 `SGD`, `Adam`, `AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam`, `Lion`, `Ftrl`,
-`Lamb`, `Adafactor` and `ScheduleFreeAdamW` (with a Keras that has it) subclass the stock Keras classes and
+`Lamb`, `Adafactor`, `Muon` and `ScheduleFreeAdamW` (with a Keras that has it) subclass the stock Keras classes and
 take the same constructor arguments (learning-rate schedules, `clipnorm`, `clipvalue`, `global_clipnorm`,
 `weight_decay`, `use_ema`, `loss_scale_factor`, `gradient_accumulation_steps`, ...), create the
 same slot variables, and follow the same trajectories step by step. `optimizer.variables` is the
@@ -300,9 +300,9 @@ class Muon(_Generic, keras.optimizers.Muon):
     in `exclude_layers`) with the stock arguments, slots and trajectory. One norm pass over every
     gradient; the AdamW variables are one fused Adam op (with the clip, the non-finite policy and
     `adam_weight_decay`); the orthogonalized matrices are TF ops (tfclip/_muon.py) run when that op
-    applied its step, with the same clip, their Newton–Schulz iterations batched over the matrices
-    of one shape (transposed shapes joined): a few batched matrix products per distinct shape,
-    not per matrix. Extra: `nonfinite`. Not `state_dtype` (the matrices' momentum is read by TF
+    applied its step, with the same clip, their Newton–Schulz iterations batched on a GPU over the
+    matrices of one shape (transposed shapes joined): a few batched matrix products per distinct
+    shape, not per matrix (on the CPU per matrix, which is faster there). Extra: `nonfinite`. Not `state_dtype` (the matrices' momentum is read by TF
     ops) or `stochastic_rounding` (their update is written by TF ops)."""
 
     _tfclip_binding = Binding("adam", slots=(("m", "momentums"), ("v", "adam_velocities")),
@@ -312,6 +312,8 @@ class Muon(_Generic, keras.optimizers.Muon):
     _checked = ("epsilon", "momentum")
     low_precision_state = False
     int8_state = False
+    # Whether the Newton–Schulz products run batched by shape: None, on a GPU (tfclip/_muon.py).
+    _tfclip_batch_products = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -399,7 +401,10 @@ class Muon(_Generic, keras.optimizers.Muon):
                                                            * (self.momentum - 1))]):
                 m = _muon.read(m_var.handle, m_var.dtype)
             updates.append(g + self.momentum * m if self.nesterov else m)
-        ortho = _muon.orthogonalize(updates, lambda x: self.zeropower_via_newtonschulz5(x, self.ns_steps))
+        batch = self._tfclip_batch_products
+        if batch is None:  # (batched on a GPU, per matrix on the CPU: tfclip/_muon.py says why)
+            batch = any("GPU" in _tf_var(v).device.upper() for v in keras_vars)
+        ortho = _muon.orthogonalize(updates, lambda x: self.zeropower_via_newtonschulz5(x, self.ns_steps), batch)
         for v, u in zip(keras_vars, ortho):
             var = _tf_var(v)
             if self.weight_decay is not None and self._use_weight_decay(v):
