@@ -634,6 +634,14 @@ def rounding_table(args, rng):
     print("(x floor: against a copy moving 16 B/param, the bf16 step's bytes)")
 
 
+def apply_step(opt, grads, variables, jit=False):
+    """A Keras optimizer's whole step as a user runs it: one tf.function call of opt.apply."""
+    @tf.function(jit_compile=jit)
+    def f():
+        opt.apply(grads, variables)
+    return f
+
+
 def adafactor_table(args, rng):
     """Adafactor on the BERT-base set, float32, global_clipnorm=1.0, whole tf.function calls of
     opt.apply (and jit_compile=True): tfclip.keras.Adafactor (stock layout: the full `velocity`
@@ -666,13 +674,7 @@ def adafactor_table(args, rng):
         opt.build(variables)
         state[label] = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in opt.variables
                            if "iteration" not in v.name and "learning_rate" not in v.name) / n
-
-        def make(opt=opt, jit=jit):
-            @tf.function(jit_compile=jit)
-            def f():
-                opt.apply(grads, variables)
-            return f
-        fns[label] = make()
+        fns[label] = apply_step(opt, grads, variables, jit)
     r = interleaved_medians({**fns, "floor32": floor_copy(n), "floor28": floor_copy(n * 28 // 32)}, args.repeats)
     stock = r["keras.optimizers.Adafactor (stock)"]
     for label, (_, floor, _) in opts.items():
@@ -722,13 +724,7 @@ def muon_table(args, rng):
     fns = {}
     for label, (opt, jit) in opts.items():
         opt.build(variables)
-
-        def make(opt=opt, jit=jit):
-            @tf.function(jit_compile=jit)
-            def f():
-                opt.apply(grads, variables)
-            return f
-        fns[label] = make()
+        fns[label] = apply_step(opt, grads, variables, jit)
 
     @tf.function
     def ns_batched():
