@@ -330,22 +330,29 @@ def _sparse_grads(rng, table_shape=(10, 6)):
     return [emb] + [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in SHAPES_K]
 
 
+def _sparse_runs(seed, classes, apply, kw):
+    """Three steps of _sparse_grads on an embedding table and SHAPES_K, for each class: the
+    variables after them (`apply(opt, grads, variables)` is the library's apply call)."""
+    rng = np.random.default_rng(seed)
+    init = [rng.standard_normal(s).astype(np.float32) for s in [(10, 6)] + SHAPES_K]
+    steps = [_sparse_grads(rng) for _ in range(3)]
+    out = []
+    for cls in classes:
+        vs = [tf.Variable(x) for x in init]
+        opt = cls(learning_rate=0.05, **kw)
+        for g in steps:
+            apply(opt, g, vs)
+        out.append([v.numpy() for v in vs])
+    return out
+
+
 @needs_keras
 @pytest.mark.parametrize("kw", [{}, {"clipnorm": 0.5}, {"global_clipnorm": 1.0}], ids=lambda kw: "-".join(kw) or "plain")
 def test_keras_indexed_slices_with_repeated_rows_follow_stock(kw):
     """Stock Keras 3 squares each slice apart (r, c and rms(u) take the sum of a repeated row's
     squares) and scatters each slice's update; without global_clipnorm tfclip runs the stock
     step for such a gradient, so the bits are stock's; with it, both take the dense gradient."""
-    rng = np.random.default_rng(8)
-    init = [rng.standard_normal(s).astype(np.float32) for s in [(10, 6)] + SHAPES_K]
-    steps = [_sparse_grads(rng) for _ in range(3)]
-    out = []
-    for cls in (keras.optimizers.Adafactor, tk.Adafactor):
-        vs = [tf.Variable(x) for x in init]
-        opt = cls(learning_rate=0.05, **kw)
-        for g in steps:
-            opt.apply(g, vs)
-        out.append([v.numpy() for v in vs])
+    out = _sparse_runs(8, (keras.optimizers.Adafactor, tk.Adafactor), lambda opt, g, vs: opt.apply(g, vs), kw)
     _assert_trajectories_close(out[0], out[1], 1e-6, 1e-7)
     if not kw:  # the same ops: the same bits
         for a, b in zip(out[0], out[1]):
@@ -469,14 +476,6 @@ def test_tf_keras_factored_state_and_checkpoints(tmp_path):
 def test_tf_keras_indexed_slices_with_repeated_rows_follow_stock(kw):
     """tf_keras sums a repeated row's slices first (convert_to_tensor), as tfclip's dense
     passes take it; its clipnorm is of the slices (tf.clip_by_norm), as tfclip clips it first."""
-    rng = np.random.default_rng(10)
-    init = [rng.standard_normal(s).astype(np.float32) for s in [(10, 6)] + SHAPES_K]
-    steps = [_sparse_grads(rng) for _ in range(3)]
-    out = []
-    for cls in (tf_keras.optimizers.Adafactor, tfk.Adafactor):
-        vs = [tf.Variable(x) for x in init]
-        opt = cls(learning_rate=0.05, **kw)
-        for g in steps:
-            opt.apply_gradients(zip(g, vs))
-        out.append([v.numpy() for v in vs])
+    out = _sparse_runs(10, (tf_keras.optimizers.Adafactor, tfk.Adafactor),
+                       lambda opt, g, vs: opt.apply_gradients(zip(g, vs)), kw)
     _assert_trajectories_close(out[0], out[1])
