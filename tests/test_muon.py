@@ -334,3 +334,82 @@ def test_config_round_trip_and_get():
     again = tk.Muon.from_config(opt.get_config())
     assert again.exclude_layers == ["out"] and again.nonfinite == "propagate" and again.rms_rate is None
     assert type(tk.get("muon")) is tk.Muon
+
+
+def test_bfloat16_matrices_follow_stock():
+    """A bfloat16 model (as under keras's "bfloat16" dtype policy): the matrices and their
+    momentum are stock's bits (lr * u in float32, as stock's promotion computes it, rounded to
+    bfloat16 once). The bias takes the fused Adam op, which computes a bfloat16 variable's step in
+    float32 and rounds once (stock Keras's Adam computes it in bfloat16): tfclip.keras.AdamW's."""
+    rng = np.random.default_rng(12)
+    shapes = [(6, 4), (4,), (4, 6)]
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    steps = [[tf.constant(rng.standard_normal(s), tf.bfloat16) for s in shapes] for _ in range(3)]
+    out = {}
+    for cls in (keras.optimizers.Muon, tk.Muon, tk.AdamW):
+        vs = [keras.Variable(x, dtype="bfloat16") for x in init]
+        opt = cls(learning_rate=0.05) if cls is not tk.AdamW else cls(learning_rate=0.05, weight_decay=0.004)
+        for g in steps:
+            opt.apply(g, vs)
+        out[cls] = [v.numpy().astype(np.float32) for v in vs], opt
+    (sw, so), (ow, oo), (aw, _) = out[keras.optimizers.Muon], out[tk.Muon], out[tk.AdamW]
+    _same([sw[0], sw[2], so.momentums[0].numpy(), so.momentums[2].numpy()],
+          [ow[0], ow[2], oo.momentums[0].numpy(), oo.momentums[2].numpy()], exact=True)
+    np.testing.assert_array_equal(ow[1], aw[1])
+    assert not np.array_equal(ow[1], init[1].astype("bfloat16").astype(np.float32))
+
+
+def test_a_batch_is_one_dtype(monkeypatch):
+    """Batched (a GPU's way), matrices of one shape but two dtypes take a batch each. (Stock
+    Muon cannot step a float64 matrix: its rms_rate factor is float32.)"""
+    from tfclip import _muon
+
+    assert [k for k, _ in _muon.shape_groups([(4, 6), (6, 4), (4, 6)], ["float32", "bfloat16", "bfloat16"])] == \
+        [(4, 6, "float32"), (4, 6, "bfloat16")]
+    monkeypatch.setattr(tk.Muon, "_tfclip_batch_products", True)
+    rng = np.random.default_rng(13)
+    init = [(rng.standard_normal((4, 6)), "float32"), (rng.standard_normal((6, 4)), "bfloat16"),
+            (rng.standard_normal((4, 6)), "bfloat16")]
+    steps = [[tf.constant(rng.standard_normal(x.shape), d) for x, d in init] for _ in range(2)]
+    out = []
+    for cls in (keras.optimizers.Muon, tk.Muon):
+        vs = [keras.Variable(x, dtype=d) for x, d in init]
+        opt = cls(learning_rate=0.05)
+        for g in steps:
+            opt.apply(g, vs)
+        out.append([v.numpy().astype(np.float32) for v in vs])
+    _same(out[0], out[1], exact=True)
+
+
+@pytest.mark.parametrize("kw", [{"global_clipnorm": 1.0}, {"clipnorm": 0.5}, {"clipvalue": 0.3}],
+                         ids=lambda kw: "-".join(kw))
+def test_indexed_slices_on_a_matrix_are_clipped_by_their_slices(kw):
+    """A Muon matrix's IndexedSlices gradient with a repeated row: its norm is its slices'
+    (stock's global_norm and clip_by_norm square the slices apart), so the clip every variable
+    gets is stock's; value clipping clips each slice, then the rows are summed, as keras's
+    ops.clip."""
+    rng = np.random.default_rng(14)
+    init = [rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((6,)).astype(np.float32)]
+    steps = []
+    for _ in range(3):
+        values = tf.constant(rng.standard_normal((3, 6)).astype(np.float32) * 3)
+        steps.append([tf.IndexedSlices(values, tf.constant([1, 1, 4]), tf.constant([5, 6])),
+                      tf.constant(rng.standard_normal(6).astype(np.float32))])
+    out = []
+    for cls in (keras.optimizers.Muon, tk.Muon):
+        vs = [keras.Variable(x) for x in init]
+        opt = cls(learning_rate=0.05, **kw)
+        for g in steps:
+            opt.apply(g, vs)
+        out.append([v.numpy() for v in vs])
+    # (the clip scale's last bit: tfclip's norm is float64, stock's float32)
+    _same(out[0], out[1], exact=False, rtol=1e-6, atol=1e-7)
+
+
+def test_raise_under_xla_with_matrices_only_is_refused_when_traced():
+    vs = [keras.Variable(np.ones((3, 4), np.float32))]
+    opt = tk.Muon(learning_rate=0.05, nonfinite="raise")
+    opt.build(vs)
+    step = tf.function(lambda g: opt.apply([g], vs), jit_compile=True)
+    with pytest.raises(ValueError, match="nonfinite='raise' under XLA.*only matrices"):
+        step(tf.ones((3, 4)))

@@ -40,11 +40,20 @@ def global_scale(clip, norm):
     return tf.where(clip > 0, scale, tf.ones_like(scale) + (norm - norm))
 
 
+def _on_values(g, fn):
+    """fn applied to a gradient, or to an IndexedSlices' values (its slices, as TF and Keras
+    clip them, before a repeated row's slices are summed)."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
+    return fn(g)
+
+
 def clip_gradients(grads, mode, clip, norm, tensor_norms, grad_scale=None):
     """The gradients clipped as the fused op clips its own (csrc/core/clip.h, TensorClipFactor):
     the global scale from `norm` (float64, the norm pass's), per tensor by its norm from
-    `tensor_norms`, by value, or none; times `grad_scale` (a loss scale's unscale) first. AGC is
-    the caller's (tfclip.clipping.AGC.unfused)."""
+    `tensor_norms`, by value, or none; times `grad_scale` (a loss scale's unscale) first. An
+    IndexedSlices' slices are clipped (its norm is its values'). AGC is the caller's
+    (tfclip.clipping.AGC.unfused)."""
     gs = tf.constant(1.0, tf.float64) if grad_scale is None else tf.cast(grad_scale, tf.float64)
     clip = tf.cast(clip, tf.float64)
     out = []
@@ -56,21 +65,30 @@ def clip_gradients(grads, mode, clip, norm, tensor_norms, grad_scale=None):
             m = tf.where(tf.math.is_nan(n), n, tf.maximum(n, clip))
             factor = tf.where(clip > 0, clip / m, tf.ones_like(m) + (n - n)) * gs
         elif mode == "value":
-            g = g if grad_scale is None else g * tf.cast(gs, g.dtype)
-            out.append(tf.where(clip > 0, tf.clip_by_value(g, -tf.cast(clip, g.dtype), tf.cast(clip, g.dtype)), g))
+            def by_value(x):
+                x = x if grad_scale is None else x * tf.cast(gs, x.dtype)
+                c = tf.cast(clip, x.dtype)
+                return tf.where(clip > 0, tf.clip_by_value(x, -c, c), x)
+            out.append(_on_values(g, by_value))
             continue
         else:  # "none"
             factor = gs
-        out.append(g if mode == "none" and grad_scale is None else g * tf.cast(factor, g.dtype))
+        if mode == "none" and grad_scale is None:
+            out.append(g)
+        else:
+            out.append(_on_values(g, lambda x, f=factor: x * tf.cast(f, x.dtype)))
     return out
 
 
-def shape_groups(shapes):
-    """The batches of a step: [(rows, cols), [(index, transposed)]] with rows <= cols, in the
-    order each shape first appears; a matrix taller than wide joins its transpose's batch."""
+def shape_groups(shapes, dtypes=None):
+    """The batches of a step: [(key, [(index, transposed)])], key (rows, cols) with rows <= cols
+    (and the dtype, where `dtypes` are given: a batch is one tensor), in the order each key first
+    appears; a matrix taller than wide joins its transpose's batch."""
     groups = {}
     for i, (r, c) in enumerate(shapes):
         key, t = ((c, r), True) if r > c else ((r, c), False)
+        if dtypes is not None:
+            key = key + (dtypes[i],)
         groups.setdefault(key, []).append((i, t))
     return list(groups.items())
 
@@ -83,7 +101,7 @@ def orthogonalize(updates, newton_schulz, batch=True):
     if not batch:
         return [newton_schulz(u) for u in updates]
     out = [None] * len(updates)
-    for _, members in shape_groups([tuple(u.shape) for u in updates]):
+    for _, members in shape_groups([tuple(u.shape) for u in updates], [u.dtype for u in updates]):
         if len(members) == 1:
             out[members[0][0]] = newton_schulz(updates[members[0][0]])
             continue

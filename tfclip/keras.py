@@ -66,7 +66,7 @@ from tfclip import _muon, _opcall, _step  # noqa: E402
 from tfclip import clipping as _clipping  # noqa: E402
 from tfclip._keras_logger import GradientNormLogger  # noqa: E402, F401  (tfclip.keras.GradientNormLogger)
 from tfclip._keras_loss_scale import LossScaleOptimizer  # noqa: E402, F401  (tfclip.keras.LossScaleOptimizer)
-from tfclip._keras_step import _check_betas, _FusedMixin, _tf_var  # noqa: E402
+from tfclip._keras_step import _check_betas, _FusedMixin, _in_xla_context, _tf_var  # noqa: E402
 from tfclip._step import STEP, Binding  # noqa: E402
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
@@ -337,13 +337,17 @@ class Muon(_Generic, keras.optimizers.Muon):
 
     def _fused_update_step(self, grads, keras_vars, learning_rate):
         mats = [self._tfclip_is_matrix(v) for v in keras_vars]
-        # The matrices take dense gradients (stock adds them to the dense momentum).
-        grads = [tf.convert_to_tensor(g) if m and isinstance(g, tf.IndexedSlices) else g for g, m in zip(grads, mats)]
         adam = [i for i, m in enumerate(mats) if not m]
         muon = [i for i, m in enumerate(mats) if m]
         tvars = [_tf_var(v) for v in keras_vars]
         loss_scale = _step.loss_scale(self)
         nonfinite = self.nonfinite if loss_scale is None else "skip"
+        if not adam and nonfinite == "raise" and _in_xla_context():
+            # (the fused op raises under XLA; XLA drops tf.debugging.Assert, and this step has no op)
+            raise ValueError("nonfinite='raise' under XLA (jit_compile=True) needs a variable that takes "
+                             "Muon's AdamW step (a bias, an embedding, exclude_layers): this step has only "
+                             "matrices, whose ops cannot raise inside XLA; use 'skip' or 'propagate'")
+        # (IndexedSlices as they are: their norm is of their slices, as stock's)
         norm, pass_norms = _step.norm_pass(grads)
         # The AdamW part: keras's Adam update at learning_rate * adam_lr_ratio, after the decay
         # `w - w * adam_weight_decay * learning_rate` (the op's own where the two rates agree).
@@ -378,6 +382,8 @@ class Muon(_Generic, keras.optimizers.Muon):
         elif muon:
             mg = _muon.clip_gradients(mg, result.clip_mode, result.clip, norm,
                                       [pass_norms[i] for i in muon], loss_scale)
+        # The matrices take dense gradients (stock adds them, clipped, to the dense momentum).
+        mg = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in mg]
         if muon:
             tf.cond(applied, lambda: self._tfclip_matrices(mg, [keras_vars[i] for i in muon], learning_rate),
                     lambda: None)
@@ -409,7 +415,8 @@ class Muon(_Generic, keras.optimizers.Muon):
             var = _tf_var(v)
             if self.weight_decay is not None and self._use_weight_decay(v):
                 _muon_decay([var], self.weight_decay, learning_rate)
-            _muon.assign_sub(var.handle, self.lr_adjust(tf.cast(learning_rate, u.dtype) * u))
+            # lr * u in the wider dtype (float32 for a bfloat16 matrix), as stock's promotes it
+            _muon.assign_sub(var.handle, tf.cast(self.lr_adjust(keras.ops.multiply(learning_rate, u)), var.dtype))
 
 
 def _muon_decay(tvars, wd, learning_rate):
