@@ -12,6 +12,7 @@
 
 #include "csrc/core/hparams.h"
 #include "csrc/core/rules.h"
+#include "csrc/core/rules_tf1.h"
 
 namespace tfclip {
 
