@@ -96,8 +96,7 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     elif len(groups) > 1 or (clip_obj is not None and not agc) or densify:
         # Every group's op takes the norms of one norm pass; so does an adaptive clip, whose
         # threshold comes from it (scalar ops on the device).
-        values = grads if all_dense else _opcall.op_grads(grads)[0]
-        use_norm, pass_norms = _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
+        use_norm, pass_norms = norm_pass(grads, all_dense)
         given = True
     if clip_obj is not None and not agc:  # (its threshold follows the scaled gradients' norms)
         adaptive = clip_obj.step(use_norm if grad_scale is None else use_norm * grad_scale)
@@ -148,10 +147,12 @@ def run(grads, groups, clip_mode, clip, *, clip_obj=None, use_norm=None, nonfini
     return StepResult(norm, applied, tensor_norms, clipped_units, clip_mode, clip, adaptive, update)
 
 
-def norm_pass(grads):
+def norm_pass(grads, all_dense=False):
     """(the global norm, each gradient's norm), float64, of `grads` (tensors or IndexedSlices,
-    whose norm is their values'): the one norm pass (`TfclipGlobalNorm`)."""
-    return _loader.ops().tfclip_global_norm(t=_opcall.op_grads(grads)[0], Tnorm=tf.float64)
+    whose norm is their values'; all_dense: the caller checked there is none): the one norm pass
+    (`TfclipGlobalNorm`)."""
+    values = grads if all_dense else _opcall.op_grads(grads)[0]
+    return _loader.ops().tfclip_global_norm(t=values, Tnorm=tf.float64)
 
 
 def nonfinite_applied(norm, nonfinite):
