@@ -98,6 +98,10 @@ def step(rule, var, slots, g, hp, t, gsq=None, slot_dtype=None):
         return var - ratio * lr * u
     if rule == "schedule_free_adamw":  # slots: momentum (z), velocity
         return schedule_free_adamw(var, slots, g, hp, t, gsq)
+    if rule == "muon_momentum":  # var: Muon's momentum m <- momentum m + g
+        return hp.get("momentum", 0.0) * var + g
+    if rule == "muon_update":  # g: the orthogonalized update, scaled by Moonlight's sqrt(max dim) rms_rate
+        return var - lr * g * hp.get("shape_scale", 1.0) * hp.get("rms_rate", 0.2)
     gg = g * g if gsq is None else gsq
     eps = hp.get("epsilon", 1e-7)
     # epsilon_outside_sqrt (ResourceApplyAdagradV2, tf_keras legacy RMSprop): sqrt(x) + eps.
@@ -212,7 +216,8 @@ def num_slots(rule, hp):
         return 3 if hp.get("centered") else 2
     fixed = {"sgd": 0, "momentum": 1, "keras_momentum": 1, "adagrad": 1, "adadelta": 2, "adamax": 2,
              "lion": 1, "nadam": 2, "ftrl": 2, "ftrl_sqrt": 2, "lamb": 2, "proximal_gradient_descent": 0,
-             "proximal_adagrad": 1, "adagrad_da": 2, "schedule_free_adamw": 2}
+             "proximal_adagrad": 1, "adagrad_da": 2, "schedule_free_adamw": 2,
+             "muon_momentum": 0, "muon_update": 0}
     return fixed.get(rule, 3 if hp.get("amsgrad") else 2)
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 import tfclip
 import tfclip.compat.v1 as v1
 from tfclip import _core, clipping
+from tfclip._step import Binding
 
 TABLE = _core.rule_table()
 HPARAMS = _core.hparam_table()
@@ -27,7 +28,15 @@ FROM_THE_FRONT_DOOR = {"lr", "weight_decay"}
 
 
 def _bindings(classes):
-    return {c.__qualname__: (getattr(c, "binding", None) or c._tfclip_binding) for c in classes}
+    """Each class's bindings by name: its `binding` or `_tfclip_binding`, and any other Binding it
+    holds (tfclip.keras.Muon's step runs three rows)."""
+    out = {}
+    for c in classes:
+        out[c.__qualname__] = getattr(c, "binding", None) or c._tfclip_binding
+        for attr, b in inspect.getmembers(c, lambda x: isinstance(x, Binding)):
+            if attr not in ("binding", "_tfclip_binding"):
+                out[f"{c.__qualname__}.{attr}"] = b
+    return out
 
 
 def _front_doors():
@@ -49,7 +58,10 @@ def _front_doors():
 
 # Rows tfclip.rules has no class for, and why.
 NOT_A_RULE_CLASS = {"tf_rmsprop": "TF1's RMSProp kernel order: tfclip.compat.v1.RMSPropOptimizer and "
-                                  "tfclip.tf_keras.legacy.RMSprop (momentum) bind it"}
+                                  "tfclip.tf_keras.legacy.RMSprop (momentum) bind it",
+                    "muon_momentum": "Muon's matrix step before its Newton-Schulz products (not element-wise, "
+                                     "so not a fused_clip_apply rule): tfclip.keras.Muon binds it",
+                    "muon_update": "Muon's matrix step after its Newton-Schulz products: tfclip.keras.Muon binds it"}
 
 
 def test_every_rule_table_row_is_bound():
@@ -58,7 +70,9 @@ def test_every_rule_table_row_is_bound():
     assert rules == set(TABLE) - set(NOT_A_RULE_CLASS), \
         f"rows without a tfclip.rules class or a stated reason: {sorted(set(TABLE) - rules - set(NOT_A_RULE_CLASS))}"
     anywhere = {k for bindings in doors.values() for b in bindings.values() for k in b.all_kinds()}
-    assert anywhere >= set(TABLE) - {"tf_rmsprop"} and "tf_rmsprop" in {
+    # (Muon's rows are Keras 3's alone: TF 2.15 has no tfclip.keras)
+    keras3_only = set() if "tfclip.keras" in doors else {"muon_momentum", "muon_update"}
+    assert anywhere >= set(TABLE) - {"tf_rmsprop"} - keras3_only and "tf_rmsprop" in {
         k for b in doors["tfclip.compat.v1"].values() for k in b.all_kinds()}
 
 

@@ -58,7 +58,8 @@ def test_mirrored_two_replicas(single, tmp_path):
     assert stock_delta == pytest.approx(-2.0)   # stock Keras: clip(3) + clip(3)
     _same_weights(m, single, "fit")
     _same_weights(m, single, "custom")
-    # Muon: the fused Adam op on the biases, TF ops on the matrices, on each replica's copy
+    # Muon: the fused Adam op on the biases, the fused momentum and update ops around TF products on
+    # the matrices, on each replica's copy
     _same_weights(m, single, "muon_fit")
     _same_weights(m, single, "muon_custom")
     np.testing.assert_allclose(m["fit_norm"], single["fit_norm"], rtol=1e-5)

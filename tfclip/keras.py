@@ -60,13 +60,14 @@ if _KERAS_PROBLEM is not None:
     raise ImportError(_KERAS_PROBLEM)
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfclip import _muon, _opcall, _step  # noqa: E402
 from tfclip import clipping as _clipping  # noqa: E402
 from tfclip._keras_logger import GradientNormLogger  # noqa: E402, F401  (tfclip.keras.GradientNormLogger)
 from tfclip._keras_loss_scale import LossScaleOptimizer  # noqa: E402, F401  (tfclip.keras.LossScaleOptimizer)
-from tfclip._keras_step import _check_betas, _FusedMixin, _in_xla_context, _tf_var  # noqa: E402
+from tfclip._keras_step import _check_betas, _FusedMixin, _tf_var  # noqa: E402
 from tfclip._step import STEP, Binding  # noqa: E402
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
@@ -299,16 +300,26 @@ class Muon(_Generic, keras.optimizers.Muon):
     Moonlight's `rms_rate` scaling; AdamW for every variable that is not 2-D, an embedding, or
     in `exclude_layers`) with the stock arguments, slots and trajectory. One norm pass over every
     gradient; the AdamW variables are one fused Adam op (with the clip, the non-finite policy and
-    `adam_weight_decay`); the orthogonalized matrices are TF ops (tfclip/_muon.py) run when that op
-    applied its step, with the same clip, their Newton–Schulz iterations batched on a GPU over the
-    matrices of one shape (transposed shapes joined): a few batched matrix products per distinct
-    shape, not per matrix (on the CPU per matrix, which is faster there). Extra: `nonfinite`. Not `state_dtype` (the matrices' momentum is read by TF
-    ops) or `stochastic_rounding` (their update is written by TF ops)."""
+    `adam_weight_decay`); the matrices' momentum is one fused op over all of them (rules.h,
+    MuonMomentumRule), their Newton–Schulz iterations TF matrix products (tfclip/_muon.py;
+    batched on a GPU over the matrices of one shape, transposed shapes joined: a few batched
+    products per distinct shape, not per matrix; on the CPU per matrix, which is faster there),
+    and their weight decay and `rms_rate`-scaled update one fused op per matrix size
+    (MuonUpdateRule). The clip is the one the AdamW op runs, from the same norm pass. Extra:
+    `nonfinite`. Not `state_dtype` (the matrices' momentum is read by the Nesterov step and the
+    products, TF ops) or `stochastic_rounding` (those TF ops round to nearest)."""
 
     _tfclip_binding = Binding("adam", slots=(("m", "momentums"), ("v", "adam_velocities")),
                               hparams=(("beta_1", "adam_beta_1"), ("beta_2", "adam_beta_2"),
                                        ("epsilon", "epsilon"), ("step", STEP)),
                               flags=(("amsgrad", lambda o: False),))
+    # The matrices' two fused ops: the momentum slot as the op's variable, and the update
+    # (shape_scale: keras's sqrt(max(rows, cols)), in float32 as keras computes it; a group's
+    # matrices share their largest dimension).
+    _tfclip_momentum_binding = Binding("muon_momentum", hparams=(("momentum", "momentum"),))
+    _tfclip_update_binding = Binding("muon_update", hparams=(
+        ("shape_scale", lambda o, vs: 1.0 if o.rms_rate is None else float(np.sqrt(np.float32(max(vs[0].shape))))),
+        ("rms_rate", lambda o, vs: 1.0 if o.rms_rate is None else o.rms_rate)))
     _checked = ("epsilon", "momentum")
     low_precision_state = False
     int8_state = False
@@ -328,8 +339,8 @@ class Muon(_Generic, keras.optimizers.Muon):
         if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, numbers.Integral) or self.ns_steps < 0:
             raise ValueError(f"ns_steps must be an int >= 0, got {self.ns_steps!r}")
         if self.stochastic_rounding:
-            raise ValueError("Muon does not take stochastic_rounding=True: its matrices' update is written by "
-                             "TF ops (tfclip/_muon.py), which round to nearest")
+            raise ValueError("Muon does not take stochastic_rounding=True: its matrices' Nesterov step and "
+                             "Newton–Schulz products are TF ops (tfclip/_muon.py), which round to nearest")
 
     def _tfclip_is_matrix(self, v):
         """Whether `v` takes Muon's own step (stock keeps no AdamW velocity for it)."""
@@ -342,11 +353,6 @@ class Muon(_Generic, keras.optimizers.Muon):
         tvars = [_tf_var(v) for v in keras_vars]
         loss_scale = _step.loss_scale(self)
         nonfinite = self.nonfinite if loss_scale is None else "skip"
-        if not adam and nonfinite == "raise" and _in_xla_context():
-            # (the fused op raises under XLA; XLA drops tf.debugging.Assert, and this step has no op)
-            raise ValueError("nonfinite='raise' under XLA (jit_compile=True) needs a variable that takes "
-                             "Muon's AdamW step (a bias, an embedding, exclude_layers): this step has only "
-                             "matrices, whose ops cannot raise inside XLA; use 'skip' or 'propagate'")
         # (IndexedSlices as they are: their norm is of their slices, as stock's)
         norm, pass_norms = _step.norm_pass(grads)
         # The AdamW part: keras's Adam update at learning_rate * adam_lr_ratio, after the decay
@@ -371,22 +377,24 @@ class Muon(_Generic, keras.optimizers.Muon):
                            nonfinite=nonfinite, lazy=self.lazy_sparse, keras_sparse_squares=True,
                            grad_scale=loss_scale)
         applied = result.applied
-        if loss_scale is not None:
-            _step.loss_scale_applied(self, applied)
         # The matrices: clipped as the op clipped the rest (AGC per unit, from the variables
-        # before the step; its counts also for a skipped step, as the op's), then updated where
-        # the op applied its step.
+        # before the step; its counts also for a skipped step, as the op's), then stepped by
+        # their own ops, which take the same non-finite decision from the same norm.
         mg, counts = [grads[i] for i in muon], None
         if isinstance(self.clip, _clipping.AGC):
             mg, counts = self.clip.unfused(mg, [tvars[i] for i in muon], counts=True)
         elif muon:
             mg = _muon.clip_gradients(mg, result.clip_mode, result.clip, norm,
                                       [pass_norms[i] for i in muon], loss_scale)
-        # The matrices take dense gradients (stock adds them, clipped, to the dense momentum).
-        mg = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in mg]
         if muon:
-            tf.cond(applied, lambda: self._tfclip_matrices(mg, [keras_vars[i] for i in muon], learning_rate),
-                    lambda: None)
+            # (dense: stock adds them, clipped, to the dense momentum)
+            mg = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in mg]
+            matrices_applied = self._tfclip_matrices(mg, [keras_vars[i] for i in muon], learning_rate, norm,
+                                                     nonfinite)
+            if not adam:
+                applied = matrices_applied
+        if loss_scale is not None:
+            _step.loss_scale_applied(self, applied)
         tensor_norms = tf.cast(pass_norms if loss_scale is None else pass_norms * tf.cast(loss_scale, tf.float64),
                                tf.float32)
         units = None
@@ -396,31 +404,39 @@ class Muon(_Generic, keras.optimizers.Muon):
                            None if result.adaptive is None else result.adaptive.threshold, units)
         return applied
 
-    def _tfclip_matrices(self, grads, keras_vars, learning_rate):
-        """Muon's step of the matrices (stock `_apply_weight_decay` and `_muon_update_step`, the
-        same ops in the same order), the Newton–Schulz iterations batched by shape."""
-        updates = []
-        for g, v in zip(grads, keras_vars):
-            var, m_var = _tf_var(v), _tf_var(self.momentums[self._get_variable_index(v)])
-            g = tf.cast(g, m_var.dtype)
-            with tf.control_dependencies([_muon.assign_add(m_var.handle, g + _muon.read(m_var.handle, m_var.dtype)
-                                                           * (self.momentum - 1))]):
-                m = _muon.read(m_var.handle, m_var.dtype)
-            updates.append(g + self.momentum * m if self.nesterov else m)
+    def _tfclip_matrices(self, grads, keras_vars, learning_rate, norm, nonfinite):
+        """Muon's step of the matrices (stock `_apply_weight_decay` and `_muon_update_step`) on
+        their clipped gradients: the momentum op, the Nesterov step and the Newton–Schulz
+        iterations (TF ops, batched by shape on a GPU), the update op; both ops skip, raise or
+        propagate by `norm` as the step's other op. Returns whether the step was applied."""
+        moms = [_tf_var(self.momentums[self._get_variable_index(v)]) for v in keras_vars]
+        grads = [tf.cast(g, m.dtype) for g, m in zip(grads, moms)]
+        kind, _, hparams, flags = self._tfclip_momentum_binding.inputs(self, keras_vars)
+        momentum = _step.run(grads, [_step.Group(kind, [m.handle for m in moms], {}, hparams, flags)], "none", 0.0,
+                             use_norm=norm, nonfinite=nonfinite)
+        ms = [_muon.read(m.handle, m.dtype) for m in moms]
+        updates = [g + self.momentum * m for g, m in zip(grads, ms)] if self.nesterov else ms
         batch = self._tfclip_batch_products
         if batch is None:  # (batched on a GPU, per matrix on the CPU: tfclip/_muon.py says why)
             batch = any("GPU" in _tf_var(v).device.upper() for v in keras_vars)
         ortho = _muon.orthogonalize(updates, lambda x: self.zeropower_via_newtonschulz5(x, self.ns_steps), batch)
-        for v, u in zip(keras_vars, ortho):
-            var = _tf_var(v)
-            if self.weight_decay is not None and self._use_weight_decay(v):
-                _muon_decay([var], self.weight_decay, learning_rate)
-            # lr * u in the wider dtype (float32 for a bfloat16 matrix), as stock's promotes it
-            _muon.assign_sub(var.handle, tf.cast(self.lr_adjust(keras.ops.multiply(learning_rate, u)), var.dtype))
+        # One update op per (weight decay, largest dimension): keras's decay `w - w * wd * lr`,
+        # then `w - lr_adjust(lr * o)`.
+        wd = self.weight_decay
+        keys = [(wd is not None and wd != 0 and self._use_weight_decay(v), max(v.shape)) for v in keras_vars]
+        groups = []
+        for (decay, _), idx in _step.partition(keys):
+            group = [keras_vars[i] for i in idx]
+            kind, _, hparams, flags = self._tfclip_update_binding.inputs(self, group)
+            hparams.update(lr=_opcall.scalar(learning_rate, "learning_rate"), weight_decay=wd if decay else 0.0)
+            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], {}, hparams, flags, idx))
+        _step.run(ortho, groups, "none", 0.0, use_norm=norm, nonfinite=nonfinite)
+        return momentum.applied
 
 
 def _muon_decay(tvars, wd, learning_rate):
-    """Stock `_apply_weight_decay` on these variables: `w - w * wd * lr`."""
+    """Stock `_apply_weight_decay` on these variables: `w - w * wd * lr` (Muon's AdamW variables
+    where adam_lr_ratio != 1, whose op runs at another rate than their decay's)."""
     for var in tvars:
         w = _muon.read(var.handle, var.dtype)
         _muon.assign(var.handle, w - w * tf.cast(wd, w.dtype) * tf.cast(learning_rate, w.dtype))

@@ -26,7 +26,8 @@ namespace tfclip {
 // 0.96^(schedule_decay * t)): not given, 0.96^t (Keras 3's and tf_keras's Nadam); tf_keras's
 // legacy Nadam gives its `schedule_decay` (0.004 by default), whose range stock does not check.
 // beta_2_decay, epsilon_1, epsilon_2, clip_threshold: Adafactor's (keras's names and defaults;
-// stock checks none of them).
+// stock checks none of them). shape_scale, rms_rate: Muon's update scale (rules.h, MuonUpdateRule:
+// sqrt(max(rows, cols)) as float32, and keras's rms_rate).
 #define TFCLIP_FOR_EACH_HPARAM(X)                                      \
   X(lr, "learning_rate", 0.0, -INFINITY, false, INFINITY, false)      \
   X(momentum, "momentum", 0.0, -INFINITY, false, INFINITY, false)      \
@@ -50,7 +51,9 @@ namespace tfclip {
   X(beta_2_decay, "beta_2_decay", -0.8, -INFINITY, false, INFINITY, false) \
   X(epsilon_1, "epsilon_1", 1e-30, -INFINITY, false, INFINITY, false)    \
   X(epsilon_2, "epsilon_2", 1e-3, -INFINITY, false, INFINITY, false)     \
-  X(clip_threshold, "clip_threshold", 1.0, -INFINITY, false, INFINITY, false)
+  X(clip_threshold, "clip_threshold", 1.0, -INFINITY, false, INFINITY, false) \
+  X(shape_scale, "shape_scale", 1.0, -INFINITY, false, INFINITY, false)       \
+  X(rms_rate, "rms_rate", 0.2, -INFINITY, false, INFINITY, false)
 
 // X(field, op attr name): the rules' boolean options. eps_outside (Adagrad, RMSprop): epsilon
 // added to the square root, lr*g / (sqrt(x) + eps), as TF's ResourceApplyAdagradV2 and

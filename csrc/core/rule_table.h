@@ -77,7 +77,11 @@ namespace tfclip {
   X(kAdafactor, AdafactorRule, "Adafactor", "adafactor", "r,c,v",                             \
     0u TFCLIP_H(lr) TFCLIP_H(beta_2_decay) TFCLIP_H(epsilon_1) TFCLIP_H(epsilon_2)            \
         TFCLIP_H(clip_threshold) TFCLIP_H(weight_decay) TFCLIP_H(step),                        \
-    0u)
+    0u)                                                                                        \
+  X(kMuonMomentum, MuonMomentumRule, "MuonMomentum", "muon_momentum", "",                     \
+    0u TFCLIP_H(momentum), 0u)                                                                 \
+  X(kMuonUpdate, MuonUpdateRule, "MuonUpdate", "muon_update", "",                             \
+    0u TFCLIP_H(lr) TFCLIP_H(weight_decay) TFCLIP_H(shape_scale) TFCLIP_H(rms_rate), 0u)
 
 enum class RuleKind : int {
 #define TFCLIP_RULE_ENUM(kind, ...) kind,

@@ -17,6 +17,8 @@
 //                      optimizers of the same names (LambRule: a per-tensor trust ratio)
 //   AdafactorRule      keras Adafactor (factored second moments: passes of its own, factored.h)
 //   ScheduleFreeAdamWRule  keras ScheduleFreeAdamW (as it runs on the TensorFlow backend)
+//   MuonMomentumRule, MuonUpdateRule  keras Muon's matrix step before and after its Newton–Schulz
+//                      iterations (tfclip.keras.Muon)
 // The rules of TF1's own training ops that no Keras optimizer has (TfRmsPropRule, ProximalSgdRule,
 // ProximalAdagradRule, AdagradDaRule) are in csrc/core/rules_tf1.h.
 #pragma once
@@ -723,6 +725,58 @@ struct ScheduleFreeAdamWRule : RuleBase {
     const M x = (var - c.one_minus_beta_1_m * z) / c.beta_1;
     const M x_new = c.one_minus_inv_step * x + c.inv_step * z;
     var = c.one_minus_beta_1_m * z + c.beta_1 * x_new;
+  }
+};
+
+// Keras Muon's element-wise halves, around the Newton–Schulz iterations (TF matrix products,
+// tfclip/_muon.py) that no element-wise pass can run: tfclip.keras.Muon runs MuonMomentumRule's
+// op on every matrix before them and MuonUpdateRule's after.
+struct MuonMomentumRule : RuleBase {
+  // The momentum slot as the op's variable (no slots of its own): m <- m + (g + m (momentum - 1)),
+  // keras's `assign_add(m, g + m * (momentum - 1))`, momentum - 1 the Python float rounded once.
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 0, kMaxSlots = 0;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 0; }
+  template <typename M>
+  struct Consts : StepBase<M> {
+    M momentum_minus_1;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    c.momentum_minus_1 = static_cast<M>(hp.momentum - 1.0);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M g, M /*gsq*/, M& m, M* /*slots*/) {
+    m = m + (g + m * c.momentum_minus_1);
+  }
+};
+
+struct MuonUpdateRule : RuleBase {
+  // The matrix after decoupled weight decay, stepped by its orthogonalized update o (the op's
+  // gradient input): var -= ((lr * o) * shape_scale) * rms_rate, keras's
+  // `assign_sub(var, lr_adjust(lr * o))` with Moonlight's scale, shape_scale = sqrt(max(rows,
+  // cols)) in float32 as keras computes it (1 and 1 for rms_rate=None: exact). No slots.
+  static constexpr bool kScatter = false;
+  static constexpr int kMinSlots = 0, kMaxSlots = 0;
+  static TFCLIP_HD int NumSlots(const HParams&) { return 0; }
+  template <typename M>
+  struct Consts : StepBase<M> {
+    M shape_scale, rms_rate;
+  };
+  template <typename M>
+  static TFCLIP_HD Consts<M> MakeConsts(const HParams& hp) {
+    Consts<M> c;
+    MakeStepBase<M>(hp, &c);
+    c.shape_scale = static_cast<M>(hp.shape_scale);
+    c.rms_rate = static_cast<M>(hp.rms_rate);
+    return c;
+  }
+  template <typename M>
+  static TFCLIP_HD void Update(const Consts<M>& c, M o, M /*gsq*/, M& var, M* /*slots*/) {
+    var = var - ((c.lr * o) * c.shape_scale) * c.rms_rate;
   }
 };
 

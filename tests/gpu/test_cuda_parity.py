@@ -223,6 +223,10 @@ RULES = {
     "proximal_adagrad": (["accumulator"], {"learning_rate": 0.05, "l1": 0.01, "l2": 0.2}),
     "adagrad_da": (["gradient_accumulator", "gradient_squared_accumulator"],
                    {"learning_rate": 0.05, "l1": 0.02, "l2": 0.2, "global_step": 3.0}),
+    # Muon's matrix halves: the momentum slot as the variable; the update of an orthogonalized o
+    "muon_momentum": ([], {"momentum": 0.95}),
+    "muon_update": ([], {"learning_rate": 0.02, "weight_decay": 0.004, "shape_scale": float(np.sqrt(np.float32(12))),
+                         "rms_rate": 0.2}),
 }
 TAKES_STEP = {r for r, row in core.rule_table().items() if "step" in row["hparams"]}
 MODES = {"none": 0.0, "global_norm": 1.0, "norm": 0.3, "value": 0.01}
