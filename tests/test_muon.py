@@ -168,6 +168,41 @@ def test_newton_schulz_is_batched_by_shape_on_a_gpu(monkeypatch, device, want_ba
     assert counts[0] - counts[1] == (3 * 5 * (4 - 2) if want_batched else 0), counts
 
 
+def _op_types(fn, *args):
+    graph = fn.get_concrete_function(*args).graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return [n.op for n in nodes]
+
+
+def test_matrices_element_wise_step_is_two_fused_ops():
+    """The matrices' momentum is one op over all of them, their decay and scaled update one op
+    per largest dimension (16 and 8 here: the (8, 16) and (16, 8) matrices share 16), where stock
+    writes each matrix's momentum and variable with its own assign ops; tfclip's step has no
+    AssignAdd or AssignSub at all (the AdamW variables are the Adam op's)."""
+    x, y = _data()
+    ops = {}
+    for cls in (keras.optimizers.Muon, tk.Muon):
+        m = _model()
+        opt = cls(learning_rate=0.02, exclude_layers=["last"])
+        opt.build(m.trainable_variables)
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((m(xb) - yb) ** 2)
+            opt.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)
+
+        ops[cls] = _op_types(step, x[:4], y[:4])
+    stock, ours = ops[keras.optimizers.Muon], ops[tk.Muon]
+    assert ours.count("TfclipClipApplyMuonMomentum") == 1
+    assert ours.count("TfclipClipApplyMuonUpdate") == 1  # (the four matrices' largest dimension is 16)
+    assert ours.count("TfclipClipApplyAdam") == 1
+    assert ours.count("AssignAddVariableOp") + ours.count("AssignSubVariableOp") == 0
+    assert stock.count("AssignAddVariableOp") >= 4 and stock.count("AssignSubVariableOp") >= 4
+    # (the graph as a whole: fewer ops than stock's, whose per-variable ops outnumber the fused ones)
+    assert len(ours) < len(stock)
+
+
 class _OnDevice:
     """A variable that says it is on `device` (the rest is the variable's)."""
 
