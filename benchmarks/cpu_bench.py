@@ -721,10 +721,13 @@ def muon_table(args, rng):
         opts.update({"tfclip.keras.Muon, jit_compile": (tfclip.keras.Muon(1e-9, global_clipnorm=1.0), True),
                      "keras.optimizers.Muon (stock), jit_compile": (
                          keras.optimizers.Muon(1e-9, global_clipnorm=1.0), True)})
-    fns = {}
+    fns, ops = {}, {}
     for label, (opt, jit) in opts.items():
         opt.build(variables)
         fns[label] = apply_step(opt, grads, variables, jit)
+        if not jit:  # the ops a step runs (a GPU's launches, near enough), library functions included
+            g = fns[label].get_concrete_function().graph.as_graph_def()
+            ops[label] = len(g.node) + sum(len(f.node_def) for f in g.library.function)
 
     @tf.function
     def ns_batched():
@@ -744,6 +747,8 @@ def muon_table(args, rng):
     print(f"(the Newton-Schulz chains alone: {alone / r['tfclip.keras.Muon']:.0%} of tfclip's step, {alone / stock:.0%} "
           f"of stock's; tfclip batches them only on a GPU, where a step is launch-bound: on this CPU the "
           f"batched chains take {r['Newton-Schulz alone, batched by shape (tfclip, GPU)'] / alone:.2f}x the per-matrix ones)")
+    print("(ops in the traced step, a GPU's kernel launches near enough: "
+          + ", ".join(f"{label} {k}" for label, k in ops.items()) + ")")
 
 
 def overhead_table(args, rng):

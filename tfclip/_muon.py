@@ -1,13 +1,14 @@
-"""Muon's matrix step (keras.optimizers.Muon, `_muon_update_step` and `_apply_weight_decay`) for
-the variables Muon orthogonalizes, in TF ops, with the Newton–Schulz iterations batched on a GPU:
-the matrices of one shape, and those of its transpose (transposed first, as stock transposes a
-tall matrix), are stacked and orthogonalized as one batch, so a step issues `3 * ns_steps`
-matrix products per distinct shape, not per matrix (a GPU step is launch-bound on small
-products). On the CPU they run per matrix: TF's CPU batched product is slower than its
-per-matrix one, whose independent chains TF already runs side by side (benchmarks/cpu_bench.py
---extras muon; docs/benchmarks.md). The clip is the one the fused op ran on the other
-variables (`clip_factors`), from the same norm pass. tfclip/keras.py's `Muon` calls these; the
-AdamW part of the step is the fused Adam rule (csrc/core/rules.h).
+"""Muon's matrix step (keras.optimizers.Muon) in TF ops where no element-wise pass can run it:
+the Newton–Schulz iterations, batched on a GPU: the matrices of one shape, and those of its
+transpose (transposed first, as stock transposes a tall matrix), are stacked and orthogonalized
+as one batch, so a step issues `3 * ns_steps` matrix products per distinct shape, not per matrix
+(a GPU step is launch-bound on small products). On the CPU they run per matrix: TF's CPU batched
+product is slower than its per-matrix one, whose independent chains TF already runs side by side
+(benchmarks/cpu_bench.py --extras muon; docs/benchmarks.md). Also the matrices' clip, the one
+the fused op ran on the other variables (`clip_gradients`, from the same norm pass), which the
+Nesterov step reads. tfclip/keras.py's `Muon` calls these between its fused ops: the AdamW
+variables' Adam rule, and the matrices' momentum and update rules (csrc/core/rules.h,
+MuonMomentumRule and MuonUpdateRule).
 
 Imports flow one way: tfclip/keras.py imports this module; it imports only TensorFlow.
 """
@@ -20,16 +21,6 @@ def read(handle, dtype):
 
 def assign(handle, value):
     return tf.raw_ops.AssignVariableOp(resource=handle, value=value)
-
-
-# Stock's assign_add / assign_sub, as the same ops (a graph's optimizer may reorder a sum it sees
-# whole, `m + (g + m * c)`, but not an AssignAdd's).
-def assign_add(handle, value):
-    return tf.raw_ops.AssignAddVariableOp(resource=handle, value=value)
-
-
-def assign_sub(handle, value):
-    return tf.raw_ops.AssignSubVariableOp(resource=handle, value=value)
 
 
 def global_scale(clip, norm):
