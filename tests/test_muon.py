@@ -136,10 +136,26 @@ def test_grappler_moves_stock_not_tfclip():
     _same(sf, of, exact=False)
 
 
-def _count_matmuls(fn, *args):
-    graph = fn.get_concrete_function(*args).graph.as_graph_def()
-    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    return sum(n.op in ("MatMul", "BatchMatMulV2", "BatchMatMulV3") for n in nodes)
+def _step_ops(cls, **kw):
+    """The op types of one traced training step of `_model()` with `cls` (library functions
+    included)."""
+    x, y = _data()
+    m = _model()
+    opt = cls(learning_rate=0.02, exclude_layers=["last"], **kw)
+    opt.build(m.trainable_variables)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((m(xb) - yb) ** 2)
+        opt.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)
+
+    graph = step.get_concrete_function(x[:4], y[:4]).graph.as_graph_def()
+    return [n.op for n in list(graph.node) + [n for f in graph.library.function for n in f.node_def]]
+
+
+def _count_matmuls(ops):
+    return sum(op in ("MatMul", "BatchMatMulV2", "BatchMatMulV3") for op in ops)
 
 
 @pytest.mark.parametrize("device,want_batched", [(None, False), ("GPU", True)])
@@ -151,56 +167,45 @@ def test_newton_schulz_is_batched_by_shape_on_a_gpu(monkeypatch, device, want_ba
     if device is not None:
         real = tk._tf_var
         monkeypatch.setattr(tk, "_tf_var", lambda v: _OnDevice(real(v), device))
-    x, y = _data()
-    counts = []
-    for cls in (keras.optimizers.Muon, tk.Muon):
-        m = _model()
-        opt = cls(learning_rate=0.02, exclude_layers=["last"], ns_steps=5)
-        opt.build(m.trainable_variables)
-
-        @tf.function
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((m(xb) - yb) ** 2)
-            opt.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)
-
-        counts.append(_count_matmuls(step, x[:4], y[:4]))
+    counts = [_count_matmuls(_step_ops(cls, ns_steps=5)) for cls in (keras.optimizers.Muon, tk.Muon)]
     assert counts[0] - counts[1] == (3 * 5 * (4 - 2) if want_batched else 0), counts
-
-
-def _op_types(fn, *args):
-    graph = fn.get_concrete_function(*args).graph.as_graph_def()
-    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    return [n.op for n in nodes]
 
 
 def test_matrices_element_wise_step_is_two_fused_ops():
     """The matrices' momentum is one op over all of them, their decay and scaled update one op
-    per largest dimension (16 and 8 here: the (8, 16) and (16, 8) matrices share 16), where stock
-    writes each matrix's momentum and variable with its own assign ops; tfclip's step has no
-    AssignAdd or AssignSub at all (the AdamW variables are the Adam op's)."""
-    x, y = _data()
-    ops = {}
-    for cls in (keras.optimizers.Muon, tk.Muon):
-        m = _model()
-        opt = cls(learning_rate=0.02, exclude_layers=["last"])
-        opt.build(m.trainable_variables)
-
-        @tf.function
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((m(xb) - yb) ** 2)
-            opt.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)
-
-        ops[cls] = _op_types(step, x[:4], y[:4])
-    stock, ours = ops[keras.optimizers.Muon], ops[tk.Muon]
+    per largest dimension (16 for all four here), where stock writes each matrix's momentum and
+    variable with its own assign ops; tfclip's step has no AssignAdd or AssignSub at all (the
+    AdamW variables are the Adam op's)."""
+    stock, ours = _step_ops(keras.optimizers.Muon), _step_ops(tk.Muon)
     assert ours.count("TfclipClipApplyMuonMomentum") == 1
-    assert ours.count("TfclipClipApplyMuonUpdate") == 1  # (the four matrices' largest dimension is 16)
+    assert ours.count("TfclipClipApplyMuonUpdate") == 1
     assert ours.count("TfclipClipApplyAdam") == 1
     assert ours.count("AssignAddVariableOp") + ours.count("AssignSubVariableOp") == 0
     assert stock.count("AssignAddVariableOp") >= 4 and stock.count("AssignSubVariableOp") >= 4
     # (the graph as a whole: fewer ops than stock's, whose per-variable ops outnumber the fused ones)
     assert len(ours) < len(stock)
+
+
+def test_update_ops_group_by_largest_dimension_and_decay():
+    """Matrices of three largest dimensions (6, 5, 8), one excluded from weight decay: four update
+    ops (each group's shape_scale and weight decay its own), and stock's bits eagerly."""
+    rng = np.random.default_rng(21)
+    shapes = [(6, 4), (4, 6), (3, 5), (5, 5), (8, 2)]
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    steps = [[tf.constant(rng.standard_normal(s), tf.float32) for s in shapes] for _ in range(3)]
+    out = []
+    for cls in (keras.optimizers.Muon, tk.Muon):
+        vs = [keras.Variable(x, name=f"w{k}") for k, x in enumerate(init)]
+        opt = cls(learning_rate=0.05, weight_decay=0.1)
+        opt.exclude_from_weight_decay(var_names=["w3"])
+        for g in steps:
+            opt.apply(g, vs)
+        out.append([v.numpy() for v in vs] + [m.numpy() for m in opt.momentums])
+        if cls is tk.Muon:
+            graph = tf.function(lambda: opt.apply(steps[0], vs)).get_concrete_function().graph.as_graph_def()
+            ops = [n.op for n in list(graph.node) + [n for f in graph.library.function for n in f.node_def]]
+            assert ops.count("TfclipClipApplyMuonUpdate") == 4  # (6, decay), (5, decay), (5, none), (8, decay)
+    _same(out[0], out[1], exact=True)
 
 
 class _OnDevice:
