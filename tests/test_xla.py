@@ -173,7 +173,7 @@ HP_VALUES = {"lr": 0.01, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.999, "epsil
              "weight_decay": 0.01, "rho": 0.9, "step": 3.0, "u_product": 0.7,
              "lr_power": -0.6, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.01, "beta": 0.1, "warmup_steps": 5.0,
              "global_step": 3.0, "schedule_decay": 0.004, "beta_2_decay": -0.8, "epsilon_1": 1e-30,
-             "epsilon_2": 1e-3, "clip_threshold": 1.0}
+             "epsilon_2": 1e-3, "clip_threshold": 1.0, "shape_scale": 2.25, "rms_rate": 0.2}
 
 
 def _table_cases():
