@@ -304,6 +304,68 @@ def test_int8_object_based_both_ways(rng, kind, tmp_path):
         _same_bits(w.numpy(), reference.dequantize_blockwise(c.numpy(), absmax.numpy(), signed).reshape(c.shape))
 
 
+def test_tf1_saver_int8_both_ways(rng, tmp_path):
+    """A TF1 Saver's checkpoint of stock tf.compat.v1.train.AdamOptimizer (float32 slots, by name)
+    into tfclip.compat.v1.AdamOptimizer(state_dtype="int8"), described by the optimizer itself
+    (its train op built in the default graph): the Saver restores the reference quantizer's codes
+    and absmax, and the run steps on; then back into the stock layout (a stock Saver checkpoint
+    as like=, the int8 optimizer as src_like=): the codes dequantized exactly."""
+    init = [rng.normal(size=(300,)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)]
+    grads = [rng.normal(size=x.shape).astype(np.float32) for x in init]
+
+    def graph(make):
+        g = tf.Graph()
+        with g.as_default():
+            vs = [tf.compat.v1.Variable(x, name=f"w{i}", use_resource=True) for i, x in enumerate(init)]
+            opt = make()
+            step = opt.apply_gradients([(tf.constant(gr), v) for gr, v in zip(grads, vs)])
+            slots = [opt.get_slot(v, s) for s in ("m", "v") for v in vs]
+            saver = tf.compat.v1.train.Saver()
+        return g, opt, step, slots, saver
+
+    g, _, step, slots, saver = graph(lambda: tf.compat.v1.train.AdamOptimizer(0.01))
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(step)
+        sess.run(step)
+        src = saver.save(sess, str(tmp_path / "fp32" / "model"))
+        stock_like = saver.save(sess, str(tmp_path / "stock_layout" / "model"))
+        want = sess.run(slots)
+    g8, opt8, step8, slots8, saver8 = graph(lambda: tfclip.compat.v1.AdamOptimizer(0.01, state_dtype="int8"))
+    with tf.compat.v1.Session(graph=g8) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        lay8 = saver8.save(sess, str(tmp_path / "layout8" / "model"))
+    with g8.as_default():
+        with pytest.raises(ValueError, match="a path does not say each slot's absmax"):
+            tfclip.convert_checkpoint(src, tmp_path / "x" / "model", like=lay8)
+        assert len(tfclip.convert_checkpoint(src, tmp_path / "int8" / "model", like=opt8)) == 4
+        pairs = {id(s.codes): (s.absmax, s.signed) for s in opt8.tfclip_int8_slots()}
+    with tf.compat.v1.Session(graph=g8) as sess:
+        saver8.restore(sess, str(tmp_path / "int8" / "model"))
+        for c, w, signed in zip(slots8, want, (True, True, False, False)):
+            absmax, s = pairs[id(c)]
+            assert s == signed and c.dtype.base_dtype == tf.uint8
+            q, am = reference.quantize_blockwise(w, signed)
+            _same_bits(sess.run(c).ravel(), q)
+            _same_bits(sess.run(absmax), am)
+        sess.run(step8)  # it trains on from there
+        int8_path = saver8.save(sess, str(tmp_path / "int8b" / "model"))
+        codes = [(sess.run(c), sess.run(pairs[id(c)][0]), pairs[id(c)][1]) for c in slots8]
+    with g8.as_default():
+        with pytest.raises(ValueError, match="pass src_like="):
+            tfclip.convert_checkpoint(int8_path, tmp_path / "y" / "model", like=stock_like)
+        assert len(tfclip.convert_checkpoint(int8_path, tmp_path / "back" / "model", like=stock_like,
+                                             src_like=opt8)) == 4
+    with pytest.raises(ValueError, match="in the graph its train op was built in"):
+        tfclip.convert_checkpoint(int8_path, tmp_path / "z" / "model", like=stock_like, src_like=opt8)
+    g, _, step, slots, saver = graph(lambda: tf.compat.v1.train.AdamOptimizer(0.01))
+    with tf.compat.v1.Session(graph=g) as sess:
+        saver.restore(sess, str(tmp_path / "back" / "model"))
+        for s, (c, absmax, signed) in zip(slots, codes):
+            _same_bits(sess.run(s), reference.dequantize_blockwise(c, absmax, signed).reshape(c.shape))
+        sess.run(step)
+
+
 def test_int8_errors_and_other_uint8_variables(rng, tmp_path):
     """A layout whose counterpart is missing is an error naming it, and nothing is written; a
     src_like holding no tfclip optimizer with int8 state is refused; a uint8 variable of the

@@ -24,8 +24,10 @@ it. Converting into int8 quantizes each slot as the fused step does (`_core.quan
 the block's absmax, then each element's nearest code); converting out of it dequantizes exactly
 (`code[byte] * absmax`), to float32, or on to bfloat16. Then the new checkpoint is written in the
 wanted layout (its object graph, its names): every tensor of it must have its counterpart in the
-source. Object-based checkpoints only (Keras 3, tf_keras, `tfclip.compat.v1` eagerly under
-`tf.train.Checkpoint`): a TF1 `Saver`'s checkpoint of int8 state is refused.
+source. Object-based checkpoints (Keras 3, tf_keras, `tfclip.compat.v1` eagerly under
+`tf.train.Checkpoint`) and a TF1 `Saver`'s: for it the int8 side is the `tfclip.compat.v1`
+optimizer itself, its train op built in the default graph (the layout of `Saver()` there: every
+global variable by its name), and the other side a checkpoint path or a second such optimizer.
 """
 import argparse
 import collections
@@ -74,14 +76,36 @@ def _layout(like, arg="like"):
     """The layout a checkpoint path or a tf.train.Checkpoint gives (a _Layout)."""
     if isinstance(like, (str, os.PathLike)):
         return _read_layout(_prefix(like))
+    if isinstance(like, tf.compat.v1.train.Optimizer) and callable(getattr(like, "tfclip_int8_slots", None)):
+        return _saver_layout(like, arg)
     if isinstance(like, tf.train.Checkpoint):
         if not tf.executing_eagerly():
             raise ValueError(f"{arg}= as a tf.train.Checkpoint needs eager execution; in a TF1 graph "
-                             "pass the path of a checkpoint saved in the wanted layout")
+                             "pass the path of a checkpoint saved in the wanted layout, or the "
+                             "tfclip.compat.v1 optimizer (a Saver's layout)")
         like.save_counter  # noqa: B018  (made now, as save() makes it: in the layout's object graph)
         with tempfile.TemporaryDirectory() as tmp:
             return _read_layout(like.write(os.path.join(tmp, "layout")), _int8_names(like))
-    raise TypeError(f"{arg} must be a tf.train.Checkpoint or a checkpoint path, got {type(like).__name__}")
+    raise TypeError(f"{arg} must be a tf.train.Checkpoint, a checkpoint path or a tfclip.compat.v1 optimizer, "
+                    f"got {type(like).__name__}")
+
+
+def _saver_layout(opt, arg):
+    """The layout a TF1 `Saver()` of the default graph writes (every global variable, by its op's
+    name, as the Saver names it), with the int8 state of `opt` (a tfclip.compat.v1 optimizer whose
+    train op is built in that graph)."""
+    if tf.executing_eagerly():
+        raise ValueError(f"{arg}= as a tfclip.compat.v1 optimizer describes a TF1 Saver's checkpoint, in the "
+                         "graph its train op was built in; eagerly pass a tf.train.Checkpoint over it")
+    graph = tf.compat.v1.get_default_graph()
+    slots = opt.tfclip_int8_slots()
+    if any(sl.codes.graph is not graph for sl in slots):
+        raise ValueError(f"{arg}=: the optimizer's slots are in another graph than the default one; call "
+                         "convert_checkpoint with the graph its train op was built in as the default")
+    variables = tf.compat.v1.global_variables()
+    return _Layout({v.op.name: v.dtype.base_dtype for v in variables},
+                   {v.op.name: v.shape.as_list() for v in variables}, {},
+                   {sl.codes.op.name: (sl.absmax.op.name, sl.signed) for sl in slots})
 
 
 def _int8_names(root):
@@ -177,6 +201,8 @@ def _canonical(layout):
     absmax = {a for a, _ in (layout.int8 or {}).values()}
     taken = collections.defaultdict(list)  # list path -> absmax indices in it
     for a in absmax:
+        if not a.endswith(_VALUE):  # (a TF1 Saver's name: no list index in it)
+            continue
         path, _, last = a[:-len(_VALUE)].rpartition("/")
         if last.isdigit():
             taken[path].append(int(last))
@@ -209,17 +235,20 @@ def _convert_int8(src, dst, reader, target, src_like):
             if given is None:
                 raise ValueError(f"convert_checkpoint: {src} holds int8 optimizer state (uint8 codes); pass "
                                  "src_like=tf.train.Checkpoint(...) over objects in its layout (the optimizer "
-                                 "built with state_dtype='int8'): it says each slot's absmax and code")
+                                 "built with state_dtype='int8'; a TF1 Saver's: that tfclip.compat.v1 optimizer, "
+                                 "its train op built): it says each slot's absmax and code")
             layout = source._replace(int8=_layout(given, "src_like").int8)
             source = layout
         if layout.int8 is None:
             raise ValueError("convert_checkpoint: the layout wanted holds int8 optimizer state (uint8 codes); "
-                             "pass like= as a tf.train.Checkpoint over the objects that will restore it, not a "
-                             "path: a path does not say each slot's absmax and code")
+                             "pass like= as a tf.train.Checkpoint over the objects that will restore it (a TF1 "
+                             "Saver's: the tfclip.compat.v1 optimizer), not a path: a path does not say each "
+                             "slot's absmax and code")
         if not layout.int8:
             raise ValueError(f"convert_checkpoint: {arg}= holds no tfclip optimizer with int8 state, yet the "
-                             f"checkpoint has uint8 tensors ({', '.join(sorted(_uint8_names(layout)))}). A TF1 "
-                             "Saver's checkpoint of int8 state is not converted; object-based ones are")
+                             f"checkpoint has uint8 tensors ({', '.join(sorted(_uint8_names(layout)))}); for a "
+                             "TF1 Saver's checkpoint pass the tfclip.compat.v1 optimizer built with "
+                             "state_dtype='int8'")
         # (any other uint8 tensor is a variable of its own: copied as it is)
     by_canon = {c: n for n, c in _canonical(source).items()}
     values, converted, problems, used = {}, [], [], set()
