@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from tfclip import _loader, _mixup, _opcall, _optstate, _rule, _step
+from tfclip import _loader, _mixup, _opcall, _optstate, _rule, _shard, _step
 from tfclip import clipping as _clipping
 
 
@@ -119,13 +119,22 @@ class _FusedMixin(_optstate.NormState):
     # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
     low_precision_state = True
     int8_state = True
+    # Whether shard_state=True may keep each slot on its owning replica only (tfclip/_shard.py).
+    shard_state_why_not = None
 
-    def __init__(self, *args, clip=None, stochastic_rounding=False, rounding_seed=0, **kwargs):
-        # `clip`: an adaptive clip (tfclip.clipping), and bfloat16 variables' stochastic rounding
-        # (csrc/core/rounding.h), taken here for every class; the stock class gets the rest.
+    def __init__(self, *args, clip=None, stochastic_rounding=False, rounding_seed=0, shard_state=False, **kwargs):
+        # `clip`: an adaptive clip (tfclip.clipping), bfloat16 variables' stochastic rounding
+        # (csrc/core/rounding.h) and `shard_state` (tfclip/_shard.py), taken here for every class;
+        # the stock class gets the rest.
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
+        if not isinstance(shard_state, bool):
+            raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
+        if shard_state and self.shard_state_why_not:
+            raise ValueError(f"{type(self).__name__} does not take shard_state=True: {self.shard_state_why_not}")
+        object.__setattr__(self, "shard_state", shard_state)
+        object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
 
     @property
     def clip(self):
@@ -171,8 +180,22 @@ class _FusedMixin(_optstate.NormState):
         # state_dtype="bfloat16" a float32 variable's slots are bfloat16 (add_variable below).
         # Not the base class's own: use_ema's averages and gradient_accumulation_steps's sums
         # stay in the variable's dtype (stock code updates them, in that dtype).
+        if name in ("average", "gradient_accumulator"):  # (stock code updates them on every copy)
+            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        with self._tfclip_slot_scope(reference_variable):
+            return self._tfclip_add_slot(reference_variable, name, initializer)
+
+    def _tfclip_slot_scope(self, reference_variable):
+        """Where a slot of `reference_variable` is made: on its owning replica's device alone with
+        shard_state (tfclip/_shard.py), else where the stock class makes it."""
+        if self._tfclip_owner is None:
+            return contextlib.nullcontext()
+        owner = self._tfclip_owner[self._get_variable_index(reference_variable)]
+        return _shard.on_device(_shard.local_device(tf.distribute.get_strategy(), owner))
+
+    def _tfclip_add_slot(self, reference_variable, name, initializer):
         dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
-        if dtype == tf.as_dtype(reference_variable.dtype) or name in ("average", "gradient_accumulator"):
+        if dtype == tf.as_dtype(reference_variable.dtype):
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         if dtype == tf.uint8:  # int8 state: the codes, and their absmax beside them
             index, absmax = _rule.int8_start(_rule.initial_number(initializer), name not in _KERAS_UNSIGNED_SLOTS)
@@ -196,7 +219,14 @@ class _FusedMixin(_optstate.NormState):
         return super().add_variable(*args, **kwargs)
 
     def build(self, var_list):
-        super().build(var_list)
+        if self.shard_state and _shard.replicas() > 1:
+            # Each variable's owner, before the stock build makes the slots (on the owner's device).
+            owner = _shard.owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in var_list],
+                                  _shard.replicas())
+            for r in sorted(set(owner)):
+                _shard.local_device(tf.distribute.get_strategy(), r)  # (refused: another worker's)
+            object.__setattr__(self, "_tfclip_owner", owner)
+        self._tfclip_build_slots(var_list)
         object.__setattr__(self, "_tensor_norms", _state_variable(
             [0.0] * len(var_list), "tensor_norms", "float32"))
         clip = self._tfclip_clip
@@ -211,6 +241,11 @@ class _FusedMixin(_optstate.NormState):
                 shape, initializer="zeros", dtype=dtype, aggregation="only_first_replica",
                 name=f"{clip.mode}_{name}"))
 
+    def _tfclip_build_slots(self, var_list):
+        """The stock build: its slots made by add_variable_from_reference (each on its owner's
+        device with shard_state; a class making slots otherwise places them itself)."""
+        super().build(var_list)
+
     @property
     def tensor_norm_names(self):
         """The variables' paths (`variable.path`), in the order of `tensor_norms`."""
@@ -220,7 +255,16 @@ class _FusedMixin(_optstate.NormState):
         return [self._get_variable_index(v) for v in keras_vars], len(self._trainable_variables)
 
     def get_config(self):
-        return self._tfclip_config(super().get_config())
+        config = self._tfclip_config(super().get_config())
+        if self.shard_state:
+            config["shard_state"] = True
+        return config
+
+    @property
+    def state_owners(self):
+        """With shard_state under a strategy of several replicas: each trainable variable's
+        owning replica (the one keeping its slots), in `tensor_norm_names`' order; else None."""
+        return None if self._tfclip_owner is None else list(self._tfclip_owner)
 
     def apply(self, grads, trainable_variables=None):
         # Eagerly, one step at a time per optimizer: threads that share one optimizer build it
@@ -304,9 +348,17 @@ class _FusedMixin(_optstate.NormState):
             # conversion; the core requantizes whole blocks of 256)
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and v.dtype == "float32" else g
                      for g, v in zip(grads, keras_vars)]
+        # shard_state (tfclip/_shard.py): the norm of every gradient, then this replica's variables.
+        shard = self._tfclip_shard(keras_vars)
+        own, use_norm, pass_norms = range(len(keras_vars)), None, None
+        if shard is not None:
+            rid, owner = shard
+            use_norm, pass_norms = _step.norm_pass(grads)
+            own = [i for i, r in enumerate(owner) if r == rid]
+        step_vars = [keras_vars[i] for i in own]
         groups = []
-        for with_decay, idx in _step.partition([bool(decay and self._use_weight_decay(v)) for v in keras_vars]):
-            group = [keras_vars[i] for i in idx]
+        for with_decay, idx in _step.partition([bool(decay and self._use_weight_decay(v)) for v in step_vars]):
+            group = [step_vars[i] for i in idx]
             kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
             hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
             groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx,
@@ -316,16 +368,47 @@ class _FusedMixin(_optstate.NormState):
         # folded in, and a non-finite step is skipped (the loss scale backs off), whatever
         # `nonfinite` says, as the stock wrapper skips the inner step.
         loss_scale = _step.loss_scale(self)
-        result = _step.run(grads, groups, mode, clip, clip_obj=self.clip,
+        result = _step.run([grads[i] for i in own], groups, mode, clip, clip_obj=self.clip, use_norm=use_norm,
                            nonfinite=self.nonfinite if loss_scale is None else "skip",
                            lazy=self.lazy_sparse, keras_sparse_squares=True, grad_scale=loss_scale,
                            rounding=self._tfclip_rounding())
+        tensor_norms, clipped_units = result.tensor_norms, result.clipped_units
+        if shard is not None:
+            if loss_scale is not None:
+                pass_norms = pass_norms * _opcall.scalar(loss_scale, "grad_scale")
+            tensor_norms = tf.cast(pass_norms, tf.float32)
+            clipped_units = self._tfclip_gather(keras_vars, rid, owner, own, result)
         if loss_scale is not None:
             _step.loss_scale_applied(self, result.applied)
-        self._record_norms(result.global_norm, result.applied, result.tensor_norms, keras_vars,
+        self._record_norms(result.global_norm, result.applied, tensor_norms, keras_vars,
                            result.clip_mode, result.clip,
-                           None if result.adaptive is None else result.adaptive.threshold, result.clipped_units)
+                           None if result.adaptive is None else result.adaptive.threshold, clipped_units)
         return result.applied
+
+    def _tfclip_shard(self, keras_vars):
+        """(this replica's id, each of `keras_vars`' owner) in a sharded step, else None."""
+        if self._tfclip_owner is None:
+            return None
+        rid = _shard.replica_id()
+        if rid is None:
+            raise ValueError("shard_state=True steps inside strategy.run (as model.fit does): in the "
+                             "cross-replica context no replica owns a share")
+        return rid, [self._tfclip_owner[self._get_variable_index(v)] for v in keras_vars]
+
+    def _tfclip_gather(self, keras_vars, rid, owner, own, result):
+        """Every replica's updated variables into the other replicas' copies (tfclip/_shard.py,
+        gather), after this replica's ops; AGC's counts gathered beside them."""
+        units = None
+        if result.clipped_units is not None and isinstance(self.clip, _clipping.AGC):
+            mine = tf.unstack(tf.cast(result.clipped_units, tf.int32)) if own else []
+            units = [tf.constant(0, tf.int32)] * len(keras_vars)
+            for k, i in enumerate(own):
+                units[i] = mine[k]
+        tvars = [_tf_var(v) for v in keras_vars]
+        with tf.control_dependencies([result.applied]):
+            writes, counts = _shard.gather([v.handle for v in tvars], [tf.as_dtype(v.dtype) for v in tvars],
+                                           [v.shape for v in tvars], owner, rid, extra=units)
+        return counts
 
     def _tfclip_absmax_handles(self, keras_vars):
         """int8 state's absmax handles of `keras_vars`, slot-major (the op's `absmax` input)."""
@@ -365,6 +448,7 @@ class _FusedMixin(_optstate.NormState):
         cannot = cannot or ("this build cannot compile inside an XLA-compiled function (jit_compile=True); "
                             "compile the model with jit_compile=False")
         for on, what in ((self.state_dtype is not None, f"state_dtype={self.state_dtype!r}"),
+                         (self._tfclip_owner is not None, "shard_state=True"),
                          (self.stochastic_rounding, "stochastic_rounding=True"),
                          (getattr(self, "factored_state", False), "factored_state=True")):
             if on:

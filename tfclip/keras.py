@@ -284,6 +284,29 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
                 "global_clipnorm), which tfclip's dense factored passes cannot; set global_clipnorm, "
                 "or factored_state=True for the dense gradient's step")
 
+    def _tfclip_build_slots(self, var_list):
+        if self._tfclip_owner is None or self.built:
+            return super()._tfclip_build_slots(var_list)
+        # shard_state (tfclip/_shard.py): keras's Adafactor makes r and c with add_variable (and
+        # a rank < 2 variable's with keras.Variable), not from the reference variable; the same
+        # variables, names and order here, each variable's three on its owner's device.
+        keras.optimizers.Optimizer.build(self, var_list)
+        self._r, self._c, self._v = [], [], []
+        for var in var_list:
+            with self._tfclip_slot_scope(var):
+                if len(var.shape) < 2:
+                    self._r.append(keras.Variable(0, name=var.name, trainable=False))
+                    self._c.append(keras.Variable(0, name=var.name, trainable=False))
+                elif self._overwrite_variable_with_gradient(var):
+                    self._r.append(None)
+                    self._c.append(None)
+                else:
+                    self._r.append(self.add_variable(shape=var.shape[:-1], dtype=var.dtype, name=var.name))
+                    self._c.append(self.add_variable(shape=var.shape[:-2] + (var.shape[-1],), dtype=var.dtype,
+                                                     name=var.name))
+            self._v.append(None if self._overwrite_variable_with_gradient(var) else
+                           self.add_variable_from_reference(reference_variable=var, name="velocity"))
+
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         # factored_state: the `velocity` of a factored variable (rank >= 2), which keras writes
         # every step and never reads back, is a scalar placeholder (tfclip.rules.Adafactor).
@@ -291,7 +314,9 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
             ref = reference_variable
             base = (ref.path.replace("/", "_") if hasattr(ref, "path")
                     else str(ref.name).replace("/", "_").replace(":", "_"))  # (the stock name)
-            return self.add_variable(shape=(), dtype=ref.dtype, name=f"{base}_velocity", initializer=initializer)
+            with self._tfclip_slot_scope(ref):
+                return self.add_variable(shape=(), dtype=ref.dtype, name=f"{base}_velocity",
+                                         initializer=initializer)
         return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
 
 
@@ -323,6 +348,8 @@ class Muon(_Generic, keras.optimizers.Muon):
     _checked = ("epsilon", "momentum")
     low_precision_state = False
     int8_state = False
+    shard_state_why_not = ("its matrices' momentum is read by TF ops (Nesterov, the Newton–Schulz "
+                           "products) on every replica, so it stays mirrored")
     # Whether the Newton–Schulz products run batched by shape: None, on a GPU (tfclip/_muon.py).
     _tfclip_batch_products = None
 

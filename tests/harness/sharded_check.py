@@ -1,0 +1,258 @@
+"""shard_state=True (tfclip/_shard.py) under MirroredStrategy over 2 logical CPUs, in a fresh
+process (strategies configure devices at start-up; tests/test_shard.py runs this and reads OUT).
+
+    python tests/harness/sharded_check.py OUT.npz
+
+Every case steps the same variables with the same gradients three ways: sharded on 2 replicas,
+unsharded (mirrored slots) on 2 replicas, and on one device given the summed gradient. Replica r's
+gradient is (r + 1) * base, so the all-reduced one is base + 2 * base, one float addition, which
+the one-device run adds the same way: all three must give the same bits. Saved per case:
+`{case}_{run}_vars` / `_slots` (every variable's and slot's values, flattened and concatenated as
+float64), the norms, the slot bytes per device, and the checkpoint cases' results.
+"""
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+import tfclip  # noqa: E402
+
+STEPS = 4
+SHAPES = [(200, 40), (40,), (40, 150), (150,), (30, 60), (64, 16)]
+
+
+def _base(step, nan_at=None):
+    rng = np.random.default_rng(100 + step)
+    out = [rng.normal(size=s).astype("float32") * (0.05 if i == 1 else 1.0) for i, s in enumerate(SHAPES)]
+    if nan_at is not None and step == nan_at[0]:
+        out[nan_at[1]][0, 0] = np.nan
+    return out
+
+
+# The cases whose variables are bfloat16 (pure bfloat16 training; stock Keras's all-reduce packs
+# the gradients together, so they share one dtype).
+BF16 = ("rounding", "bf16_vars")
+
+
+def _variables(dtype="float32"):
+    rng = np.random.default_rng(7)
+    names = ["w0", "b0", "w1", "b1", "wx", "emb"]
+    return [keras.Variable(rng.normal(size=s).astype("float32"), dtype=dtype, name=n) for s, n in zip(SHAPES, names)]
+
+
+def _values(vs):
+    out = []
+    for v in vs:
+        x = v.value
+        if isinstance(x, tf.distribute.DistributedValues):
+            copies = [c.numpy() for c in x.values]
+            for c in copies[1:]:  # every copy the same bits (NaN-aware)
+                assert np.asarray(copies[0]).tobytes() == np.asarray(c).tobytes(), v.path
+            arr = copies[0]
+        else:
+            arr = x.numpy()
+        out.append(np.asarray(arr, dtype=np.float64).ravel())
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def _slots(opt):
+    skip = {"iteration", "learning_rate"}
+    return [v for v in opt.variables if v.path.split("/")[-1] not in skip]
+
+
+def _slot_bytes_by_device(opt):
+    by = {}
+    for v in _slots(opt):
+        x = v.value
+        n = v.shape.num_elements() * tf.as_dtype(v.dtype).size if v.shape.rank is not None else 0
+        devs = [c.device for c in x.values] if isinstance(x, tf.distribute.DistributedValues) else [x.device]
+        for d in devs:
+            by[d] = by.get(d, 0) + n
+    return [by.get(d, 0) for d in sorted(by)]
+
+
+def _train(strategy, make_opt, *, steps=STEPS, nan_at=None, fn=True, vs=None, opt=None, start=0, dtype="float32"):
+    """Steps of `make_opt()` on the variables; strategy None: one device, the summed gradient."""
+    scope = strategy.scope() if strategy is not None else tf.device("/cpu:0")
+    with scope:
+        vs = vs or _variables(dtype)
+        opt = opt or make_opt()
+        if not opt.built:
+            opt.build(vs)
+
+    def replica_step(t):
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        grads = [tf.cast(tf.constant(b) * tf.cast(r + 1, tf.float32), v.dtype) for b, v in zip(_base(t, nan_at), vs)]
+        opt.apply_gradients(zip(grads, vs))
+
+    def one_step(t):
+        grads = [tf.cast(tf.constant(b) * 1.0, v.dtype) + tf.cast(tf.constant(b) * 2.0, v.dtype)
+                 for b, v in zip(_base(t, nan_at), vs)]
+        opt.apply_gradients(zip(grads, vs))
+
+    for t in range(start, start + steps):
+        if strategy is None:
+            call = (lambda t=t: one_step(t))
+        else:
+            call = (lambda t=t: strategy.run(replica_step, (t,)))
+        (tf.function(call) if fn else call)()
+    return vs, opt
+
+
+def _record(out, key, vs, opt):
+    out[key + "_vars"] = _values(vs)
+    out[key + "_slots"] = _values(_slots(opt))
+    out[key + "_norm"] = np.float64(opt.global_norm.numpy())
+    out[key + "_tnorms"] = opt.tensor_norms.numpy()
+    out[key + "_skipped"] = int(opt.skipped_steps.numpy())
+    if opt.clipped_units is not None:
+        out[key + "_units"] = opt.clipped_units.numpy()
+    out[key + "_bytes"] = np.array(_slot_bytes_by_device(opt))
+    if getattr(opt, "state_owners", None) is not None:
+        out[key + "_owners"] = np.array(opt.state_owners)
+
+
+CASES = {
+    "adam": lambda s: tfclip.keras.Adam(0.01, global_clipnorm=5.0, shard_state=s),
+    "adam_amsgrad": lambda s: tfclip.keras.Adam(0.01, amsgrad=True, clipnorm=2.0, shard_state=s),
+    "adamw_excluded": lambda s: _adamw_excluding(s),
+    "sgd_nesterov": lambda s: tfclip.keras.SGD(0.01, momentum=0.9, nesterov=True, global_clipnorm=1.0, shard_state=s),
+    "rmsprop": lambda s: tfclip.keras.RMSprop(0.001, momentum=0.5, centered=True, shard_state=s),
+    "adagrad": lambda s: tfclip.keras.Adagrad(0.05, shard_state=s),
+    "adadelta": lambda s: tfclip.keras.Adadelta(1.0, shard_state=s),
+    "adamax": lambda s: tfclip.keras.Adamax(0.01, shard_state=s),
+    "nadam": lambda s: tfclip.keras.Nadam(0.01, shard_state=s),
+    "lion": lambda s: tfclip.keras.Lion(0.001, global_clipnorm=1.0, shard_state=s),
+    "ftrl": lambda s: tfclip.keras.Ftrl(0.05, l1_regularization_strength=0.01, shard_state=s),
+    "lamb": lambda s: tfclip.keras.Lamb(0.01, shard_state=s),
+    "adafactor": lambda s: tfclip.keras.Adafactor(0.01, global_clipnorm=1.0, shard_state=s),
+    "adafactor_factored": lambda s: tfclip.keras.Adafactor(0.01, factored_state=True, shard_state=s),
+    "zclip": lambda s: tfclip.keras.Adam(0.01, clip=tfclip.clipping.ZClip(warmup_steps=2), shard_state=s),
+    "agc": lambda s: tfclip.keras.SGD(0.05, momentum=0.9, clip=tfclip.clipping.AGC(0.01), shard_state=s),
+    "int8": lambda s: tfclip.keras.Adam(0.01, global_clipnorm=5.0, state_dtype="int8", shard_state=s),
+    "bf16_state": lambda s: tfclip.keras.AdamW(0.01, state_dtype="bfloat16", shard_state=s),
+    "rounding": lambda s: tfclip.keras.Adam(0.01, stochastic_rounding=True, rounding_seed=5, shard_state=s),
+    "bf16_vars": lambda s: tfclip.keras.Adam(0.01, global_clipnorm=5.0, shard_state=s),
+}
+
+
+def _adamw_excluding(s):
+    opt = tfclip.keras.AdamW(0.01, weight_decay=0.1, global_clipnorm=5.0, shard_state=s)
+    opt.exclude_from_weight_decay(var_names=["b0", "b1"])
+    return opt
+
+
+def _checkpoints(out, ms, tmp):
+    """A sharded optimizer's checkpoint restores into stock Keras on one device and back; a stock
+    mirrored one restores into a sharded optimizer; a .keras file loads without a strategy."""
+    make = lambda s: tfclip.keras.Adam(0.01, global_clipnorm=5.0, shard_state=s)  # noqa: E731
+    # The reference: 4 steps sharded, uninterrupted.
+    vs, opt = _train(ms, lambda: make(True), steps=4)
+    out["ckpt_want"] = _values(vs)
+    # 2 steps sharded, saved; restored into stock keras.optimizers.Adam on one device: 2 more steps.
+    vs, opt = _train(ms, lambda: make(True), steps=2)
+    path = tf.train.Checkpoint(v=vs, opt=opt).write(os.path.join(tmp, "sharded"))
+    with tf.device("/cpu:0"):
+        vs1 = _variables()
+        stock = keras.optimizers.Adam(0.01, global_clipnorm=5.0)
+        stock.build(vs1)
+    tf.train.Checkpoint(v=vs1, opt=stock).read(path).assert_consumed()
+    out["ckpt_sharded_slots"] = _values(_slots(opt))
+    out["ckpt_into_stock_slots"] = _values(_slots(stock))
+    # ... and tfclip unsharded on one device continues to the sharded run's bits.
+    with tf.device("/cpu:0"):
+        vs2 = _variables()
+        one = make(False)
+        one.build(vs2)
+    tf.train.Checkpoint(v=vs2, opt=one).read(path).assert_consumed()
+    _train(None, None, steps=2, vs=vs2, opt=one, start=2)
+    out["ckpt_sharded_to_one"] = _values(vs2)
+    # A stock mirrored checkpoint (2 steps unsharded on 2 replicas) into a sharded optimizer.
+    vs3, opt3 = _train(ms, lambda: make(False), steps=2)
+    path3 = tf.train.Checkpoint(v=vs3, opt=opt3).write(os.path.join(tmp, "mirrored"))
+    with ms.scope():
+        vs4 = _variables()
+        sharded = make(True)
+        sharded.build(vs4)
+    tf.train.Checkpoint(v=vs4, opt=sharded).read(path3).assert_consumed()
+    _train(ms, None, steps=2, vs=vs4, opt=sharded, start=2)
+    out["ckpt_mirrored_to_sharded"] = _values(vs4)
+    # model.fit with a sharded optimizer, saved as .keras, loaded without a strategy.
+    x = np.random.default_rng(1).normal(size=(64, 8)).astype("float32")
+    y = x @ np.random.default_rng(2).normal(size=(8, 1)).astype("float32")
+
+    def fit(s):
+        with ms.scope():
+            keras.utils.set_random_seed(3)
+            inp = keras.Input((8,))
+            m = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(16, activation="tanh")(inp)))
+            m.compile(optimizer=make(s), loss="mse", jit_compile=False)
+        m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+        return m
+
+    fs, fu = fit(True), fit(False)
+    out["fit_sharded"] = _values(fs.trainable_variables + _slots(fs.optimizer))
+    out["fit_unsharded"] = _values(fu.trainable_variables + _slots(fu.optimizer))
+    out["fit_owners"] = np.array(fs.optimizer.state_owners)
+    fs.save(os.path.join(tmp, "m.keras"))
+    loaded = keras.models.load_model(os.path.join(tmp, "m.keras"))
+    out["fit_loaded"] = _values(loaded.trainable_variables + _slots(loaded.optimizer))
+    out["fit_loaded_config"] = str(loaded.optimizer.get_config().get("shard_state"))
+
+
+def _refusals(out, ms):
+    """shard_state's refusals, by message."""
+    msgs = []
+    for make in (lambda: tfclip.keras.Muon(shard_state=True), lambda: tfclip.keras.Adam(shard_state=1)):
+        try:
+            make()
+            msgs.append("no error")
+        except (TypeError, ValueError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
+    # In the cross-replica context (apply_gradients outside strategy.run): refused, nothing written.
+    with ms.scope():
+        vs = _variables()
+        opt = tfclip.keras.Adam(0.01, shard_state=True)
+        opt.build(vs)
+    before = _values(vs)
+    try:
+        opt.apply_gradients(zip([tf.ones(v.shape, v.dtype) for v in vs], vs))
+        msgs.append("no error")
+    except ValueError as e:
+        msgs.append(f"ValueError: {e}")
+    out["refusal_unchanged"] = np.array_equal(before, _values(vs))
+    out["refusals"] = np.array(msgs)
+
+
+def main(path):
+    ms = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert ms.num_replicas_in_sync == 2
+    out = {}
+    only = os.environ.get("SHARD_CASES")
+    for case, make in CASES.items():
+        if only and case not in only.split(","):
+            continue
+        for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False), ("one", None, False)):
+            vs, opt = _train(strategy, lambda: make(shard), dtype="bfloat16" if case in BF16 else "float32")
+            _record(out, f"{case}_{run}", vs, opt)
+    vs, opt = _train(ms, lambda: CASES["adam"](True), fn=False)
+    _record(out, "eager_sharded", vs, opt)
+    for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False)):
+        vs, opt = _train(strategy, lambda: CASES["adam"](shard), nan_at=(2, 0))
+        _record(out, f"nan_{run}", vs, opt)
+    if not only:
+        _checkpoints(out, ms, os.path.dirname(os.path.abspath(path)))
+        _refusals(out, ms)
+    np.savez(path, **out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

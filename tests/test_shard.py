@@ -1,0 +1,132 @@
+"""shard_state=True (tfclip/_shard.py): each replica keeps the optimizer state of its share of
+the variables, and the step gives the unsharded step's bits.
+
+tests/harness/sharded_check.py runs in a fresh process (MirroredStrategy over 2 logical CPUs is
+configured at start-up) and steps every case three ways: sharded on 2 replicas, unsharded
+(mirrored slots) on 2 replicas, and on one device given the summed gradient (the same one float
+addition the all-reduce makes). It checks after every run that every copy of every mirrored
+variable holds the same bits."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tfclip
+from tfclip import _shard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "sharded_check.py")
+CASES = ["adam", "adam_amsgrad", "adamw_excluded", "sgd_nesterov", "rmsprop", "adagrad", "adadelta", "adamax",
+         "nadam", "lion", "ftrl", "lamb", "adafactor", "adafactor_factored", "zclip", "agc", "int8", "bf16_state",
+         "bf16_vars"]
+
+
+@pytest.fixture(scope="module")
+def r(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shard") / "s.npz"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, HARNESS, str(out)], env=env, cwd=os.path.dirname(str(out)),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:]
+    return np.load(out)
+
+
+def _bits(a):
+    return np.asarray(a).tobytes()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_step_is_the_unsharded_and_the_one_device_step_bit_for_bit(r, case):
+    assert _bits(r[f"{case}_sharded_vars"]) == _bits(r[f"{case}_mirrored_vars"])
+    assert _bits(r[f"{case}_sharded_vars"]) == _bits(r[f"{case}_one_vars"])
+    assert _bits(r[f"{case}_sharded_slots"]) == _bits(r[f"{case}_mirrored_slots"])
+    # The clip's norm is the global norm of every gradient, not of the replica's share.
+    assert r[f"{case}_sharded_norm"] == r[f"{case}_one_norm"]
+    assert _bits(r[f"{case}_sharded_tnorms"]) == _bits(r[f"{case}_one_tnorms"])
+    assert not np.array_equal(r[f"{case}_sharded_vars"], r["adam_sharded_vars"]) or case == "adam"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_replica_holds_its_share_of_the_state(r, case):
+    sharded, mirrored = r[f"{case}_sharded_bytes"], r[f"{case}_mirrored_bytes"]
+    assert len(sharded) == len(mirrored) == 2
+    assert mirrored[0] == mirrored[1] > 0  # unsharded: a whole copy on each replica
+    # sharded: one copy in all, split; scalar state (Nadam's u_product, an adaptive clip's
+    # statistics) stays mirrored, a few bytes on each replica
+    assert mirrored[0] <= sharded.sum() <= mirrored[0] + 64
+    owners = r[f"{case}_sharded_owners"]
+    assert sorted(set(owners)) == [0, 1]
+    # Whole variables by bytes: each replica within half the largest variable of an even split.
+    largest = 200 * 40 / (200 * 40 + 40 + 40 * 150 + 150 + 30 * 60 + 64 * 16)
+    assert max(sharded) / sharded.sum() <= 0.5 + largest / 2
+
+
+def test_agc_counts_and_skips_are_gathered(r):
+    np.testing.assert_array_equal(r["agc_sharded_units"], r["agc_one_units"])
+    assert r["agc_sharded_units"].sum() > 0
+    # A NaN in one variable's gradient at step 3 of 4: skipped on both replicas, as unsharded.
+    assert int(r["nan_sharded_skipped"]) == int(r["nan_mirrored_skipped"]) == 1
+    assert _bits(r["nan_sharded_vars"]) == _bits(r["nan_mirrored_vars"])
+    assert _bits(r["nan_sharded_slots"]) == _bits(r["nan_mirrored_slots"])
+
+
+def test_eager_steps_equal_traced_ones(r):
+    assert _bits(r["eager_sharded_vars"]) == _bits(r["adam_sharded_vars"])
+
+
+def test_stochastic_rounding_draws_per_op_position(r):
+    """bfloat16 variables with stochastic_rounding: the draw depends on a variable's position in
+    its op (csrc/core/rounding.h), which sharding changes, so the bits are not the unsharded
+    run's; every copy is the same (checked in the harness) and the weights stay within a few
+    bfloat16 ulps of the unsharded run's."""
+    s, m = r["rounding_sharded_vars"], r["rounding_mirrored_vars"]
+    assert _bits(r["rounding_sharded_slots"]) == _bits(r["rounding_mirrored_slots"])
+    np.testing.assert_allclose(s, m, rtol=2 ** -5, atol=2 ** -12)
+
+
+def test_checkpoints_keep_the_stock_layout_both_ways(r):
+    # sharded -> stock keras.optimizers.Adam on one device: every slot restored (assert_consumed)
+    assert _bits(r["ckpt_sharded_slots"]) == _bits(r["ckpt_into_stock_slots"])
+    # sharded -> tfclip on one device, and stock mirrored -> sharded: each continues to the bits of
+    # the uninterrupted sharded run
+    assert _bits(r["ckpt_sharded_to_one"]) == _bits(r["ckpt_want"])
+    assert _bits(r["ckpt_mirrored_to_sharded"]) == _bits(r["ckpt_want"])
+    # model.fit: sharded equals unsharded; the .keras file loads without a strategy, shard_state kept
+    assert _bits(r["fit_sharded"]) == _bits(r["fit_unsharded"])
+    assert _bits(r["fit_loaded"]) == _bits(r["fit_sharded"])
+    assert str(r["fit_loaded_config"]) == "True"
+    assert sorted(set(r["fit_owners"])) == [0, 1]
+
+
+def test_refusals_name_what_is_wrong(r):
+    muon, not_bool, cross = [str(m) for m in r["refusals"]]
+    assert "Muon does not take shard_state=True" in muon
+    assert "shard_state must be True or False, got 1" in not_bool
+    assert "inside strategy.run" in cross
+    assert bool(r["refusal_unchanged"])
+
+
+def test_owners_balance_whole_variables_by_bytes():
+    assert _shard.owners([8000, 40, 6000, 150, 1800, 1024], 2) == [0, 0, 1, 0, 1, 1]
+    assert _shard.owners([4, 4, 4, 4], 2) == [0, 1, 0, 1]
+    assert _shard.owners([10, 1], 3) == [0, 1]
+    assert _shard.owners([], 2) == []
+
+
+def test_one_replica_keeps_the_stock_layout():
+    """Without a strategy (or with one replica) shard_state changes nothing."""
+    import keras
+
+    v = keras.Variable(np.ones((3, 2), "float32"))
+    opt = tfclip.keras.Adam(0.1, shard_state=True)
+    ref = tfclip.keras.Adam(0.1)
+    w = keras.Variable(np.ones((3, 2), "float32"))
+    for _ in range(2):
+        opt.apply_gradients([(np.full((3, 2), 0.5, "float32"), v)])
+        ref.apply_gradients([(np.full((3, 2), 0.5, "float32"), w)])
+    assert opt.state_owners is None
+    np.testing.assert_array_equal(v.numpy(), w.numpy())
+    assert opt.get_config()["shard_state"] is True
+    assert "shard_state" not in ref.get_config()
