@@ -188,10 +188,7 @@ class _FusedMixin(_optstate.NormState):
     def _tfclip_slot_scope(self, reference_variable):
         """Where a slot of `reference_variable` is made: on its owning replica's device alone with
         shard_state (tfclip/_shard.py), else where the stock class makes it."""
-        if self._tfclip_owner is None:
-            return contextlib.nullcontext()
-        owner = self._tfclip_owner[self._get_variable_index(reference_variable)]
-        return _shard.on_device(_shard.local_device(tf.distribute.get_strategy(), owner))
+        return _shard.slot_scope(self._tfclip_owner, self._get_variable_index(reference_variable))
 
     def _tfclip_add_slot(self, reference_variable, name, initializer):
         dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
@@ -219,13 +216,8 @@ class _FusedMixin(_optstate.NormState):
         return super().add_variable(*args, **kwargs)
 
     def build(self, var_list):
-        if self.shard_state and _shard.replicas() > 1:
-            # Each variable's owner, before the stock build makes the slots (on the owner's device).
-            owner = _shard.owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in var_list],
-                                  _shard.replicas())
-            for r in sorted(set(owner)):
-                _shard.local_device(tf.distribute.get_strategy(), r)  # (refused: another worker's)
-            object.__setattr__(self, "_tfclip_owner", owner)
+        # shard_state: each variable's owner, before the stock build makes the slots there.
+        object.__setattr__(self, "_tfclip_owner", _shard.plan(var_list, self.shard_state))
         self._tfclip_build_slots(var_list)
         object.__setattr__(self, "_tensor_norms", _state_variable(
             [0.0] * len(var_list), "tensor_norms", "float32"))
@@ -349,12 +341,8 @@ class _FusedMixin(_optstate.NormState):
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and v.dtype == "float32" else g
                      for g, v in zip(grads, keras_vars)]
         # shard_state (tfclip/_shard.py): the norm of every gradient, then this replica's variables.
-        shard = self._tfclip_shard(keras_vars)
-        own, use_norm, pass_norms = range(len(keras_vars)), None, None
-        if shard is not None:
-            rid, owner = shard
-            use_norm, pass_norms = _step.norm_pass(grads)
-            own = [i for i, r in enumerate(owner) if r == rid]
+        share = _shard.begin(grads, self._tfclip_owners_of(keras_vars))
+        own = range(len(keras_vars)) if share is None else share.own
         step_vars = [keras_vars[i] for i in own]
         groups = []
         for with_decay, idx in _step.partition([bool(decay and self._use_weight_decay(v)) for v in step_vars]):
@@ -368,16 +356,15 @@ class _FusedMixin(_optstate.NormState):
         # folded in, and a non-finite step is skipped (the loss scale backs off), whatever
         # `nonfinite` says, as the stock wrapper skips the inner step.
         loss_scale = _step.loss_scale(self)
-        result = _step.run([grads[i] for i in own], groups, mode, clip, clip_obj=self.clip, use_norm=use_norm,
+        result = _step.run([grads[i] for i in own], groups, mode, clip, clip_obj=self.clip,
+                           use_norm=None if share is None else share.use_norm,
                            nonfinite=self.nonfinite if loss_scale is None else "skip",
                            lazy=self.lazy_sparse, keras_sparse_squares=True, grad_scale=loss_scale,
                            rounding=self._tfclip_rounding())
         tensor_norms, clipped_units = result.tensor_norms, result.clipped_units
-        if shard is not None:
-            if loss_scale is not None:
-                pass_norms = pass_norms * _opcall.scalar(loss_scale, "grad_scale")
-            tensor_norms = tf.cast(pass_norms, tf.float32)
-            clipped_units = self._tfclip_gather(keras_vars, rid, owner, own, result)
+        if share is not None:
+            tensor_norms, clipped_units = _shard.finish(share, [_tf_var(v) for v in keras_vars], result, loss_scale,
+                                                        agc=isinstance(self.clip, _clipping.AGC))
         if loss_scale is not None:
             _step.loss_scale_applied(self, result.applied)
         self._record_norms(result.global_norm, result.applied, tensor_norms, keras_vars,
@@ -385,30 +372,11 @@ class _FusedMixin(_optstate.NormState):
                            None if result.adaptive is None else result.adaptive.threshold, clipped_units)
         return result.applied
 
-    def _tfclip_shard(self, keras_vars):
-        """(this replica's id, each of `keras_vars`' owner) in a sharded step, else None."""
+    def _tfclip_owners_of(self, keras_vars):
+        """The owners of `keras_vars` with shard_state (tfclip/_shard.py), else None."""
         if self._tfclip_owner is None:
             return None
-        rid = _shard.replica_id()
-        if rid is None:
-            raise ValueError("shard_state=True steps inside strategy.run (as model.fit does): in the "
-                             "cross-replica context no replica owns a share")
-        return rid, [self._tfclip_owner[self._get_variable_index(v)] for v in keras_vars]
-
-    def _tfclip_gather(self, keras_vars, rid, owner, own, result):
-        """Every replica's updated variables into the other replicas' copies (tfclip/_shard.py,
-        gather), after this replica's ops; AGC's counts gathered beside them."""
-        units = None
-        if result.clipped_units is not None and isinstance(self.clip, _clipping.AGC):
-            mine = tf.unstack(tf.cast(result.clipped_units, tf.int32)) if own else []
-            units = [tf.constant(0, tf.int32)] * len(keras_vars)
-            for k, i in enumerate(own):
-                units[i] = mine[k]
-        tvars = [_tf_var(v) for v in keras_vars]
-        with tf.control_dependencies([result.applied]):
-            writes, counts = _shard.gather([v.handle for v in tvars], [tf.as_dtype(v.dtype) for v in tvars],
-                                           [v.shape for v in tvars], owner, rid, extra=units)
-        return counts
+        return [self._tfclip_owner[self._get_variable_index(v)] for v in keras_vars]
 
     def _tfclip_absmax_handles(self, keras_vars):
         """int8 state's absmax handles of `keras_vars`, slot-major (the op's `absmax` input)."""

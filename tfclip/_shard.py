@@ -15,12 +15,19 @@ drop-ins (tfclip/_keras_step.py) under a `tf.distribute` strategy with more than
   is the stock (mirrored) one: sharded, unsharded and stock Keras restore each other's, on any
   number of replicas.
 
-Imports flow one way: tfclip/_keras_step.py imports this module; it imports only TensorFlow.
+The drop-ins' part is small: `plan` at build, `slot_scope` around each slot's creation, and
+`begin` / `finish` around the fused step of the replica's share (tfclip/_keras_step.py and
+tfclip/_tf_keras_step.py).
+
+Imports flow one way: the drop-ins import this module; it imports tfclip/_step.py.
 """
+import collections
 import contextlib
 
 import tensorflow as tf
 from tensorflow.python.distribute import numpy_dataset
+
+from tfclip import _opcall, _step
 
 # A bit pattern of each float width as int32 (the all-gather's one dtype).
 _WIDTH = {2: tf.int16, 4: tf.int32, 8: tf.int64}
@@ -79,6 +86,62 @@ def replica_id():
         return None
     rid = tf.get_static_value(ctx.replica_id_in_sync_group)
     return None if rid is None else int(rid)
+
+
+def plan(var_list, shard_state):
+    """Each variable's owning replica (`owners` by bytes), or None: not sharded (shard_state off,
+    or one replica). Refused where an owner runs in another process."""
+    if not shard_state or replicas() <= 1:
+        return None
+    owner = owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in var_list], replicas())
+    for r in sorted(set(owner)):
+        local_device(tf.distribute.get_strategy(), r)
+    return owner
+
+
+def slot_scope(owner, index):
+    """Where variable `index`'s slots are made: its owner's device alone (`owner` from `plan`),
+    or where the stock class makes them (owner None)."""
+    if owner is None:
+        return contextlib.nullcontext()
+    return on_device(local_device(tf.distribute.get_strategy(), owner[index]))
+
+
+Share = collections.namedtuple("Share", ["rid", "owner", "own", "use_norm", "pass_norms"])
+Share.__doc__ = """A replica's share of a sharded step: its id, the step's variables' owners, the
+positions it owns, and the norm pass over every gradient (global norm, each gradient's norm)."""
+
+
+def begin(grads, owner):
+    """The replica's `Share` of a step over `grads` whose variables' owners are `owner` (None:
+    not sharded, returns None): the norm of every gradient, the same bits on every replica."""
+    if owner is None:
+        return None
+    rid = replica_id()
+    if rid is None:
+        raise ValueError("shard_state=True steps inside strategy.run (as model.fit does): in the "
+                         "cross-replica context no replica owns a share")
+    use_norm, pass_norms = _step.norm_pass(grads)
+    return Share(rid, owner, [i for i, r in enumerate(owner) if r == rid], use_norm, pass_norms)
+
+
+def finish(share, tvars, result, grad_scale=None, agc=False):
+    """After the share's fused op (`result`, a `_step.StepResult`): every replica's updated
+    variables into every copy (`gather`); returns (each gradient's norm, float32, from the norm
+    pass; AGC's counts gathered from their owners, or None)."""
+    norms = share.pass_norms
+    if grad_scale is not None:
+        norms = norms * _opcall.scalar(grad_scale, "grad_scale")
+    units = None
+    if agc and result.clipped_units is not None:
+        mine = tf.unstack(tf.cast(result.clipped_units, tf.int32)) if share.own else []
+        units = [tf.constant(0, tf.int32)] * len(tvars)
+        for k, i in enumerate(share.own):
+            units[i] = mine[k]
+    with tf.control_dependencies([result.applied]):
+        _, counts = gather([v.handle for v in tvars], [tf.as_dtype(v.dtype) for v in tvars],
+                           [v.shape for v in tvars], share.owner, share.rid, extra=units)
+    return tf.cast(norms, tf.float32), counts
 
 
 def _bits(x):

@@ -19,7 +19,7 @@ except ImportError as _e:  # pragma: no cover - the optional dependency is absen
 from tensorflow.python.ops import control_flow_util
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _loader, _opcall, _optstate, _rule, _step
+from tfclip import _loader, _opcall, _optstate, _rule, _shard, _step
 from tfclip import clipping as _clipping
 
 def _in_xla_context():
@@ -82,6 +82,9 @@ def _refuse_stock_step(opt, reason):
     if getattr(opt, "state_dtype", None) is not None:
         raise ValueError(f"{type(opt).__name__}(state_dtype={opt.state_dtype!r}) needs tfclip's fused op, "
                          f"which cannot run this step ({reason}); leave state_dtype at None for it")
+    if getattr(opt, "_tfclip_owner", None) is not None:
+        raise ValueError(f"{type(opt).__name__}(shard_state=True) needs tfclip's fused op, which "
+                         f"cannot run this step ({reason}); leave shard_state off for it")
     if getattr(opt, "stochastic_rounding", False):
         raise ValueError(f"{type(opt).__name__}(stochastic_rounding=True) needs tfclip's fused op, which "
                          f"cannot run this step ({reason}); leave stochastic_rounding off for it")
@@ -129,11 +132,19 @@ class _FusedMixin(_optstate.NormState):
     # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
     low_precision_state = True
     int8_state = True
+    # shard_state (tfclip/_shard.py): off, and no owners, unless the constructor says so (the
+    # legacy classes, tfclip/_tf_keras_legacy.py, do not take it).
+    shard_state = False
+    _tfclip_owner = None
 
     def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None,
-                 stochastic_rounding=False, rounding_seed=0, **kwargs):
+                 stochastic_rounding=False, rounding_seed=0, shard_state=False, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
+        if not isinstance(shard_state, bool):
+            raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
+        object.__setattr__(self, "shard_state", shard_state)  # (tfclip/_shard.py)
+        object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
         super().__init__(*args, **kwargs)
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, tf.Variable) and tf.executing_eagerly():
@@ -173,7 +184,9 @@ class _FusedMixin(_optstate.NormState):
 
     def build(self, var_list):
         built = getattr(self, "_built", False)
-        super().build(var_list)
+        if not built:  # shard_state: each variable's owner, before the stock build makes the slots there
+            object.__setattr__(self, "_tfclip_owner", _shard.plan(var_list, self.shard_state))
+        self._tfclip_build_slots(var_list)
         if not built and self._tensor_norms is None:
             object.__setattr__(self, "_tensor_norms", _state_variable(
                 [0.0] * len(var_list), f"{self._tfclip_scope()}/tensor_norms", tf.float32))
@@ -181,7 +194,27 @@ class _FusedMixin(_optstate.NormState):
             self._tfclip_make_clipped_units(len(var_list))
         self._tfclip_build_clip(self._tfclip_add_clip_variable)
 
+    def _tfclip_build_slots(self, var_list):
+        """The stock build: its slots made by add_variable_from_reference (each on its owner's
+        device with shard_state; a class making slots otherwise places them itself)."""
+        super().build(var_list)
+
+    @property
+    def state_owners(self):
+        """With shard_state under a strategy of several replicas: each trainable variable's
+        owning replica (the one keeping its slots), in `tensor_norm_names`' order; else None."""
+        return None if self._tfclip_owner is None else list(self._tfclip_owner)
+
+    def _tfclip_slot_scope(self, model_variable):
+        return _shard.slot_scope(self._tfclip_owner, self._index(model_variable))
+
     def add_variable_from_reference(self, model_variable, variable_name, shape=None, initial_value=None):
+        if variable_name == "average":
+            return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
+        with self._tfclip_slot_scope(model_variable):
+            return self._tfclip_add_slot(model_variable, variable_name, shape, initial_value)
+
+    def _tfclip_add_slot(self, model_variable, variable_name, shape, initial_value):
         # The stock build makes every slot here in its variable's dtype (a mixed-precision
         # variable's true one); with state_dtype="bfloat16" a float32 variable's slots are
         # bfloat16. use_ema's "average" stays in the variable's dtype (stock code updates it).
@@ -252,7 +285,10 @@ class _FusedMixin(_optstate.NormState):
         return list(self._tensor_norm_names)
 
     def get_config(self):
-        return self._tfclip_config(super().get_config())
+        config = self._tfclip_config(super().get_config())
+        if self.shard_state:
+            config["shard_state"] = True
+        return config
 
     def _clip_mode(self):
         return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
@@ -348,10 +384,15 @@ class _FusedMixin(_optstate.NormState):
             # conversion; the core requantizes whole blocks of 256)
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and v.dtype.base_dtype == tf.float32
                      else g for g, v in zip(grads, tvars)]
-        keys = [(bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)) for v in tvars]
+        # shard_state (tfclip/_shard.py): the norm of every gradient, then this replica's variables.
+        share = _shard.begin(grads, None if self._tfclip_owner is None else
+                             [self._tfclip_owner[self._index(v)] for v in tvars])
+        own = range(len(tvars)) if share is None else share.own
+        step_vars = [tvars[i] for i in own]
+        keys = [(bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)) for v in step_vars]
         groups = []
         for (with_decay, _), idx in _step.partition(keys):
-            group = [tvars[i] for i in idx]
+            group = [step_vars[i] for i in idx]
             kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
             hparams.update(lr=_opcall.scalar(self._tfclip_lr(group), "learning_rate"),
                            weight_decay=self.weight_decay if with_decay else 0.0)
@@ -364,14 +405,19 @@ class _FusedMixin(_optstate.NormState):
         # Inside tfclip.tf_keras.LossScaleOptimizer (tfclip/_tf_keras_loss_scale.py): the unscale
         # folded in, a non-finite step skipped (the loss scale backs off) whatever `nonfinite` says.
         loss_scale = _step.loss_scale(self)
-        result = _step.run(grads, groups, mode, clip, clip_obj=self.clip,
+        result = _step.run([grads[i] for i in own], groups, mode, clip, clip_obj=self.clip,
+                           use_norm=None if share is None else share.use_norm,
                            nonfinite=self.nonfinite if loss_scale is None else "skip",
                            lazy=self._tfclip_lazy(), grad_scale=loss_scale, rounding=self._tfclip_rounding())
+        tensor_norms, clipped_units = result.tensor_norms, result.clipped_units
+        if share is not None:
+            tensor_norms, clipped_units = _shard.finish(share, tvars, result, loss_scale,
+                                                        agc=isinstance(self.clip, _clipping.AGC))
         if loss_scale is not None:
             _step.loss_scale_applied(self, result.applied)
-        self._record_norms(result.global_norm, result.applied, result.tensor_norms, tvars, result.clip_mode,
+        self._record_norms(result.global_norm, result.applied, tensor_norms, tvars, result.clip_mode,
                            result.clip, None if result.adaptive is None else result.adaptive.threshold,
-                           result.clipped_units)
+                           clipped_units)
         return result.applied
 
     def _tfclip_group(self, v):

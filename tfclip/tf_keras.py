@@ -208,6 +208,27 @@ class Adafactor(_FusedMixin, _stock.Adafactor):
         object.__setattr__(self, "factored_state", bool(factored_state))
         super().__init__(*args, **kwargs)
 
+    def _tfclip_build_slots(self, var_list):
+        if self._tfclip_owner is None or getattr(self, "_built", False):
+            return super()._tfclip_build_slots(var_list)
+        # shard_state (tfclip/_shard.py): tf_keras's Adafactor makes r and c with add_variable (a
+        # rank < 2 variable's with tf.Variable), not from the reference variable; the same
+        # variables, names and order here, each variable's three on its owner's device.
+        _tf_keras.optimizers.Optimizer.build(self, var_list)
+        self._built = True
+        self._r, self._c, self._v = [], [], []
+        for var in var_list:
+            with self._tfclip_slot_scope(var):
+                if len(var.shape) < 2:
+                    self._r.append(tf.Variable(0, name=f"r/{var._shared_name}"))
+                    self._c.append(tf.Variable(0, name=f"r/{var._shared_name}"))
+                else:
+                    self._r.append(self.add_variable(shape=var.shape[:-1], dtype=var.dtype,
+                                                     name=f"r/{var._shared_name}"))
+                    self._c.append(self.add_variable(shape=var.shape[:-2] + var.shape[-1], dtype=var.dtype,
+                                                     name=f"c/{var._shared_name}"))
+            self._v.append(self.add_variable_from_reference(model_variable=var, variable_name="v"))
+
     def add_variable_from_reference(self, model_variable, variable_name, shape=None, initial_value=None):
         if variable_name == "v" and self.factored_state and len(model_variable.shape) >= 2:
             shape = ()

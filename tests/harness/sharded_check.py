@@ -24,6 +24,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import keras  # noqa: E402
 
 import tfclip  # noqa: E402
+import tfclip.tf_keras  # noqa: E402, F401
 
 STEPS = 4
 SHAPES = [(200, 40), (40,), (40, 150), (150,), (30, 60), (64, 16)]
@@ -42,16 +43,18 @@ def _base(step, nan_at=None):
 BF16 = ("rounding", "bf16_vars")
 
 
-def _variables(dtype="float32"):
+def _variables(dtype="float32", tf_keras=False):
     rng = np.random.default_rng(7)
     names = ["w0", "b0", "w1", "b1", "wx", "emb"]
+    if tf_keras:  # (tf_keras's model variables are tf.Variables)
+        return [tf.Variable(tf.cast(rng.normal(size=s).astype("float32"), dtype), name=n) for s, n in zip(SHAPES, names)]
     return [keras.Variable(rng.normal(size=s).astype("float32"), dtype=dtype, name=n) for s, n in zip(SHAPES, names)]
 
 
 def _values(vs):
     out = []
     for v in vs:
-        x = v.value
+        x = v.value if isinstance(v, keras.Variable) else v
         if isinstance(x, tf.distribute.DistributedValues):
             copies = [c.numpy() for c in x.values]
             for c in copies[1:]:  # every copy the same bits (NaN-aware)
@@ -60,18 +63,20 @@ def _values(vs):
         else:
             arr = x.numpy()
         out.append(np.asarray(arr, dtype=np.float64).ravel())
+
     return np.concatenate(out) if out else np.zeros(0)
 
 
 def _slots(opt):
-    skip = {"iteration", "learning_rate"}
-    return [v for v in opt.variables if v.path.split("/")[-1] not in skip]
+    skip = {"iteration", "learning_rate", "iterations"}
+    return [v for v in opt.variables
+            if getattr(v, "path", v.name).split("/")[-1].split(":")[0] not in skip]
 
 
 def _slot_bytes_by_device(opt):
     by = {}
     for v in _slots(opt):
-        x = v.value
+        x = v.value if isinstance(v, keras.Variable) else v
         n = v.shape.num_elements() * tf.as_dtype(v.dtype).size if v.shape.rank is not None else 0
         devs = [c.device for c in x.values] if isinstance(x, tf.distribute.DistributedValues) else [x.device]
         for d in devs:
@@ -79,14 +84,14 @@ def _slot_bytes_by_device(opt):
     return [by.get(d, 0) for d in sorted(by)]
 
 
-def _train(strategy, make_opt, *, steps=STEPS, nan_at=None, fn=True, vs=None, opt=None, start=0, dtype="float32"):
+def _train(strategy, make_opt, *, steps=STEPS, nan_at=None, fn=True, vs=None, opt=None, start=0, dtype="float32",
+           tf_keras=False):
     """Steps of `make_opt()` on the variables; strategy None: one device, the summed gradient."""
     scope = strategy.scope() if strategy is not None else tf.device("/cpu:0")
     with scope:
-        vs = vs or _variables(dtype)
+        vs = vs or _variables(dtype, tf_keras)
         opt = opt or make_opt()
-        if not opt.built:
-            opt.build(vs)
+        opt.build(vs)
 
     def replica_step(t):
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
@@ -141,6 +146,12 @@ CASES = {
     "bf16_state": lambda s: tfclip.keras.AdamW(0.01, state_dtype="bfloat16", shard_state=s),
     "rounding": lambda s: tfclip.keras.Adam(0.01, stochastic_rounding=True, rounding_seed=5, shard_state=s),
     "bf16_vars": lambda s: tfclip.keras.Adam(0.01, global_clipnorm=5.0, shard_state=s),
+    # tf_keras (Keras 2) drop-ins, on tf.Variables
+    "tfk_adam": lambda s: tfclip.tf_keras.Adam(0.01, global_clipnorm=5.0, shard_state=s),
+    "tfk_adamw": lambda s: tfclip.tf_keras.AdamW(0.01, weight_decay=0.1, shard_state=s),
+    "tfk_adafactor": lambda s: tfclip.tf_keras.Adafactor(0.01, global_clipnorm=1.0, shard_state=s),
+    "tfk_agc": lambda s: tfclip.tf_keras.SGD(0.05, momentum=0.9, clip=tfclip.clipping.AGC(0.01), shard_state=s),
+    "tfk_int8": lambda s: tfclip.tf_keras.Adam(0.01, state_dtype="int8", shard_state=s),
 }
 
 
@@ -185,6 +196,18 @@ def _checkpoints(out, ms, tmp):
     tf.train.Checkpoint(v=vs4, opt=sharded).read(path3).assert_consumed()
     _train(ms, None, steps=2, vs=vs4, opt=sharded, start=2)
     out["ckpt_mirrored_to_sharded"] = _values(vs4)
+    # tf_keras: a sharded tfclip.tf_keras.Adam's checkpoint into stock tf_keras Adam on one device.
+    import tf_keras
+
+    vs5, opt5 = _train(ms, lambda: tfclip.tf_keras.Adam(0.01, shard_state=True), steps=2, tf_keras=True)
+    path5 = tf.train.Checkpoint(v=vs5, opt=opt5).write(os.path.join(tmp, "tf_keras"))
+    with tf.device("/cpu:0"):
+        vs6 = _variables(tf_keras=True)
+        stock6 = tf_keras.optimizers.Adam(0.01)
+        stock6.build(vs6)
+    tf.train.Checkpoint(v=vs6, opt=stock6).read(path5).assert_consumed()
+    out["ckpt_tfk_sharded"] = _values(vs5 + _slots(opt5))
+    out["ckpt_tfk_into_stock"] = _values(vs6 + _slots(stock6))
     # model.fit with a sharded optimizer, saved as .keras, loaded without a strategy.
     x = np.random.default_rng(1).normal(size=(64, 8)).astype("float32")
     y = x @ np.random.default_rng(2).normal(size=(8, 1)).astype("float32")
@@ -241,7 +264,8 @@ def main(path):
         if only and case not in only.split(","):
             continue
         for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False), ("one", None, False)):
-            vs, opt = _train(strategy, lambda: make(shard), dtype="bfloat16" if case in BF16 else "float32")
+            vs, opt = _train(strategy, lambda: make(shard), dtype="bfloat16" if case in BF16 else "float32",
+                             tf_keras=case.startswith("tfk_"))
             _record(out, f"{case}_{run}", vs, opt)
     vs, opt = _train(ms, lambda: CASES["adam"](True), fn=False)
     _record(out, "eager_sharded", vs, opt)
