@@ -6,6 +6,7 @@ configured at start-up) and steps every case three ways: sharded on 2 replicas, 
 (mirrored slots) on 2 replicas, and on one device given the summed gradient (the same one float
 addition the all-reduce makes). It checks after every run that every copy of every mirrored
 variable holds the same bits."""
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import tfclip
+from procs import free_ports
 from tfclip import _shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
@@ -137,3 +139,52 @@ def test_one_replica_keeps_the_stock_layout():
     np.testing.assert_array_equal(v.numpy(), w.numpy())
     assert opt.get_config()["shard_state"] is True
     assert "shard_state" not in ref.get_config()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """2 MultiWorkerMirroredStrategy processes on localhost, one replica each."""
+    tmp = tmp_path_factory.mktemp("shard_workers")
+    cluster = {"worker": [f"localhost:{p}" for p in free_ports(2)]}
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
+        procs.append(subprocess.Popen([sys.executable, HARNESS, str(tmp / f"w{i}.npz"), "worker"], env=env,
+                                      cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-3000:]
+    return [np.load(tmp / f"w{i}.npz") for i in range(2)]
+
+
+@pytest.mark.parametrize("case", ["adam", "adafactor", "agc"])
+def test_two_worker_processes_each_hold_half_and_train_to_the_same_bits(workers, case):
+    for i, w in enumerate(workers):
+        assert int(w["task"]) == i and int(w["replicas"]) == 2
+        assert _bits(w[f"{case}_sharded_vars"]) == _bits(w[f"{case}_mirrored_vars"])
+        assert _bits(w[f"{case}_sharded_vars"]) == _bits(w[f"{case}_one_vars"])
+        assert w[f"{case}_sharded_norm"] == w[f"{case}_one_norm"]
+        assert _bits(w[f"{case}_sharded_tnorms"]) == _bits(w[f"{case}_one_tnorms"])
+    # each process keeps the slots of its replica's share: together one copy, split
+    held = [int(w[f"{case}_sharded_bytes"].sum()) for w in workers]
+    whole = int(workers[0][f"{case}_mirrored_bytes"].sum())
+    assert whole <= sum(held) <= whole + 64 and max(held) < 0.55 * whole
+    assert _bits(workers[0][f"{case}_sharded_vars"]) == _bits(workers[1][f"{case}_sharded_vars"])
+    if case == "agc":
+        for w in workers:
+            np.testing.assert_array_equal(w["agc_sharded_units"], w["agc_one_units"])
+
+
+def test_two_worker_checkpoint_is_the_stock_layout_and_resumes(workers):
+    for w in workers:
+        # every worker saved; the chief's file holds every slot, both workers' shares: stock
+        # keras.optimizers.Adam on one device restores it whole (assert_consumed) with the
+        # unsharded run's slots, and a fresh sharded optimizer resumes to the uninterrupted bits
+        assert _bits(w["ckpt_into_stock_slots"]) == _bits(w["ckpt_mirrored_slots"])
+        assert _bits(w["ckpt_into_stock_vars"]) == _bits(w["ckpt_sharded_vars"])
+        assert _bits(w["ckpt_resumed"]) == _bits(w["ckpt_want"])
+        assert int(w["remote_slots"]) > 0
+        assert "in another worker process" in str(w["remote_numpy"])
+        # tf_keras's drop-ins keep sharded state within one process: across processes, refused
+        assert "runs in another worker process" in str(w["tfk_adam_refused"])

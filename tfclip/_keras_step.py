@@ -185,10 +185,40 @@ class _FusedMixin(_optstate.NormState):
         with self._tfclip_slot_scope(reference_variable):
             return self._tfclip_add_slot(reference_variable, name, initializer)
 
+    @contextlib.contextmanager
     def _tfclip_slot_scope(self, reference_variable):
         """Where a slot of `reference_variable` is made: on its owning replica's device alone with
-        shard_state (tfclip/_shard.py), else where the stock class makes it."""
-        return _shard.slot_scope(self._tfclip_owner, self._get_variable_index(reference_variable))
+        shard_state (tfclip/_shard.py), a `_shard.RemoteSlot` where that replica is in another
+        worker process (`add_variable`), else where the stock class makes it."""
+        if self._tfclip_owner is None:
+            yield
+            return
+        owner = self._tfclip_owner[self._get_variable_index(reference_variable)]
+        device = _shard.local_device(tf.distribute.get_strategy(), owner, remote_ok=True)
+        object.__setattr__(self, "_tfclip_making", (owner, device))
+        try:
+            with _shard.on_device(device) if device is not None else contextlib.nullcontext():
+                yield
+        finally:
+            object.__setattr__(self, "_tfclip_making", None)
+
+    def _tfclip_slot_or_remote(self, make, shape, dtype, name):
+        """A slot `make()` makes, or its `_shard.RemoteSlot` (owned in another worker process),
+        kept for the checkpoint exchange, inside `_tfclip_slot_scope`."""
+        making = getattr(self, "_tfclip_making", None)
+        exchange = getattr(self, "_tfclip_exchange", None)
+        if making is None or exchange is None:
+            return make()
+        owner, device = making
+        slot = make() if device is not None else _shard.RemoteSlot(shape, dtype, name, f"{self.name}/{name}", owner)
+        exchange.add(slot, owner)
+        return slot
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        exchange = getattr(self, "_tfclip_exchange", None)
+        # State kept across worker processes: each slot saves the owner's value (tfclip/_shard.py).
+        return children if exchange is None or save_type != "checkpoint" else exchange.swap(children)
 
     def _tfclip_add_slot(self, reference_variable, name, initializer):
         dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
@@ -213,11 +243,25 @@ class _FusedMixin(_optstate.NormState):
         slot_dtype = getattr(self, "_tfclip_slot_dtype", None)
         if slot_dtype is not None:  # (a slot made by add_variable_from_reference above)
             kwargs["dtype"] = slot_dtype
+        shape = kwargs.get("shape", args[0] if args else None)
+        if getattr(self, "_tfclip_making", None) is not None and getattr(self, "_tfclip_exchange", None):
+            def remote_or_real():
+                return super(_FusedMixin, self).add_variable(*args, **kwargs)
+
+            slot = self._tfclip_slot_or_remote(remote_or_real, shape, kwargs.get("dtype") or "float32", kwargs.get("name"))
+            if isinstance(slot, _shard.RemoteSlot):
+                self._track_variable(slot)
+            return slot
         return super().add_variable(*args, **kwargs)
 
     def build(self, var_list):
-        # shard_state: each variable's owner, before the stock build makes the slots there.
-        object.__setattr__(self, "_tfclip_owner", _shard.plan(var_list, self.shard_state))
+        # shard_state: each variable's owner, before the stock build makes the slots there; an
+        # owner in another worker process: a RemoteSlot here, and the checkpoint exchange.
+        owner = _shard.plan(var_list, self.shard_state, remote_ok=True)
+        object.__setattr__(self, "_tfclip_owner", owner)
+        strategy = tf.distribute.get_strategy()
+        remote = owner is not None and any(_shard.local_device(strategy, r, remote_ok=True) is None for r in owner)
+        object.__setattr__(self, "_tfclip_exchange", _shard.SlotExchange(strategy) if remote else None)
         self._tfclip_build_slots(var_list)
         object.__setattr__(self, "_tensor_norms", _state_variable(
             [0.0] * len(var_list), "tensor_norms", "float32"))

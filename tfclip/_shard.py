@@ -13,7 +13,8 @@ drop-ins (tfclip/_keras_step.py) under a `tf.distribute` strategy with more than
   The copies hold the same bits as the unsharded step (the op is element-wise given the norm).
 - **Checkpoints**: a slot is one variable under its stock name, wherever it lives, so the layout
   is the stock (mirrored) one: sharded, unsharded and stock Keras restore each other's, on any
-  number of replicas.
+  number of replicas. Across worker processes a slot owned elsewhere is a `RemoteSlot`, and the
+  checkpoint gathers it from its owner (`SlotExchange`).
 
 The drop-ins' part is small: `plan` at build, `slot_scope` around each slot's creation, and
 `begin` / `finish` around the fused step of the replica's share (tfclip/_keras_step.py and
@@ -29,8 +30,9 @@ from tensorflow.python.distribute import numpy_dataset
 
 from tfclip import _opcall, _step
 
-# A bit pattern of each float width as int32 (the all-gather's one dtype).
-_WIDTH = {2: tf.int16, 4: tf.int32, 8: tf.int64}
+# A bit pattern of each width as int32 (the all-gather's and the broadcast's one dtype); one-byte
+# values (int8 state's codes) widened.
+_WIDTH = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
 
 def replicas():
@@ -51,18 +53,20 @@ def owners(nbytes, n):
     return out
 
 
-def local_device(strategy, replica):
+def local_device(strategy, replica, remote_ok=False):
     """The device of the replica with id `replica` in the sync group, where it is in this
-    process; a ValueError where it is not (another worker's)."""
+    process; for another worker's replica None (remote_ok), else a ValueError."""
     devices = strategy.extended.worker_devices
     first = strategy.extended._get_replica_id_in_sync_group(0) if hasattr(
         strategy.extended, "_get_replica_id_in_sync_group") else 0
     local = replica - first
     if not 0 <= local < len(devices):
+        if remote_ok:
+            return None
         raise ValueError(
-            f"shard_state=True: replica {replica} runs in another worker process; "
-            f"{type(strategy).__name__} with replicas in several processes is not supported yet "
-            "(docs/distribute.md, Sharded optimizer state)")
+            f"shard_state=True: replica {replica} runs in another worker process; this optimizer "
+            f"does not keep state across {type(strategy).__name__}'s processes (tfclip.keras's do; "
+            "docs/distribute.md, Sharded optimizer state)")
     return devices[local]
 
 
@@ -88,14 +92,15 @@ def replica_id():
     return None if rid is None else int(rid)
 
 
-def plan(var_list, shard_state):
+def plan(var_list, shard_state, remote_ok=False):
     """Each variable's owning replica (`owners` by bytes), or None: not sharded (shard_state off,
-    or one replica). Refused where an owner runs in another process."""
+    or one replica). An owner in another process is refused unless remote_ok (its slots are then
+    `RemoteSlot`s here)."""
     if not shard_state or replicas() <= 1:
         return None
     owner = owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in var_list], replicas())
     for r in sorted(set(owner)):
-        local_device(tf.distribute.get_strategy(), r)
+        local_device(tf.distribute.get_strategy(), r, remote_ok)
     return owner
 
 
@@ -105,6 +110,115 @@ def slot_scope(owner, index):
     if owner is None:
         return contextlib.nullcontext()
     return on_device(local_device(tf.distribute.get_strategy(), owner[index]))
+
+
+class RemoteSlot(tf.__internal__.tracking.Trackable):
+    """A slot whose owner is a replica in another worker process: its name, shape and dtype, no
+    storage. In a checkpoint it stands where the stock slot stands and saves the owner's value
+    (`SlotExchange`); restored, it keeps nothing (the owner restores the value)."""
+
+    trainable = False
+
+    def __init__(self, shape, dtype, name, path, owner):
+        self.shape = tf.TensorShape(shape)
+        self.dtype = tf.as_dtype(dtype)
+        self.name, self.path = name, path
+        self.owner = owner
+
+    def _message(self):
+        return (f"the optimizer slot {self.path} is kept by replica {self.owner}, in another worker process "
+                "(shard_state=True); a tf.train.Checkpoint saved by every worker gathers it")
+
+    def numpy(self):
+        raise ValueError(self._message())
+
+    @property
+    def value(self):
+        raise ValueError(self._message())
+
+    def __repr__(self):
+        return f"<RemoteSlot {self.path} shape={self.shape} dtype={self.dtype.name} owner={self.owner}>"
+
+
+class SlotExchange:
+    """The checkpoint side of sharding across worker processes: every sharded slot, in build
+    order, stands in the saved object graph as a `_SlotProxy`, which on save broadcasts the
+    owner's value to every worker (one eager collective broadcast per slot, as bit patterns;
+    every worker must save, as tf.distribute asks under MultiWorkerMirroredStrategy) and on
+    restore lets the owner restore its slot. The layout is the stock one: the chief's file holds
+    every slot's value under its stock key."""
+
+    _GROUP_KEY = 0x7F7C0000  # (apart from the strategy's own collective group keys, small numbers)
+
+    def __init__(self, strategy):
+        ext = strategy.extended
+        self.device = ext.worker_devices[0]  # one device per worker takes part
+        self.group_size = ext._num_workers
+        self.local = len(ext.worker_devices)
+        self.first = ext._get_replica_id_in_sync_group(0)
+        self.slots = []  # (slot: a variable or a RemoteSlot, owner replica)
+        self.proxies = {}  # id(slot) -> _SlotProxy
+        self.lists = {}  # (child name, its elements' ids) -> the list with proxies
+        self.instance = 0
+
+    def add(self, slot, owner):
+        self.slots.append((slot, owner))
+
+    def proxy(self, slot):
+        if id(slot) not in self.proxies:
+            owner = next((o for s, o in self.slots if s is slot), None)
+            if owner is None:
+                return slot
+            self.proxies[id(slot)] = _SlotProxy(self, slot, owner)
+        return self.proxies[id(slot)]
+
+    def swap(self, children):
+        """An optimizer's trackable children with every sharded slot (in lists too) a proxy."""
+        from tensorflow.python.trackable import data_structures
+
+        ids = {id(s) for s, _ in self.slots}
+        out = {}
+        for name, c in children.items():
+            if isinstance(c, data_structures.ListWrapper) and any(id(x) in ids for x in c):
+                # The same list object on every call while the list is unchanged (a checkpoint's
+                # walk over the object graph finds each child by identity).
+                key = (name, tuple(id(x) for x in c))
+                if key not in self.lists:
+                    self.lists[key] = data_structures.ListWrapper([self.proxy(x) if id(x) in ids else x for x in c])
+                out[name] = self.lists[key]
+            else:
+                out[name] = self.proxy(c) if id(c) in ids else c
+        return out
+
+    def broadcast(self, value, owner, shape, dtype):
+        """The owner's `value` on every worker (bit for bit)."""
+        self.instance += 1
+        words = _words(dtype, shape.num_elements())
+        with tf.device(self.device):
+            if (owner - self.first) in range(self.local):
+                sent = _bits(value)
+                tf.raw_ops.CollectiveBcastSendV2(input=sent, group_size=self.group_size, group_key=self._GROUP_KEY,
+                                                 instance_key=self.instance)
+                return value
+            got = tf.raw_ops.CollectiveBcastRecvV2(group_size=self.group_size, group_key=self._GROUP_KEY,
+                                                   instance_key=self.instance, shape=[words], T=tf.int32)
+            return _from_bits(got, dtype, shape)
+
+
+class _SlotProxy(tf.__internal__.tracking.Trackable):
+    def __init__(self, exchange, slot, owner):
+        self._exchange, self._slot, self._owner = exchange, slot, owner
+
+    def _serialize_to_tensors(self):
+        slot = self._slot
+        local = not isinstance(slot, RemoteSlot)
+        value = tf.identity(slot.value) if local else None
+        return {"VARIABLE_VALUE": self._exchange.broadcast(value, self._owner, slot.shape, tf.as_dtype(slot.dtype))}
+
+    def _restore_from_tensors(self, restored_tensors):
+        if isinstance(self._slot, RemoteSlot):
+            return tf.no_op()
+        return self._slot._restore_from_tensors(restored_tensors)
 
 
 Share = collections.namedtuple("Share", ["rid", "owner", "own", "use_norm", "pass_norms"])
@@ -149,6 +263,8 @@ def _bits(x):
     width = _WIDTH.get(x.dtype.size)
     if width is None or not (x.dtype.is_floating or x.dtype.is_integer):
         raise ValueError(f"shard_state=True: cannot gather a variable of dtype {x.dtype.name}")
+    if width == tf.uint8:
+        return tf.reshape(tf.cast(tf.bitcast(x, tf.uint8) if x.dtype != tf.uint8 else x, tf.int32), [-1])
     b = x if x.dtype == width else tf.bitcast(x, width)
     if width == tf.int16:
         b = tf.cast(b, tf.int32)
@@ -159,6 +275,9 @@ def _bits(x):
 
 def _from_bits(b, dtype, shape):
     width = _WIDTH[dtype.size]
+    if width == tf.uint8:
+        b = tf.cast(b, tf.uint8)
+        return tf.reshape(b if dtype == tf.uint8 else tf.bitcast(b, dtype), shape)
     if width == tf.int16:
         b = tf.cast(b, tf.int16)
     elif width == tf.int64:
@@ -168,7 +287,7 @@ def _from_bits(b, dtype, shape):
 
 
 def _words(dtype, n):
-    return n * (2 if dtype.size == 8 else 1)
+    return n * (2 if dtype.size == 8 else 1)  # (one int32 word per element of 1, 2 or 4 bytes)
 
 
 def gather(handles, dtypes, shapes, owner, rid, extra=None):

@@ -44,7 +44,7 @@ Adadelta, Adamax, Nadam, Lion, Lamb) makes the slot variables of float32 variabl
 the optimizer state's bytes: each slot is read to float32, updated as a float32 slot, and rounded
 to the nearest bfloat16 when stored (docs/low-precision-state.md).
 
-`shard_state=True` (all but Muon): under MirroredStrategy each replica keeps the slots of its
+`shard_state=True` (all but Muon): under MirroredStrategy (and MultiWorkerMirroredStrategy) each replica keeps the slots of its
 share of the variables and the updated variables are all-gathered, the unsharded step's bits
 (tfclip/_shard.py, docs/distribute.md).
 
@@ -298,9 +298,10 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
         self._r, self._c, self._v = [], [], []
         for var in var_list:
             with self._tfclip_slot_scope(var):
-                if len(var.shape) < 2:
-                    self._r.append(keras.Variable(0, name=var.name, trainable=False))
-                    self._c.append(keras.Variable(0, name=var.name, trainable=False))
+                if len(var.shape) < 2:  # (placeholders; a RemoteSlot where another worker owns var)
+                    for slots in (self._r, self._c):
+                        slots.append(self._tfclip_slot_or_remote(lambda: keras.Variable(0, name=var.name, trainable=False),
+                                                       (), "int32", var.name))
                 elif self._overwrite_variable_with_gradient(var):
                     self._r.append(None)
                     self._c.append(None)

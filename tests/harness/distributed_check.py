@@ -321,22 +321,6 @@ def _worker_apply(strategy):
     return np.concatenate([v.numpy(), w.numpy(), [float(adam.iterations.numpy())]])
 
 
-def _shard_refusal(strategy):
-    """shard_state=True across worker processes: refused at build, by message (not yet)."""
-    import keras
-
-    import tfclip
-
-    with strategy.scope():
-        vs = [keras.Variable([1.0, 2.0]), keras.Variable([3.0])]
-        opt = tfclip.keras.Adam(0.1, shard_state=True)
-        try:
-            opt.build(vs)
-        except ValueError as e:
-            return str(e)
-    return "no error"
-
-
 def _two_replica_clip(strategy):
     """Both replicas hold gradient 3; global_clipnorm=1; SGD lr 1. Returns (tfclip, stock) deltas."""
     import keras
@@ -400,7 +384,6 @@ def main(argv=None):
         # workers with the stock optimizers too (it converts a PerReplica batch to a tensor).
         result["custom"] = _custom_loop(strategy)
         result["fused_clip_apply"] = _worker_apply(strategy)
-        result["shard_refusal"] = _shard_refusal(strategy)
         result["replicas"] = strategy.num_replicas_in_sync
         result["task"] = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     else:

@@ -2,6 +2,7 @@
 process (strategies configure devices at start-up; tests/test_shard.py runs this and reads OUT).
 
     python tests/harness/sharded_check.py OUT.npz
+    TF_CONFIG=... python tests/harness/sharded_check.py OUT.npz worker   # one of 2 worker processes
 
 Every case steps the same variables with the same gradients three ways: sharded on 2 replicas,
 unsharded (mirrored slots) on 2 replicas, and on one device given the summed gradient. Replica r's
@@ -18,8 +19,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+if sys.argv[2:] != ["worker"]:  # (MirroredStrategy over 2 logical CPUs; a worker has one)
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
 
@@ -54,6 +56,8 @@ def _variables(dtype="float32", tf_keras=False):
 def _values(vs):
     out = []
     for v in vs:
+        if isinstance(v, tfclip._shard.RemoteSlot):  # (kept by another worker process)
+            continue
         x = v.value if isinstance(v, keras.Variable) else v
         if isinstance(x, tf.distribute.DistributedValues):
             copies = [c.numpy() for c in x.values]
@@ -76,6 +80,8 @@ def _slots(opt):
 def _slot_bytes_by_device(opt):
     by = {}
     for v in _slots(opt):
+        if isinstance(v, tfclip._shard.RemoteSlot):
+            continue
         x = v.value if isinstance(v, keras.Variable) else v
         n = v.shape.num_elements() * tf.as_dtype(v.dtype).size if v.shape.rank is not None else 0
         devs = [c.device for c in x.values] if isinstance(x, tf.distribute.DistributedValues) else [x.device]
@@ -255,6 +261,63 @@ def _refusals(out, ms):
     out["refusals"] = np.array(msgs)
 
 
+def worker(path):
+    """One of 2 MultiWorkerMirroredStrategy processes (TF_CONFIG): sharded across the processes,
+    each keeps the slots of its share; the weights against the unsharded run's and one device's,
+    and a checkpoint every worker saves (the chief's file: every slot under its stock key) read
+    into stock Keras on one device and into a fresh sharded optimizer that carries on."""
+    import json
+
+    ms = tf.distribute.MultiWorkerMirroredStrategy()
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    out = {"task": task, "replicas": ms.num_replicas_in_sync}
+    for case in ("adam", "adafactor", "agc", "tfk_adam_refused"):
+        if case == "tfk_adam_refused":  # tf_keras keeps state within one process only: refused
+            with ms.scope():
+                vs = _variables(tf_keras=True)
+                opt = tfclip.tf_keras.Adam(0.01, shard_state=True)
+                try:
+                    opt.build(vs)
+                    out[case] = "no error"
+                except ValueError as e:
+                    out[case] = str(e)
+            continue
+        for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False), ("one", None, False)):
+            vs, opt = _train(strategy, lambda: CASES[case](shard))
+            _record(out, f"{case}_{run}", vs, opt)
+    tmp = os.path.dirname(os.path.abspath(path))
+    make = CASES["adam"]
+    vs, opt = _train(ms, lambda: make(True), steps=4)
+    out["ckpt_want"] = _values(vs)
+    vs, opt = _train(ms, lambda: make(True), steps=2)
+    out["remote_slots"] = sum(isinstance(v, tfclip._shard.RemoteSlot) for v in opt.variables)
+    try:
+        opt.variables[[isinstance(v, tfclip._shard.RemoteSlot) for v in opt.variables].index(True)].numpy()
+    except ValueError as e:
+        out["remote_numpy"] = str(e)
+    prefix = os.path.join(tmp, "ck" if task == 0 else f"ck_worker{task}")  # (the chief's is the one)
+    tf.train.Checkpoint(v=vs, opt=opt).write(prefix)
+    vs_m, opt_m = _train(ms, lambda: make(False), steps=2)  # (also every worker past the chief's write)
+    out["ckpt_mirrored_slots"] = _values(_slots(opt_m))
+    chief = os.path.join(tmp, "ck")
+    with tf.device("/cpu:0"):
+        vs1 = _variables()
+        stock = keras.optimizers.Adam(0.01, global_clipnorm=5.0)
+        stock.build(vs1)
+    tf.train.Checkpoint(v=vs1, opt=stock).read(chief).assert_consumed()
+    out["ckpt_into_stock_slots"] = _values(_slots(stock))
+    out["ckpt_into_stock_vars"] = _values(vs1)
+    out["ckpt_sharded_vars"] = _values(vs)
+    with ms.scope():
+        vs2 = _variables()
+        again = make(True)
+        again.build(vs2)
+    tf.train.Checkpoint(v=vs2, opt=again).read(chief).assert_consumed()
+    _train(ms, None, steps=2, vs=vs2, opt=again, start=2)
+    out["ckpt_resumed"] = _values(vs2)
+    np.savez(path, **out)
+
+
 def main(path):
     ms = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     assert ms.num_replicas_in_sync == 2
@@ -279,4 +342,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (worker if sys.argv[2:] == ["worker"] else main)(sys.argv[1])
