@@ -112,6 +112,29 @@ def slot_scope(owner, index):
     return on_device(local_device(tf.distribute.get_strategy(), owner[index]))
 
 
+@contextlib.contextmanager
+def making_slots(owner, device, exchange):
+    """Variables made inside are slots of a variable owned by replica `owner`: on `device` alone,
+    or, where the owner is in another worker process (device None), `RemoteSlot`s standing in
+    for them; each kept by `exchange` (a `SlotExchange`, or None within one process). For the
+    drop-ins whose stock build makes slots with tf.Variable (tf_keras's)."""
+    def creator(next_creator, **kwargs):
+        if device is None:
+            value = kwargs.get("initial_value")
+            value = tf.convert_to_tensor(value() if callable(value) else value, dtype=kwargs.get("dtype"))
+            name = str(kwargs.get("name") or "slot")
+            slot = RemoteSlot(value.shape, value.dtype, name, name, owner)
+        else:
+            kwargs["colocate_with"] = numpy_dataset.SingleDevice(device)
+            slot = next_creator(**kwargs)
+        if exchange is not None:
+            exchange.add(slot, owner)
+        return slot
+
+    with tf.variable_creator_scope(creator):
+        yield
+
+
 class RemoteSlot(tf.__internal__.tracking.Trackable):
     """A slot whose owner is a replica in another worker process: its name, shape and dtype, no
     storage. In a checkpoint it stands where the stock slot stands and saves the owner's value
@@ -162,7 +185,8 @@ class SlotExchange:
         self.instance = 0
 
     def add(self, slot, owner):
-        self.slots.append((slot, owner))
+        if not any(s is slot for s, _ in self.slots):
+            self.slots.append((slot, owner))
 
     def proxy(self, slot):
         if id(slot) not in self.proxies:
@@ -212,7 +236,10 @@ class _SlotProxy(tf.__internal__.tracking.Trackable):
     def _serialize_to_tensors(self):
         slot = self._slot
         local = not isinstance(slot, RemoteSlot)
-        value = tf.identity(slot.value) if local else None
+        value = None
+        if local:  # (a keras.Variable's `value` is its tf.Variable; a tf.Variable's, a method)
+            value = slot.value
+            value = tf.identity(value() if callable(value) else value)
         return {"VARIABLE_VALUE": self._exchange.broadcast(value, self._owner, slot.shape, tf.as_dtype(slot.dtype))}
 
     def _restore_from_tensors(self, restored_tensors):

@@ -136,6 +136,7 @@ class _FusedMixin(_optstate.NormState):
     # legacy classes, tfclip/_tf_keras_legacy.py, do not take it).
     shard_state = False
     _tfclip_owner = None
+    _tfclip_exchange = None
 
     def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None,
                  stochastic_rounding=False, rounding_seed=0, shard_state=False, **kwargs):
@@ -185,7 +186,11 @@ class _FusedMixin(_optstate.NormState):
     def build(self, var_list):
         built = getattr(self, "_built", False)
         if not built:  # shard_state: each variable's owner, before the stock build makes the slots there
-            object.__setattr__(self, "_tfclip_owner", _shard.plan(var_list, self.shard_state))
+            owner = _shard.plan(var_list, self.shard_state, remote_ok=True)
+            object.__setattr__(self, "_tfclip_owner", owner)
+            strategy = tf.distribute.get_strategy()
+            remote = owner is not None and any(_shard.local_device(strategy, r, remote_ok=True) is None for r in owner)
+            object.__setattr__(self, "_tfclip_exchange", _shard.SlotExchange(strategy) if remote else None)
         self._tfclip_build_slots(var_list)
         if not built and self._tensor_norms is None:
             object.__setattr__(self, "_tensor_norms", _state_variable(
@@ -206,7 +211,19 @@ class _FusedMixin(_optstate.NormState):
         return None if self._tfclip_owner is None else list(self._tfclip_owner)
 
     def _tfclip_slot_scope(self, model_variable):
-        return _shard.slot_scope(self._tfclip_owner, self._index(model_variable))
+        """Where `model_variable`'s slots are made: its owner's device alone with shard_state, a
+        `_shard.RemoteSlot` where the owner is in another worker process (tfclip/_shard.py)."""
+        if self._tfclip_owner is None:
+            return contextlib.nullcontext()
+        owner = self._tfclip_owner[self._index(model_variable)]
+        device = _shard.local_device(tf.distribute.get_strategy(), owner, remote_ok=True)
+        return _shard.making_slots(owner, device, self._tfclip_exchange)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        exchange = self._tfclip_exchange
+        # State kept across worker processes: each slot saves the owner's value (tfclip/_shard.py).
+        return children if exchange is None or save_type != "checkpoint" else exchange.swap(children)
 
     def add_variable_from_reference(self, model_variable, variable_name, shape=None, initial_value=None):
         if variable_name == "average":

@@ -44,9 +44,9 @@ Adadelta, Adamax, Nadam, Lion, Lamb) makes the slot variables of float32 variabl
 the optimizer state's bytes: each slot is read to float32, updated as a float32 slot, and rounded
 to the nearest bfloat16 when stored (docs/low-precision-state.md).
 
-`shard_state=True` (all but Muon): under MirroredStrategy (and MultiWorkerMirroredStrategy) each replica keeps the slots of its
-share of the variables and the updated variables are all-gathered, the unsharded step's bits
-(tfclip/_shard.py, docs/distribute.md).
+`shard_state=True` (all but Muon): under MirroredStrategy and MultiWorkerMirroredStrategy each
+replica keeps the slots of its share of the variables and the updated variables are
+all-gathered, the unsharded step's bits (tfclip/_shard.py, docs/distribute.md).
 
 Inside an XLA-compiled function (`jit_compile=True`, Keras 3's default wherever a GPU is
 visible) the fused op compiles to tfclip's own XLA custom calls (csrc/xla): the same kernels, the

@@ -219,7 +219,7 @@ class Adafactor(_FusedMixin, _stock.Adafactor):
         self._r, self._c, self._v = [], [], []
         for var in var_list:
             with self._tfclip_slot_scope(var):
-                if len(var.shape) < 2:
+                if len(var.shape) < 2:  # (placeholders; RemoteSlots where another worker owns var)
                     self._r.append(tf.Variable(0, name=f"r/{var._shared_name}"))
                     self._c.append(tf.Variable(0, name=f"r/{var._shared_name}"))
                 else:
