@@ -215,10 +215,8 @@ class _FusedMixin(_optstate.NormState):
         return slot
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
-        children = super()._trackable_children(save_type, **kwargs)
-        exchange = getattr(self, "_tfclip_exchange", None)
-        # State kept across worker processes: each slot saves the owner's value (tfclip/_shard.py).
-        return children if exchange is None or save_type != "checkpoint" else exchange.swap(children)
+        return _shard.trackable_children(getattr(self, "_tfclip_exchange", None),
+                                         super()._trackable_children(save_type, **kwargs), save_type)
 
     def _tfclip_add_slot(self, reference_variable, name, initializer):
         dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
@@ -257,11 +255,9 @@ class _FusedMixin(_optstate.NormState):
     def build(self, var_list):
         # shard_state: each variable's owner, before the stock build makes the slots there; an
         # owner in another worker process: a RemoteSlot here, and the checkpoint exchange.
-        owner = _shard.plan(var_list, self.shard_state, remote_ok=True)
+        owner, exchange = _shard.plan(var_list, self.shard_state, remote_ok=True)
         object.__setattr__(self, "_tfclip_owner", owner)
-        strategy = tf.distribute.get_strategy()
-        remote = owner is not None and any(_shard.local_device(strategy, r, remote_ok=True) is None for r in owner)
-        object.__setattr__(self, "_tfclip_exchange", _shard.SlotExchange(strategy) if remote else None)
+        object.__setattr__(self, "_tfclip_exchange", exchange)
         self._tfclip_build_slots(var_list)
         object.__setattr__(self, "_tensor_norms", _state_variable(
             [0.0] * len(var_list), "tensor_norms", "float32"))

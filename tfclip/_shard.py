@@ -16,9 +16,10 @@ drop-ins (tfclip/_keras_step.py) under a `tf.distribute` strategy with more than
   number of replicas. Across worker processes a slot owned elsewhere is a `RemoteSlot`, and the
   checkpoint gathers it from its owner (`SlotExchange`).
 
-The drop-ins' part is small: `plan` at build, `slot_scope` around each slot's creation, and
-`begin` / `finish` around the fused step of the replica's share (tfclip/_keras_step.py and
-tfclip/_tf_keras_step.py).
+The drop-ins' part is small (tfclip/_keras_step.py, tfclip/_tf_keras_step.py): `plan` at build;
+each slot made on its owner's device (`on_device`; tf_keras: `making_slots`) or as a `RemoteSlot`;
+`begin` / `finish` around the fused step of the replica's share; `trackable_children` for
+checkpoints.
 
 Imports flow one way: the drop-ins import this module; it imports tfclip/_step.py.
 """
@@ -93,23 +94,22 @@ def replica_id():
 
 
 def plan(var_list, shard_state, remote_ok=False):
-    """Each variable's owning replica (`owners` by bytes), or None: not sharded (shard_state off,
-    or one replica). An owner in another process is refused unless remote_ok (its slots are then
+    """(each variable's owning replica (`owners` by bytes), the `SlotExchange` where some owner is
+    in another worker process (else None)), or (None, None): not sharded (shard_state off, or one
+    replica). An owner in another process is refused unless remote_ok (its slots are then
     `RemoteSlot`s here)."""
     if not shard_state or replicas() <= 1:
-        return None
+        return None, None
+    strategy = tf.distribute.get_strategy()
     owner = owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in var_list], replicas())
-    for r in sorted(set(owner)):
-        local_device(tf.distribute.get_strategy(), r, remote_ok)
-    return owner
+    remote = [local_device(strategy, r, remote_ok) is None for r in sorted(set(owner))]
+    return owner, SlotExchange(strategy) if any(remote) else None
 
 
-def slot_scope(owner, index):
-    """Where variable `index`'s slots are made: its owner's device alone (`owner` from `plan`),
-    or where the stock class makes them (owner None)."""
-    if owner is None:
-        return contextlib.nullcontext()
-    return on_device(local_device(tf.distribute.get_strategy(), owner[index]))
+def trackable_children(exchange, children, save_type):
+    """An optimizer's trackable children as a checkpoint sees them: each sharded slot, where
+    state is kept across worker processes, a proxy saving the owner's value (`SlotExchange`)."""
+    return children if exchange is None or save_type != "checkpoint" else exchange.swap(children)
 
 
 @contextlib.contextmanager

@@ -186,11 +186,9 @@ class _FusedMixin(_optstate.NormState):
     def build(self, var_list):
         built = getattr(self, "_built", False)
         if not built:  # shard_state: each variable's owner, before the stock build makes the slots there
-            owner = _shard.plan(var_list, self.shard_state, remote_ok=True)
+            owner, exchange = _shard.plan(var_list, self.shard_state, remote_ok=True)
             object.__setattr__(self, "_tfclip_owner", owner)
-            strategy = tf.distribute.get_strategy()
-            remote = owner is not None and any(_shard.local_device(strategy, r, remote_ok=True) is None for r in owner)
-            object.__setattr__(self, "_tfclip_exchange", _shard.SlotExchange(strategy) if remote else None)
+            object.__setattr__(self, "_tfclip_exchange", exchange)
         self._tfclip_build_slots(var_list)
         if not built and self._tensor_norms is None:
             object.__setattr__(self, "_tensor_norms", _state_variable(
@@ -220,10 +218,8 @@ class _FusedMixin(_optstate.NormState):
         return _shard.making_slots(owner, device, self._tfclip_exchange)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
-        children = super()._trackable_children(save_type, **kwargs)
-        exchange = self._tfclip_exchange
-        # State kept across worker processes: each slot saves the owner's value (tfclip/_shard.py).
-        return children if exchange is None or save_type != "checkpoint" else exchange.swap(children)
+        return _shard.trackable_children(self._tfclip_exchange, super()._trackable_children(save_type, **kwargs),
+                                         save_type)
 
     def add_variable_from_reference(self, model_variable, variable_name, shape=None, initial_value=None):
         if variable_name == "average":
