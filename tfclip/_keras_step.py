@@ -287,16 +287,7 @@ class _FusedMixin(_optstate.NormState):
         return [self._get_variable_index(v) for v in keras_vars], len(self._trainable_variables)
 
     def get_config(self):
-        config = self._tfclip_config(super().get_config())
-        if self.shard_state:
-            config["shard_state"] = True
-        return config
-
-    @property
-    def state_owners(self):
-        """With shard_state under a strategy of several replicas: each trainable variable's
-        owning replica (the one keeping its slots), in `tensor_norm_names`' order; else None."""
-        return None if self._tfclip_owner is None else list(self._tfclip_owner)
+        return self._tfclip_config(super().get_config())
 
     def apply(self, grads, trainable_variables=None):
         # Eagerly, one step at a time per optimizer: threads that share one optimizer build it

@@ -38,6 +38,8 @@ class NormState:
         if getattr(self, "stochastic_rounding", False):
             config["stochastic_rounding"] = True
             config["rounding_seed"] = self.rounding_seed
+        if getattr(self, "shard_state", False):  # (tfclip/_shard.py)
+            config["shard_state"] = True
         return config
 
     def _tfclip_rounding_init(self, stochastic_rounding, rounding_seed):
@@ -52,6 +54,13 @@ class NormState:
         if not getattr(self, "stochastic_rounding", False):
             return None
         return self.rounding_seed, self._tfclip_step()
+
+    @property
+    def state_owners(self):
+        """With shard_state under a strategy of several replicas: each trainable variable's
+        owning replica (the one keeping its slots), in `tensor_norm_names`' order; else None."""
+        owner = getattr(self, "_tfclip_owner", None)
+        return None if owner is None else list(owner)
 
     @property
     def global_norm(self):

@@ -280,7 +280,7 @@ def finish(share, tvars, result, grad_scale=None, agc=False):
         for k, i in enumerate(share.own):
             units[i] = mine[k]
     with tf.control_dependencies([result.applied]):
-        _, counts = gather([v.handle for v in tvars], [tf.as_dtype(v.dtype) for v in tvars],
+        counts = gather([v.handle for v in tvars], [tf.as_dtype(v.dtype) for v in tvars],
                            [v.shape for v in tvars], share.owner, share.rid, extra=units)
     return tf.cast(norms, tf.float32), counts
 
@@ -347,12 +347,11 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
             for i in theirs:
                 extra_at[i] = at
                 at += 1
-    writes = []
     for i in range(len(handles)):
         if owner[i] != rid:
             value = _from_bits(got[offsets[i]:offsets[i] + sizes[i]], dtypes[i], shapes[i])
-            writes.append(tf.raw_ops.AssignVariableOp(resource=handles[i], value=value))
+            tf.raw_ops.AssignVariableOp(resource=handles[i], value=value)
     counts = None
     if extra is not None:
         counts = tf.stack([got[extra_at[i]] for i in range(len(handles))]) if handles else tf.zeros([0], tf.int32)
-    return writes, counts
+    return counts

@@ -202,12 +202,6 @@ class _FusedMixin(_optstate.NormState):
         device with shard_state; a class making slots otherwise places them itself)."""
         super().build(var_list)
 
-    @property
-    def state_owners(self):
-        """With shard_state under a strategy of several replicas: each trainable variable's
-        owning replica (the one keeping its slots), in `tensor_norm_names`' order; else None."""
-        return None if self._tfclip_owner is None else list(self._tfclip_owner)
-
     def _tfclip_slot_scope(self, model_variable):
         """Where `model_variable`'s slots are made: its owner's device alone with shard_state, a
         `_shard.RemoteSlot` where the owner is in another worker process (tfclip/_shard.py)."""
@@ -298,10 +292,7 @@ class _FusedMixin(_optstate.NormState):
         return list(self._tensor_norm_names)
 
     def get_config(self):
-        config = self._tfclip_config(super().get_config())
-        if self.shard_state:
-            config["shard_state"] = True
-        return config
+        return self._tfclip_config(super().get_config())
 
     def _clip_mode(self):
         return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
