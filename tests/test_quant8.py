@@ -7,6 +7,7 @@ import pytest
 
 from reference import quantize_blockwise as reference_quantize
 from reference import dynamic_code as reference_code
+from reference import dequantize_blockwise as reference_dequantize
 from tfclip import _core
 
 
@@ -91,3 +92,47 @@ def test_zero_index_is_the_cores_constant():
     for signed, zero in [(True, 127), (False, 0)]:
         q, absmax = _core.quantize_blockwise(np.zeros(5, np.float32), signed)
         assert absmax[0] == 0.0 and np.all(q == zero)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_every_instruction_set_variant_rounds_at_the_same_points(signed):
+    """The int8 state's block (256) runs the active CPU variant's tiles (csrc/core/cpu_quant8.inc:
+    element by element, AVX2 gathers, or AVX-512's in-register search tree). Every code value,
+    every midpoint between neighbours and the floats a few ulps either side of it (where the
+    nearest code flips), 0 and -0, in blocks whose absmax is 1 (so the quotient is the value
+    itself): each variant this machine runs gives the NumPy reference's bytes, and its
+    dequantized values, bit for bit."""
+    code = reference_code(signed).astype(np.float64)
+    mids = np.float32((code[:-1] + code[1:]) / 2)
+    near = [mids]
+    for k in (1, 2, 3):
+        up, down = mids.copy(), mids.copy()
+        for _ in range(k):
+            up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(-np.inf))
+        near += [up, down]
+    values = np.concatenate(near + [code.astype(np.float32), np.float32([0.0, -0.0])])
+    if not signed:
+        values = values[values >= 0]
+    values = np.random.default_rng(7).permutation(values)
+    # Blocks of 255 values and a 1.0 (each block's absmax), the last one short.
+    blocks = [np.append(values[b:b + 255], np.float32(1.0)) for b in range(0, values.size, 255)]
+    x = np.concatenate(blocks).astype(np.float32)
+    assert x.size % 256 != 0 and x.size > 2000
+    rq, rabsmax = reference_quantize(x, signed, 256)
+    assert np.all(rabsmax == 1.0)
+    old = _core.cpu_isa()
+    try:
+        for isa in _core.cpu_isas():
+            _core.set_cpu_isa(isa)
+            q, absmax = _core.quantize_blockwise(x, signed, 256)
+            np.testing.assert_array_equal(q, rq, err_msg=isa)
+            _same_bits(absmax, rabsmax)
+            _same_bits(_core.dequantize_blockwise(q, absmax, signed, 256),
+                       reference_dequantize(rq, rabsmax, signed, 256))
+            # A NaN quotient takes the code's 0 (the block's absmax is NaN then, too).
+            nan_block = x[:256].copy()
+            nan_block[5] = np.nan
+            q, absmax = _core.quantize_blockwise(nan_block, signed, 256)
+            assert np.isnan(absmax[0]) and np.all(q == (127 if signed else 0)), isa
+    finally:
+        _core.set_cpu_isa(old)

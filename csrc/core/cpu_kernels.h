@@ -12,6 +12,7 @@
 
 #include "csrc/core/agc.h"
 #include "csrc/core/cpu_driver.h"
+#include "csrc/core/quant8.h"
 
 namespace tfclip {
 
@@ -35,6 +36,11 @@ struct CpuKernels {
   void (*agc_sums)(const ApplyTensor* ts, const AgcPlan& plan, const SparsePlan& sp,
                    double* part_g, double* part_w, double* unit_g, double* sparse_values_sumsq,
                    const CpuExecutor& exec);
+  // int8 state's tiles (cpu_quant8.inc): n elements from a block boundary, n <= the apply
+  // passes' tile; absmax one float per kQuantBlock. Widen dequantizes the codes q; narrow
+  // writes each block's absmax and the codes.
+  void (*q8_widen)(const uint8_t* q, const float* absmax, const float* code, float* out, int64_t n);
+  void (*q8_narrow)(const float* in, const CodeIndex& ci, uint8_t* q, float* absmax, int64_t n);
 };
 
 // The variant in use: the best the CPU supports, or TFCLIP_CPU_ISA (avx512 | avx2 | baseline)

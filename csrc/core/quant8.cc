@@ -53,6 +53,7 @@ float FromKey(uint32_t key) {  // OrderedKey's inverse
 CodeIndex BuildIndex(bool is_signed) {
   static std::vector<int32_t> tables[2];
   static std::vector<float> flip_tables[2];
+  static std::vector<float> trees[2];
   std::vector<int32_t>& t = tables[is_signed ? 1 : 0];
   std::vector<float>& flips = flip_tables[is_signed ? 1 : 0];
   CodeIndex ci;
@@ -89,6 +90,12 @@ CodeIndex BuildIndex(bool is_signed) {
     if (t[b + 1] - t[b] > kCodeWalk) std::abort();  // NearestCodeIndexed's walk would stop short
   }
   ci.start = t.data();
+  std::vector<float>& tree = trees[is_signed ? 1 : 0];
+  tree.assign(kQuantCodeSize, NAN);  // 255 nodes, then a pad
+  for (int level = 0; level < 8; ++level) {
+    for (int p = 0; p < (1 << level); ++p) tree[(1 << level) - 1 + p] = flips[(2 * p + 1) * (1 << (7 - level)) - 1];
+  }
+  ci.tree = tree.data();
   return ci;
 }
 }  // namespace

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "csrc/core/clip.h"
+#include "csrc/core/cpu_kernels.h"
 #include "csrc/core/hparams.h"
 #include "csrc/core/quant8.h"
 #include "csrc/core/rounding.h"
@@ -110,7 +111,11 @@ py::tuple QuantizeBlockwisePy(F32 x, bool is_signed, int64_t block) {
   const int64_t n = x.size();
   U8 q(x.request().shape);
   F32 absmax(std::vector<py::ssize_t>{static_cast<py::ssize_t>((n + block - 1) / block)});
-  QuantizeBlockwise(x.data(), n, block, is_signed, q.mutable_data(), absmax.mutable_data());
+  if (block == kQuantBlock) {  // the int8 state's block: the active CPU variant's tiles, as the passes run them
+    ActiveCpuKernels().q8_narrow(x.data(), DynamicCodeIndex(is_signed), q.mutable_data(), absmax.mutable_data(), n);
+  } else {
+    QuantizeBlockwise(x.data(), n, block, is_signed, q.mutable_data(), absmax.mutable_data());
+  }
   return py::make_tuple(q, absmax);
 }
 
@@ -123,7 +128,11 @@ F32 DequantizeBlockwisePy(U8 q, F32 absmax, bool is_signed, int64_t block) {
                           " elements, got shape (" + std::to_string(absmax.size()) + ",)");
   }
   F32 out(q.request().shape);
-  DequantizeBlockwise(q.data(), absmax.data(), n, block, is_signed, out.mutable_data());
+  if (block == kQuantBlock) {
+    ActiveCpuKernels().q8_widen(q.data(), absmax.data(), DynamicCode(is_signed), out.mutable_data(), n);
+  } else {
+    DequantizeBlockwise(q.data(), absmax.data(), n, block, is_signed, out.mutable_data());
+  }
   return out;
 }
 
@@ -153,9 +162,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("dynamic_code", &DynamicCodePy, py::arg("signed"),
         "The 8-bit dynamic code (256 float32 values, ascending; csrc/core/quant8.h).");
   m.def("quantize_blockwise", &QuantizeBlockwisePy, py::arg("x"), py::arg("signed"),
-        py::arg("block") = kQuantBlock, "x (float32) as (bytes, absmax per block): csrc/core/quant8.h.");
+        py::arg("block") = kQuantBlock,
+        "x (float32) as (bytes, absmax per block): csrc/core/quant8.h. With the int8 state's block "
+        "(256), the active CPU variant's tiles (cpu_quant8.inc, set_cpu_isa), else the portable loop.");
   m.def("dequantize_blockwise", &DequantizeBlockwisePy, py::arg("q"), py::arg("absmax"), py::arg("signed"),
-        py::arg("block") = kQuantBlock, "bytes and absmax back to float32: csrc/core/quant8.h.");
+        py::arg("block") = kQuantBlock,
+        "bytes and absmax back to float32: csrc/core/quant8.h (block 256: as quantize_blockwise).");
   DefineNumpy(m);
 #if TFCLIP_WITH_CUDA
   DefineCuda(m);
