@@ -176,6 +176,31 @@ def test_two_worker_processes_each_hold_half_and_train_to_the_same_bits(workers,
             np.testing.assert_array_equal(w["agc_sharded_units"], w["agc_one_units"])
 
 
+@pytest.mark.parametrize("case", ["int8", "bf16_state", "tfk_int8"])
+def test_two_worker_processes_keep_narrow_state_sharded(workers, case):
+    """int8 and bfloat16 optimizer state across worker processes: sharded, each process holds
+    half and the weights are one device's bits."""
+    for w in workers:
+        assert _bits(w[f"{case}_sharded_vars"]) == _bits(w[f"{case}_one_vars"])
+        assert _bits(w[f"{case}_sharded_tnorms"]) == _bits(w[f"{case}_one_tnorms"])
+    held = [int(w[f"{case}_sharded_bytes"].sum()) for w in workers]
+    whole = int(workers[0][f"{case}_one_bytes"].sum())
+    assert whole <= sum(held) <= whole + 64 and max(held) < 0.55 * whole
+
+
+def test_two_worker_processes_refuse_narrow_state_mirrored(workers):
+    """Unsharded, MultiWorkerMirroredStrategy would broadcast the uint8 / bfloat16 slots' initial
+    values with a collective TF has no such kernel for (TF's own error names an attr 'T'): the
+    build refuses first, naming the dtype, why, and shard_state=True."""
+    for w in workers:
+        msgs = [str(m) for m in w["narrow_mirrored_refusals"]]
+        assert len(msgs) == 3
+        for m, dtype, kernel in zip(msgs, ("int8", "bfloat16", "int8"), ("uint8", "bfloat16", "uint8")):
+            assert f"state_dtype={dtype!r} under MultiWorkerMirroredStrategy (2 worker processes) needs " \
+                   "shard_state=True" in m, m
+            assert f"no {kernel} kernel" in m, m
+
+
 def test_two_worker_checkpoint_is_the_stock_layout_and_resumes(workers):
     for w in workers:
         # every worker saved; the chief's file holds every slot, both workers' shares: stock

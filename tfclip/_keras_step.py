@@ -219,7 +219,8 @@ class _FusedMixin(_optstate.NormState):
                                          super()._trackable_children(save_type, **kwargs), save_type)
 
     def _tfclip_add_slot(self, reference_variable, name, initializer):
-        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype)
+        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype,
+                                       sharded=self._tfclip_owner is not None)
         if dtype == tf.as_dtype(reference_variable.dtype):
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         if dtype == tf.uint8:  # int8 state: the codes, and their absmax beside them

@@ -51,16 +51,42 @@ def check_state_dtype(state_dtype, owner):
     return None
 
 
-def state_slot_dtype(state_dtype, var_dtype):
+def state_slot_dtype(state_dtype, var_dtype, sharded=False):
     """A slot's dtype for a variable of var_dtype: bfloat16 for a float32 variable under
     state_dtype 'bfloat16', uint8 (the codes; tfclip.rules keeps an absmax beside each) under
-    'int8', else the variable's (the core stores no other pair)."""
+    'int8', else the variable's (the core stores no other pair). A narrow slot about to be made
+    mirrored (not `sharded`: on one device by tfclip/_shard.py) across worker processes is
+    refused, naming why (`_refuse_mirrored_across_processes`)."""
     var_dtype = tf.as_dtype(var_dtype)
+    narrow = None
     if state_dtype == "bfloat16" and var_dtype == tf.float32:
-        return tf.bfloat16
+        narrow = tf.bfloat16
     if state_dtype == "int8" and var_dtype == tf.float32:
-        return tf.uint8
-    return var_dtype
+        narrow = tf.uint8
+    if narrow is None:
+        return var_dtype
+    if not sharded:
+        _refuse_mirrored_across_processes(state_dtype)
+    return narrow
+
+
+def _refuse_mirrored_across_processes(state_dtype):
+    """MultiWorkerMirroredStrategy makes each mirrored variable with its initial value broadcast
+    from the chief by CollectiveBcastSend, whose kernels take bool, half, float, double, int32
+    and int64 only: a uint8 or bfloat16 slot fails there with TF's "Value for attr 'T' ... is not
+    in the list of allowed values". Sharded slots sit on one device each, with no broadcast, so
+    the Keras optimizers' shard_state=True keeps narrow state across processes (tested in
+    tests/test_shard.py)."""
+    if not tf.distribute.has_strategy():
+        return
+    workers = getattr(tf.distribute.get_strategy().extended, "_num_workers", 1)
+    if workers > 1:
+        raise ValueError(
+            f"state_dtype={state_dtype!r} under MultiWorkerMirroredStrategy ({workers} worker processes) needs "
+            f"shard_state=True (the tfclip.keras and tfclip.tf_keras optimizers): TensorFlow broadcasts each "
+            f"mirrored variable's initial value between processes with a collective that has no "
+            f"{'uint8' if state_dtype == 'int8' else 'bfloat16'} kernel, while a sharded slot lives on one device "
+            f"and is never broadcast. Or keep state_dtype='float32'.")
 
 
 def int8_start(value, is_signed):

@@ -226,7 +226,7 @@ class _FusedMixin(_optstate.NormState):
         # variable's true one); with state_dtype="bfloat16" a float32 variable's slots are
         # bfloat16. use_ema's "average" stays in the variable's dtype (stock code updates it).
         true = tf.as_dtype(getattr(model_variable, "true_dtype", model_variable.dtype))
-        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), true)
+        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), true, sharded=self._tfclip_owner is not None)
         if dtype == true or variable_name == "average":
             return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
         if dtype == tf.uint8:  # int8 state: the codes (an index into the code), then their absmax

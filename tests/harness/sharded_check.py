@@ -275,6 +275,19 @@ def worker(path):
         for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False), ("one", None, False)):
             vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=case.startswith("tfk_"))
             _record(out, f"{case}_{run}", vs, opt)
+    # int8 and bfloat16 state: sharded across the processes against one device; mirrored across
+    # processes TF cannot make them (no uint8 / bfloat16 collective broadcast), refused naming why
+    refusals = []
+    for case in ("int8", "bf16_state", "tfk_int8"):
+        for run, strategy, shard in (("sharded", ms, True), ("one", None, False)):
+            vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=case.startswith("tfk_"))
+            _record(out, f"{case}_{run}", vs, opt)
+        try:
+            _train(ms, lambda: CASES[case](False), tf_keras=case.startswith("tfk_"), steps=1)
+            refusals.append("no error")
+        except ValueError as e:
+            refusals.append(str(e))
+    out["narrow_mirrored_refusals"] = np.array(refusals)
     tmp = os.path.dirname(os.path.abspath(path))
     make = CASES["adam"]
     vs, opt = _train(ms, lambda: make(True), steps=4)
