@@ -376,13 +376,9 @@ class _FusedMixin(_optstate.NormState):
         share = _shard.begin(grads, self._tfclip_owners_of(keras_vars))
         own = range(len(keras_vars)) if share is None else share.own
         step_vars = [keras_vars[i] for i in own]
-        groups = []
-        for with_decay, idx in _step.partition([bool(decay and self._use_weight_decay(v)) for v in step_vars]):
-            group = [step_vars[i] for i in idx]
-            kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
-            hparams.update(lr=lr, weight_decay=self.weight_decay if with_decay else 0.0)
-            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx,
-                                      absmax=self._tfclip_absmax_handles(group) if absmax else ()))
+        groups = _step.optimizer_groups(self, step_vars, [bool(decay and self._use_weight_decay(v)) for v in step_vars],
+                                        lambda v: _tf_var(v).handle, lr, self.weight_decay,
+                                        absmax=self._tfclip_absmax_handles if absmax else None)
         mode, clip = self._clip_mode()
         # Inside tfclip.keras.LossScaleOptimizer (tfclip/_keras_loss_scale.py): the unscale is
         # folded in, and a non-finite step is skipped (the loss scale backs off), whatever

@@ -394,14 +394,9 @@ class _FusedMixin(_optstate.NormState):
         own = range(len(tvars)) if share is None else share.own
         step_vars = [tvars[i] for i in own]
         keys = [(bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)) for v in step_vars]
-        groups = []
-        for (with_decay, _), idx in _step.partition(keys):
-            group = [step_vars[i] for i in idx]
-            kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
-            hparams.update(lr=_opcall.scalar(self._tfclip_lr(group), "learning_rate"),
-                           weight_decay=self.weight_decay if with_decay else 0.0)
-            groups.append(_step.Group(kind, [v.handle for v in group], slots, hparams, flags, idx,
-                                      absmax=self._tfclip_absmax_handles(group) if int8 else ()))
+        groups = _step.optimizer_groups(self, step_vars, keys, lambda v: v.handle,
+                                        lambda group: _opcall.scalar(self._tfclip_lr(group), "learning_rate"),
+                                        self.weight_decay, absmax=self._tfclip_absmax_handles if int8 else None)
         # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
         # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped slices
         # summed, the rule fed the sum (not the sum of the slices' squares).

@@ -398,12 +398,8 @@ class Muon(_Generic, keras.optimizers.Muon):
             gate = _step.nonfinite_applied(norm, "skip") if nonfinite != "propagate" else tf.constant(True)
             tf.cond(gate, lambda: _muon_decay([tvars[i] for i, d in zip(adam, decaying) if d], wd, learning_rate),
                     lambda: None)
-        groups = []
-        for with_decay, idx in _step.partition([d and ratio == 1 for d in decaying] if adam else []):
-            group = [keras_vars[adam[i]] for i in idx]
-            kind, slots, hparams, flags = self._tfclip_binding.inputs(self, group)
-            hparams.update(lr=_opcall.scalar(adam_lr, "learning_rate"), weight_decay=wd if with_decay else 0.0)
-            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], slots, hparams, flags, idx))
+        groups = _step.optimizer_groups(self, [keras_vars[i] for i in adam], [d and ratio == 1 for d in decaying],
+                                        lambda v: _tf_var(v).handle, _opcall.scalar(adam_lr, "learning_rate"), wd)
         mode, clip = self._clip_mode()
         result = _step.run([grads[i] for i in adam], groups, mode, clip, clip_obj=self.clip, use_norm=norm,
                            nonfinite=nonfinite, lazy=self.lazy_sparse, keras_sparse_squares=True,
