@@ -2,37 +2,71 @@
 over N logical CPU devices of this machine: optimizer-state bytes per replica, and the whole
 `tf.function` call of `strategy.run(step)` as a custom loop runs it (the all-reduce of the
 gradients, Keras's apply_gradients with the fused step, the all-gather of the updated variables),
-medians of interleaved repeats, as ratios in the same run.
+medians of interleaved repeats, as ratios in the same run; and the sharded step's two extra
+parts each alone (the norm pass over every gradient, the all-gather of the updated variables).
 
-    python benchmarks/shard_bench.py [--layers 12] [--replicas 2] [--repeats 5] [--iters 3]
+    python benchmarks/shard_bench.py [--layers 12] [--replicas 2 | --workers 2] [--repeats 5] [--iters 3]
 
 --layers: BERT-base's embeddings and that many of its transformer layers (12: BERT-base, 110M
 parameters). The gradients are fixed per replica (made once, outside the timed call), float32,
 Adam with global_clipnorm=1. Logical CPU devices share this machine's cores: the times say what
-the extra norm pass and all-gather cost here, not what N GPUs would gain.
+the extra norm pass and all-gather cost here, not what N GPUs would gain. --workers N runs the same
+under MultiWorkerMirroredStrategy over N processes on localhost (the collectives over gRPC), the
+chief's times and each process's own state.
 """
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
+def _spawn_workers(args):
+    """--workers N: N processes of this script on localhost under MultiWorkerMirroredStrategy
+    (TF_CONFIG), each timing the same loop (its collectives keep them in step); the chief's
+    table, then each process's optimizer state."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+    from procs import free_ports  # (the multi-worker tests' helper)
+
+    cluster = {"worker": [f"localhost:{p}" for p in free_ports(args.workers)]}
+    procs = []
+    for i in range(args.workers):
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--task", str(i)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = [p.communicate() for p in procs]
+    for i, (p, (_, err)) in enumerate(zip(procs, done)):
+        if p.returncode != 0:
+            sys.exit(f"worker {i} failed:\n{err[-5000:]}")
+    outs = [out for out, _ in done]
+    print("\n".join(line for line in outs[0].splitlines() if not line.startswith("state of ")))
+    for out in outs:
+        print("\n".join(line for line in out.splitlines() if line.startswith("state of ")))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=0,
+                    help="N > 1: MultiWorkerMirroredStrategy over N processes on localhost (not --replicas)")
+    ap.add_argument("--task", type=int, default=None, help=argparse.SUPPRESS)  # (a spawned worker)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iters", type=int, default=3)
     args = ap.parse_args()
+    if args.workers > 1 and args.task is None:
+        return _spawn_workers(args)
 
     import numpy as np
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * args.replicas)
+    if args.task is None:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * args.replicas)
     import keras
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,57 +75,96 @@ def main():
 
     shapes = bert_layers(args.layers)
     n_params = sum(int(np.prod(s)) for s in shapes)
-    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.replicas)])
+    if args.task is None:
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.replicas)])
+        where = f"MirroredStrategy over {args.replicas} logical CPUs"
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        where = f"MultiWorkerMirroredStrategy over {args.workers} processes on localhost, one CPU device each"
     rng = np.random.default_rng(0)
     init = [rng.normal(size=s).astype("float32") * 0.02 for s in shapes]
-    grads = strategy.experimental_distribute_values_from_function(
-        lambda ctx: [tf.constant(rng.normal(size=s).astype("float32") * 1e-3) for s in shapes])
+    # The gradients: one fixed set per replica, kept as (mirrored) variables and read inside each
+    # replica's step (per-replica tensors given to strategy.run fail under
+    # MultiWorkerMirroredStrategy: Keras's all-reduce finds their device empty).
+    with strategy.scope():
+        grad_vars = [tf.Variable(rng.normal(size=s).astype("float32") * 1e-3, trainable=False) for s in shapes]
 
     contenders = {
         "stock keras.optimizers.Adam": lambda: keras.optimizers.Adam(1e-4, global_clipnorm=1.0),
         "tfclip.keras.Adam": lambda: tfclip.keras.Adam(1e-4, global_clipnorm=1.0),
         "tfclip.keras.Adam(shard_state=True)": lambda: tfclip.keras.Adam(1e-4, global_clipnorm=1.0, shard_state=True),
     }
-    steps, state = {}, {}
+    steps, state, built = {}, {}, {}
     for label, make in contenders.items():
         with strategy.scope():
             vs = [keras.Variable(x) for x in init]
             opt = make()
             opt.build(vs)
 
-        def step(g, vs=vs, opt=opt):
-            opt.apply_gradients(zip(g, vs))
+        def step(vs=vs, opt=opt):
+            opt.apply_gradients(zip([tf.identity(g) for g in grad_vars], vs))
 
-        steps[label] = tf.function(lambda g, step=step: strategy.run(step, args=(g,)))
+        steps[label] = tf.function(lambda step=step: strategy.run(step))
+        built[label] = (vs, opt)
         by = {}
         for v in opt.variables:
-            if v.path.split("/")[-1] in ("iteration", "learning_rate"):
-                continue
+            if isinstance(v, tfclip._shard.RemoteSlot) or v.path.split("/")[-1] in ("iteration", "learning_rate"):
+                continue  # (a RemoteSlot: kept by another worker process)
             x = v.value
             n = v.shape.num_elements() * tf.as_dtype(v.dtype).size
             for d in ([c.device for c in x.values] if isinstance(x, tf.distribute.DistributedValues) else [x.device]):
                 by[d] = by.get(d, 0) + n
         state[label] = [by.get(d, 0) / n_params for d in sorted(by)]
-        steps[label](grads)  # trace and warm up
-        steps[label](grads)
+        steps[label]()  # trace and warm up
+        steps[label]()
 
-    times = {label: [] for label in contenders}
+    # The sharded step's two extra parts, each alone in its own strategy.run: the norm pass over
+    # every summed gradient (_step.norm_pass), and the all-gather of the updated variables into
+    # every copy (_shard.gather, as int32 words), with the sharded optimizer's owners.
+    from tfclip import _shard, _step
+    from tfclip._keras_step import _tf_var
+
+    svs, sopt = built["tfclip.keras.Adam(shard_state=True)"]
+
+    def gather_alone():
+        tv = [_tf_var(v) for v in svs]
+        _shard.gather([v.handle for v in tv], [tf.as_dtype(v.dtype) for v in tv], [v.shape for v in tv],
+                      sopt.state_owners, _shard.replica_id())
+
+    def norm_alone():
+        return _step.norm_pass([tf.identity(g) for g in grad_vars])[0]
+
+    parts = {
+        "  its norm pass over every gradient, alone": tf.function(lambda: strategy.run(norm_alone)),
+        "  its all-gather of the variables, alone": tf.function(lambda: strategy.run(gather_alone)),
+    }
+    for f in parts.values():
+        f()
+        f()
+    steps.update(parts)
+    times = {label: [] for label in steps}
     for _ in range(args.repeats):
         for label, f in steps.items():
             t0 = time.perf_counter()
             for _ in range(args.iters):
-                out = f(grads)
+                out = f()
             tf.nest.map_structure(lambda t: t, out)
             times[label].append((time.perf_counter() - t0) / args.iters)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["tfclip.keras.Adam"]
     print(f"shard_bench: BERT-base embeddings + {args.layers} layers, {n_params:,} parameters, {len(shapes)} "
-          f"tensors, Adam float32, global_clipnorm=1, MirroredStrategy over {args.replicas} logical CPUs "
-          f"({os.cpu_count()} cores); median of {args.repeats} x {args.iters} whole tf.function calls")
+          f"tensors, Adam float32, global_clipnorm=1, {where} ({os.cpu_count()} cores); median of "
+          f"{args.repeats} x {args.iters} whole tf.function calls")
     print(f"{'':<40} {'ms/step':>9} {'x unsharded':>12}   optimizer state, bytes/param on each replica")
     for label in contenders:
         per = "  ".join(f"{b:5.2f}" for b in state[label])
         print(f"{label:<40} {med[label] * 1e3:9.1f} {med[label] / base:12.2f}   {per}")
+    for label in parts:
+        print(f"{label:<40} {med[label] * 1e3:9.1f} {med[label] / base:12.2f}")
+    if args.task is not None:  # (this process's devices only; _spawn_workers prints every worker's)
+        for label in contenders:
+            print(f"state of worker {args.task}, {label}: " + "  ".join(f"{b:5.2f}" for b in state[label])
+                  + " bytes/param")
 
 
 if __name__ == "__main__":
