@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -34,15 +35,20 @@ def _spawn_workers(args):
 
     cluster = {"worker": [f"localhost:{p}" for p in free_ports(args.workers)]}
     procs = []
-    for i in range(args.workers):
+    # (into files: a worker blocked on a full pipe would stall the others in its collectives)
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(args.workers)]
+    for i, (out, err) in enumerate(files):
         env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--task", str(i)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = [p.communicate() for p in procs]
-    for i, (p, (_, err)) in enumerate(zip(procs, done)):
+                                      env=env, stdout=out, stderr=err))
+    outs = []
+    for i, (p, (out, err)) in enumerate(zip(procs, files)):
+        p.wait()
+        out.seek(0)
+        err.seek(0)
         if p.returncode != 0:
-            sys.exit(f"worker {i} failed:\n{err[-5000:]}")
-    outs = [out for out, _ in done]
+            sys.exit(f"worker {i} failed:\n{err.read()[-5000:]}")
+        outs.append(out.read())
     print("\n".join(line for line in outs[0].splitlines() if not line.startswith("state of ")))
     for out in outs:
         print("\n".join(line for line in out.splitlines() if line.startswith("state of ")))

@@ -191,11 +191,11 @@ def test_two_worker_processes_keep_narrow_state_sharded(workers, case):
 def test_two_worker_processes_refuse_narrow_state_mirrored(workers):
     """Unsharded, MultiWorkerMirroredStrategy would broadcast the uint8 / bfloat16 slots' initial
     values with a collective TF has no such kernel for (TF's own error names an attr 'T'): the
-    build refuses first, naming the dtype, why, and shard_state=True."""
+    build (tfclip.rules: the first slot) refuses first, naming the dtype, why, and shard_state=True."""
     for w in workers:
         msgs = [str(m) for m in w["narrow_mirrored_refusals"]]
-        assert len(msgs) == 3
-        for m, dtype, kernel in zip(msgs, ("int8", "bfloat16", "int8"), ("uint8", "bfloat16", "uint8")):
+        assert len(msgs) == 4  # Keras 3 int8, Keras 3 bfloat16, tf_keras int8, tfclip.rules int8
+        for m, dtype, kernel in zip(msgs, ("int8", "bfloat16", "int8", "int8"), ("uint8", "bfloat16", "uint8", "uint8")):
             assert f"state_dtype={dtype!r} under MultiWorkerMirroredStrategy (2 worker processes) needs " \
                    "shard_state=True" in m, m
             assert f"no {kernel} kernel" in m, m

@@ -6,6 +6,8 @@ import collections
 import numbers
 
 import tensorflow as tf
+from tensorflow.python.distribute.collective_all_reduce_strategy import \
+    CollectiveAllReduceExtended as _CollectiveExtended
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BaseResourceVariable
 
 from tfclip import _opcall, _step
@@ -79,7 +81,10 @@ def _refuse_mirrored_across_processes(state_dtype):
     tests/test_shard.py)."""
     if not tf.distribute.has_strategy():
         return
-    workers = getattr(tf.distribute.get_strategy().extended, "_num_workers", 1)
+    extended = tf.distribute.get_strategy().extended
+    # (MultiWorkerMirroredStrategy's alone: ParameterServerStrategy also counts _num_workers, but
+    # its variables live on the parameter servers and are never broadcast)
+    workers = extended._num_workers if isinstance(extended, _CollectiveExtended) else 1
     if workers > 1:
         raise ValueError(
             f"state_dtype={state_dtype!r} under MultiWorkerMirroredStrategy ({workers} worker processes) needs "
@@ -222,6 +227,7 @@ class Rule:
                                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
                     if self._int8(var):  # the codes, and an absmax beside each
+                        state_slot_dtype(self.state_dtype, var.dtype)  # (refused across processes)
                         unsigned = self._unsigned_slots()
                         got, absmax = {}, {}
                         for s in self.slot_names:

@@ -287,6 +287,14 @@ def worker(path):
             refusals.append("no error")
         except ValueError as e:
             refusals.append(str(e))
+    # tfclip.rules makes its slots on its first step, in the strategy's scope: refused the same way
+    with ms.scope():
+        v = tf.Variable(np.ones(300, np.float32))
+        try:
+            tfclip.rules.Adam(0.01, state_dtype="int8").slots(v)
+            refusals.append("no error")
+        except ValueError as e:
+            refusals.append(str(e))
     out["narrow_mirrored_refusals"] = np.array(refusals)
     tmp = os.path.dirname(os.path.abspath(path))
     make = CASES["adam"]
