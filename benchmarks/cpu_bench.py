@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,int8_tiles,loss_scale,rounding,adafactor,muon]
+                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,state_tiles,loss_scale,rounding,adafactor,muon]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -554,30 +554,33 @@ def state_dtype_table(args, rng):
           "no harness row)")
 
 
-def int8_tiles_table(args, rng):
-    """int8 state's conversions in each CPU variant this machine runs (csrc/core/cpu_quant8.inc:
-    AVX-512 looks values up in registers, AVX2 with gathers, the baseline element by element),
-    interleaved in one loop: the core's step (tfclip._core.clip_apply on NumPy arrays, no
-    TensorFlow: set_cpu_isa reaches only the _core module, not the TF op's library) over 32M
-    float32 parameters, int8 state against float32 state under the same variant."""
+def state_tiles_table(args, rng):
+    """Narrow state's tiles in each CPU variant this machine runs (csrc/core/cpu_state_tiles.inc:
+    AVX-512 converts 16 lanes from registers, AVX2 8 lanes (int8: with gathers), the baseline
+    element by element), interleaved in one loop: the core's step (tfclip._core.clip_apply on NumPy
+    arrays, no TensorFlow: set_cpu_isa reaches only the _core module, not the TF op's library) over
+    32M float32 parameters, bfloat16 and int8 state against float32 state under the same variant,
+    and each against the AVX2 variant's."""
     n = 32 * 1024 * 1024
     var = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
     grad = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
-    print(f"\nint8 state's tiles by CPU variant: tfclip._core.clip_apply, {n / 2**20:.0f}M float32 parameters, "
+    print(f"\nnarrow state's tiles by CPU variant: tfclip._core.clip_apply, {n / 2**20:.0f}M float32 parameters, "
           f"global clip 1.0")
-    print(f"{'step':<22} {'variant':<9} {'ms/call':>8} {'x fp32':>7} {'x avx2 int8':>12}")
+    print(f"{'step':<22} {'variant':<9} {'ms/call':>8} {'x fp32':>7} {'x avx2':>7}")
     rules = {"Adam": ("adam", {"lr": 1e-9, "step": 1.0}, 2), "Momentum": ("momentum", {"lr": 1e-9, "momentum": 0.9}, 1)}
+    dtypes = ("float32", "bfloat16", "int8")
     old = _core.cpu_isa()
     try:
         for label, (rule, hp, k) in rules.items():
             fns = {}
             for isa in _core.cpu_isas():
-                for sd in ("float32", "int8"):
+                for sd in dtypes:
+                    absmax = None
                     if sd == "int8":
                         slots = [[np.full(n, 127, np.uint8)] for _ in range(k)]
                         absmax = [[np.zeros(-(-n // 256), np.float32)] for _ in range(k)]
                     else:
-                        slots, absmax = [[np.zeros(n, np.float32)] for _ in range(k)], None
+                        slots = [[np.zeros(n, ml_dtypes.bfloat16 if sd == "bfloat16" else np.float32)] for _ in range(k)]
 
                     def f(isa=isa, slots=slots, absmax=absmax):
                         _core.set_cpu_isa(isa)
@@ -586,11 +589,10 @@ def int8_tiles_table(args, rng):
                     fns[(isa, sd)] = f
             r = interleaved_medians(fns, args.repeats)
             for isa in _core.cpu_isas():
-                ab = r[(isa, "int8")] / r[("avx2", "int8")] if ("avx2", "int8") in r else float("nan")
-                for sd in ("float32", "int8"):
+                for sd in dtypes:
+                    ab = r[(isa, sd)] / r[("avx2", sd)] if ("avx2", sd) in r else float("nan")
                     print(f"{label + ' ' + sd:<22} {isa:<9} {r[(isa, sd)] * 1e3:8.2f} "
-                          f"{r[(isa, sd)] / r[(isa, 'float32')]:7.2f} {ab if sd == 'int8' else float('nan'):12.2f}",
-                          flush=True)
+                          f"{r[(isa, sd)] / r[(isa, 'float32')]:7.2f} {ab:7.2f}", flush=True)
     finally:
         _core.set_cpu_isa(old)
 
@@ -913,7 +915,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
     p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding,"
-                   "adafactor", help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, int8_tiles, "
+                   "adafactor", help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, state_tiles, "
                    "loss_scale, rounding, adafactor, muon (or empty)")
     p.add_argument("--jit", action="store_true", help="adafactor, muon: also jit_compile=True steps")
     p.add_argument("--muon-layers", type=int, default=2, help="muon: BERT-base transformer layers (12: all)")
@@ -938,8 +940,8 @@ def main(argv=None):
         overhead_table(args, rng)
     if "state_dtype" in extras:
         state_dtype_table(args, rng)
-    if "int8_tiles" in extras:
-        int8_tiles_table(args, rng)
+    if "state_tiles" in extras:
+        state_tiles_table(args, rng)
     if "loss_scale" in extras:
         loss_scale_table(args, rng)
     if "rounding" in extras:

@@ -402,3 +402,37 @@ def test_compat_v1_state_dtype(rng, name, use_resource):
 def test_compat_v1_state_dtype_refused_where_the_state_must_stay():
     with pytest.raises(TypeError, match="state_dtype"):
         tfclip.compat.v1.FtrlOptimizer(0.1, state_dtype="bfloat16")
+
+
+def test_bf16_slots_round_alike_in_every_cpu_variant():
+    """The slot as stored, in each CPU variant this machine runs (csrc/core/cpu_state_tiles.inc:
+    AVX-512 16 lanes, AVX2 8, baseline one at a time): TF's Momentum at momentum 0 stores the
+    gradient itself (0 * accum + g), so the bf16 slot is the gradient rounded. Random float32 bit
+    patterns (subnormals, infs and NaNs with payloads among them) and the rounding ties (low
+    halves 0x7fff, 0x8000, 0x8001 under odd and even top halves): finite values as ml_dtypes
+    rounds them (to nearest even), a NaN as its top half with the quiet bit set; a length that
+    leaves a tail past the last full vector."""
+    rng = np.random.default_rng(11)
+    u = rng.integers(0, 1 << 32, size=40_000, dtype=np.uint64).astype(np.uint32)
+    tops = rng.integers(0, 1 << 16, size=3000, dtype=np.uint64).astype(np.uint32) << 16
+    ties = np.concatenate([tops | low for low in (0x7FFF, 0x8000, 0x8001)])
+    g = np.concatenate([u, ties, np.float32([0.0, -0.0, 1e-45, -1e-45]).view(np.uint32)]).view(np.float32)
+    assert g.size % 16 != 0
+    zero = np.float32(0.0) * np.float32(0.0) + g  # the slot's float32 value (-0.0 becomes +0.0)
+    bits = zero.view(np.uint32)
+    nan = np.isnan(zero)
+    want = np.where(nan, (bits >> 16) | 0x40, zero.astype(BF16).view(np.uint16)).astype(np.uint16)
+    old = _core.cpu_isa()
+    try:
+        for isa in _core.cpu_isas():
+            _core.set_cpu_isa(isa)
+            slot = np.zeros(g.size, BF16)
+            v = np.zeros(g.size, np.float32)
+            with np.errstate(all="ignore"):
+                _core.clip_apply("momentum", [v], [g], [[slot]], {"lr": 1e-30, "momentum": 0.0}, clip_mode="none",
+                                 clip=0.0, nonfinite="propagate")
+            got = slot.view(np.uint16)
+            bad = np.flatnonzero(got != want)
+            assert bad.size == 0, (isa, [(hex(bits[i]), hex(got[i]), hex(want[i])) for i in bad[:5]])
+    finally:
+        _core.set_cpu_isa(old)

@@ -36,7 +36,10 @@ struct CpuKernels {
   void (*agc_sums)(const ApplyTensor* ts, const AgcPlan& plan, const SparsePlan& sp,
                    double* part_g, double* part_w, double* unit_g, double* sparse_values_sumsq,
                    const CpuExecutor& exec);
-  // int8 state's tiles (cpu_quant8.inc): n elements from a block boundary, n <= the apply
+  // bf16 state's tiles (cpu_state_tiles.inc): n slots widened to floats, floats rounded back.
+  void (*bf16_widen)(const bfloat16* in, float* out, int64_t n);
+  void (*bf16_narrow)(const float* in, bfloat16* out, int64_t n);
+  // int8 state's tiles (cpu_state_tiles.inc): n elements from a block boundary, n <= the apply
   // passes' tile; absmax one float per kQuantBlock. Widen dequantizes the codes q; narrow
   // writes each block's absmax and the codes.
   void (*q8_widen)(const uint8_t* q, const float* absmax, const float* code, float* out, int64_t n);

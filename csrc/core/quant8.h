@@ -92,7 +92,7 @@ struct CodeIndex {
   const int32_t* start;  // per bucket: the count of flips below its smallest float
   // The flips as an implicit binary search tree, level by level: level L's 2^L nodes from
   // 2^L - 1, node p of level L flip (2 p + 1) 2^(7 - L) - 1. Descending it, each level's compare
-  // (node <= y) is the next bit of the count of flips <= y (cpu_quant8.inc's AVX-512 tiles).
+  // (node <= y) is the next bit of the count of flips <= y (cpu_state_tiles.inc's AVX-512 tiles).
   const float* tree;
   int zero;
   uint32_t base;  // OrderedKey(-1.0f)

@@ -164,7 +164,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("quantize_blockwise", &QuantizeBlockwisePy, py::arg("x"), py::arg("signed"),
         py::arg("block") = kQuantBlock,
         "x (float32) as (bytes, absmax per block): csrc/core/quant8.h. With the int8 state's block "
-        "(256), the active CPU variant's tiles (cpu_quant8.inc, set_cpu_isa), else the portable loop.");
+        "(256), the active CPU variant's tiles (cpu_state_tiles.inc, set_cpu_isa), else the portable loop.");
   m.def("dequantize_blockwise", &DequantizeBlockwisePy, py::arg("q"), py::arg("absmax"), py::arg("signed"),
         py::arg("block") = kQuantBlock,
         "bytes and absmax back to float32: csrc/core/quant8.h (block 256: as quantize_blockwise).");

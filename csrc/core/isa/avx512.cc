@@ -9,7 +9,7 @@
 #define TFCLIP_ISA_NAME "avx512"
 #define TFCLIP_ISA_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
 #define TFCLIP_ISA_F16C 1  // the target has F16C (GCC defines no __F16C__ after a target pragma)
-#define TFCLIP_ISA_AVX512 1  // cpu_quant8.inc's 16-lane int8 tiles
+#define TFCLIP_ISA_AVX512 1  // cpu_state_tiles.inc's 16-lane bf16 and int8 state tiles
 #define TFCLIP_ISA_NORM_ONLY 1
 #define TFCLIP_ISA_APPLY_FROM isa_avx2
 #include "csrc/core/cpu_kernels.inc"
