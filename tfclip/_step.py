@@ -257,16 +257,18 @@ def partition(keys):
     return sorted(groups.items())
 
 
-def optimizer_groups(opt, variables, keys, handle, lr, weight_decay, absmax=None):
-    """A drop-in optimizer's step groups (Keras 3's, tf_keras's, Muon's AdamW part): `variables`
-    partitioned by `keys` (`partition`; a key, or a key's first item, says whether weight decay
-    applies), each group's op inputs from the optimizer's binding (`opt._tfclip_binding`), with
-    `lr` (a tensor, or a function of the group's variables), `weight_decay` where it applies,
-    each variable's op handle `handle(v)`, and int8 state's absmax handles `absmax(group)`."""
+def optimizer_groups(opt, variables, keys, handle, lr, weight_decay, absmax=None, binding=None):
+    """A drop-in optimizer's step groups (Keras 3's, tf_keras's, Muon's AdamW part and its
+    matrices' update): `variables` partitioned by `keys` (`partition`; a key, or a key's first
+    item, says whether weight decay applies), each group's op inputs from `binding` (default the
+    optimizer's, `opt._tfclip_binding`), with `lr` (a tensor, or a function of the group's
+    variables), `weight_decay` where it applies, each variable's op handle `handle(v)`, and int8
+    state's absmax handles `absmax(group)`."""
+    binding = binding or opt._tfclip_binding
     out = []
     for key, idx in partition(keys):
         group = [variables[i] for i in idx]
-        kind, slots, hparams, flags = opt._tfclip_binding.inputs(opt, group)
+        kind, slots, hparams, flags = binding.inputs(opt, group)
         with_decay = key[0] if isinstance(key, tuple) else key
         hparams.update(lr=lr(group) if callable(lr) else lr, weight_decay=weight_decay if with_decay else 0.0)
         out.append(Group(kind, [handle(v) for v in group], slots, hparams, flags, idx,

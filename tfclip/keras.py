@@ -452,12 +452,9 @@ class Muon(_Generic, keras.optimizers.Muon):
         # then `w - lr_adjust(lr * o)`.
         wd = self.weight_decay
         keys = [(wd is not None and wd != 0 and self._use_weight_decay(v), max(v.shape)) for v in keras_vars]
-        groups = []
-        for (decay, _), idx in _step.partition(keys):
-            group = [keras_vars[i] for i in idx]
-            kind, _, hparams, flags = self._tfclip_update_binding.inputs(self, group)
-            hparams.update(lr=_opcall.scalar(learning_rate, "learning_rate"), weight_decay=wd if decay else 0.0)
-            groups.append(_step.Group(kind, [_tf_var(v).handle for v in group], {}, hparams, flags, idx))
+        groups = _step.optimizer_groups(self, keras_vars, keys, lambda v: _tf_var(v).handle,
+                                        _opcall.scalar(learning_rate, "learning_rate"), wd,
+                                        binding=self._tfclip_update_binding)
         _step.run(ortho, groups, "none", 0.0, use_norm=norm, nonfinite=nonfinite)
         return momentum.applied
 
