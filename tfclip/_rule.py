@@ -226,8 +226,7 @@ class Rule:
                         return tf.Variable(value, trainable=False, name=f"{base}/{self.name}/{name}",
                                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
-                    if self._int8(var):  # the codes, and an absmax beside each
-                        state_slot_dtype(self.state_dtype, var.dtype)  # (refused across processes)
+                    if self.slot_dtype(var) == tf.uint8:  # int8: the codes, and an absmax beside each
                         unsigned = self._unsigned_slots()
                         got, absmax = {}, {}
                         for s in self.slot_names:
