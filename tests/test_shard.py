@@ -22,7 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "sharded_check.py")
 CASES = ["adam", "adam_amsgrad", "adamw_excluded", "sgd_nesterov", "rmsprop", "adagrad", "adadelta", "adamax",
          "nadam", "lion", "ftrl", "lamb", "adafactor", "adafactor_factored", "zclip", "agc", "int8", "bf16_state",
-         "bf16_vars", "tfk_adam", "tfk_adamw", "tfk_adafactor", "tfk_agc", "tfk_int8"]
+         "bf16_vars", "tfk_adam", "tfk_adamw", "tfk_adafactor", "tfk_agc", "tfk_int8",
+         # tfclip.rules through fused_clip_apply in a replica context
+         "rules_adam", "rules_nadam", "rules_agc", "rules_zclip", "rules_int8", "rules_adafactor"]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,10 @@ def test_sharded_step_is_the_unsharded_and_the_one_device_step_bit_for_bit(r, ca
     # The clip's norm is the global norm of every gradient, not of the replica's share.
     assert r[f"{case}_sharded_norm"] == r[f"{case}_one_norm"]
     assert _bits(r[f"{case}_sharded_tnorms"]) == _bits(r[f"{case}_one_tnorms"])
-    # (the rules differ: a case is not Adam over again, but tf_keras's Adam is Keras 3's)
-    assert not np.array_equal(r[f"{case}_sharded_vars"], r["adam_sharded_vars"]) or case in ("adam", "tfk_adam")
+    # (the rules differ: a case is not Adam over again, but tf_keras's Adam and tfclip.rules.Adam
+    # are Keras 3's)
+    assert not np.array_equal(r[f"{case}_sharded_vars"], r["adam_sharded_vars"]) or case in (
+        "adam", "tfk_adam", "rules_adam")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -66,7 +70,7 @@ def test_each_replica_holds_its_share_of_the_state(r, case):
     assert max(sharded) / sharded.sum() <= 0.5 + largest / 2
 
 
-@pytest.mark.parametrize("agc", ["agc", "tfk_agc"])
+@pytest.mark.parametrize("agc", ["agc", "tfk_agc", "rules_agc"])
 def test_agc_counts_are_gathered(r, agc):
     np.testing.assert_array_equal(r[f"{agc}_sharded_units"], r[f"{agc}_one_units"])
     assert r[f"{agc}_sharded_units"].sum() > 0
@@ -81,6 +85,7 @@ def test_a_nonfinite_step_is_skipped_on_every_replica(r):
 
 def test_eager_steps_equal_traced_ones(r):
     assert _bits(r["eager_sharded_vars"]) == _bits(r["adam_sharded_vars"])
+    assert _bits(r["eager_rules_sharded_vars"]) == _bits(r["rules_adam_sharded_vars"])
 
 
 def test_stochastic_rounding_draws_per_op_position(r):
@@ -115,6 +120,16 @@ def test_refusals_name_what_is_wrong(r):
     assert "shard_state must be True or False, got 1" in not_bool
     assert "inside strategy.run" in cross
     assert bool(r["refusal_unchanged"])
+    not_bool, cross = [str(m) for m in r["rule_refusals"]]  # tfclip.rules, fused_clip_apply
+    assert "shard_state must be True or False, got 1" in not_bool
+    assert "Adam(shard_state=True): fused_clip_apply steps inside strategy.run" in cross
+    assert bool(r["rule_refusal_unchanged"])
+
+
+def test_a_sharded_rules_variables_restore_on_one_device(r):
+    """tfclip.rules: `rule.variables` saved sharded restore into an unsharded rule on one device
+    (assert_consumed), which carries on to the uninterrupted sharded run's bits."""
+    assert _bits(r["ckpt_rule_sharded_to_one"]) == _bits(r["ckpt_rule_want"])
 
 
 def test_owners_balance_whole_variables_by_bytes():
@@ -199,6 +214,16 @@ def test_two_worker_processes_refuse_narrow_state_mirrored(workers):
             assert f"state_dtype={dtype!r} under MultiWorkerMirroredStrategy (2 worker processes) needs " \
                    "shard_state=True" in m, m
             assert f"no {kernel} kernel" in m, m
+
+
+def test_two_worker_processes_refuse_a_sharded_rule(workers):
+    """A tfclip.rules rule keeps its state in one process: sharded across worker processes it is
+    refused before any state is made, naming why and what does it."""
+    for w in workers:
+        msg = str(w["rule_across_processes"])
+        assert "Adam(shard_state=True): replica" in msg and "runs in another worker process" in msg, msg
+        assert "tfclip.keras or tfclip.tf_keras optimizers" in msg
+        assert bool(w["rule_across_unchanged"])
 
 
 def test_two_worker_checkpoint_is_the_stock_layout_and_resumes(workers):

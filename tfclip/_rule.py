@@ -3,6 +3,7 @@ slots, made once under a lock, mirrored under tf.distribute), the op's resource 
 a repeated eager step), and its step through the one fused step (tfclip/_step.py). The rules
 themselves, each a constructor and a binding row: tfclip/rules.py."""
 import collections
+import contextlib
 import numbers
 
 import tensorflow as tf
@@ -10,7 +11,7 @@ from tensorflow.python.distribute.collective_all_reduce_strategy import \
     CollectiveAllReduceExtended as _CollectiveExtended
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BaseResourceVariable
 
-from tfclip import _opcall, _step
+from tfclip import _opcall, _shard, _step
 from tfclip import clipping as _clipping
 from tfclip._opcall import ClipApplyResult
 
@@ -176,11 +177,17 @@ class Rule:
         """The names of the slots (`slots(var)`), in the table's order."""
         return tuple(stock for _, stock in self.binding.slot_names(self))
 
-    def __init__(self, learning_rate, weight_decay=0.0, name=None, state_dtype=None):
+    def __init__(self, learning_rate, weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.name = name or type(self).__name__
         self.state_dtype = check_state_dtype(state_dtype, type(self))
+        if not isinstance(shard_state, bool):
+            raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
+        self.shard_state = shard_state
+        # shard_state under a strategy of more than one replica (tfclip/_shard.py): var.ref() ->
+        # its owning replica, and the bytes each replica owns so far (`state_owners`).
+        self._owner, self._owner_load = {}, None
         self._slots = {}
         self._absmax = {}  # int8 state: var.ref() -> {slot: its absmax variable}
         self._iterations = None
@@ -222,9 +229,13 @@ class Rule:
                 if got is None:
                     base = var.name.split(":")[0]
 
+                    owner = self._owner.get(key)  # shard_state: made on its owner's device alone
+
                     def make(value, name):
-                        return tf.Variable(value, trainable=False, name=f"{base}/{self.name}/{name}",
-                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                        with (contextlib.nullcontext() if owner is None else
+                              _shard.on_device(_shard.local_device(tf.distribute.get_strategy(), owner))):
+                            return tf.Variable(value, trainable=False, name=f"{base}/{self.name}/{name}",
+                                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
                     if self.slot_dtype(var) == tf.uint8:  # int8: the codes, and an absmax beside each
                         unsigned = self._unsigned_slots()
@@ -296,7 +307,41 @@ class Rule:
     def slot_dtype(self, var):
         """The dtype of `var`'s slots: bfloat16 for a float32 variable under
         `state_dtype="bfloat16"`, else the variable's."""
-        return state_slot_dtype(self.state_dtype, var.dtype)
+        return state_slot_dtype(self.state_dtype, var.dtype, sharded=var.ref() in self._owner)
+
+    def state_owners(self, variables):
+        """With shard_state=True under a strategy of more than one replica: the replica that keeps
+        each of `variables`' slots (ids in the sync group), each variable given one the first
+        time it is seen (tfclip/_shard.py's `owners`: the largest first, each to the replica
+        owning the fewest bytes so far; the same on every replica and worker for the same
+        variables in the same order). None without sharding."""
+        n = _shard.replicas()
+        if not self.shard_state or n <= 1:
+            return None
+        new = list({v.ref(): v for v in variables if v.ref() not in self._owner}.values())
+        if new:
+            with _opcall.state_lock(self):
+                if self._owner_load is None:
+                    self._owner_load = [0] * n
+                elif len(self._owner_load) != n:
+                    raise ValueError(f"{self.name} (shard_state=True) keeps state for {len(self._owner_load)} "
+                                     f"replicas, and this strategy has {n}: use a new rule (its checkpoint "
+                                     "restores into it)")
+                sizes = [v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in new]
+                load = list(self._owner_load)
+                got = _shard.owners(sizes, n, load)
+                strategy = tf.distribute.get_strategy()
+                remote = sorted(r for r in set(got) if _shard.local_device(strategy, r, remote_ok=True) is None)
+                if remote:
+                    raise ValueError(
+                        f"{self.name}(shard_state=True): replica {remote[0]} runs in another worker process, and a "
+                        "tfclip.rules rule keeps its state in one process (`rule.variables`, what its checkpoint "
+                        "holds, cannot stand for another process's slots). Across worker processes shard with the "
+                        "tfclip.keras or tfclip.tf_keras optimizers (docs/distribute.md)")
+                self._owner_load[:] = load
+                for v, r in zip(new, got):
+                    self._owner[v.ref()] = r
+        return [self._owner[v.ref()] for v in variables]
 
     # -- hyper-parameters ---------------------------------------------------------------
     def current_learning_rate(self):

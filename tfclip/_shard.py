@@ -19,9 +19,12 @@ drop-ins (tfclip/_keras_step.py) under a `tf.distribute` strategy with more than
 The drop-ins' part is small (tfclip/_keras_step.py, tfclip/_tf_keras_step.py): `plan` at build;
 each slot made on its owner's device (`on_device`; tf_keras: `making_slots`) or as a `RemoteSlot`;
 `begin` / `finish` around the fused step of the replica's share; `trackable_children` for
-checkpoints.
+checkpoints. `tfclip.rules` (`fused_clip_apply`, one process): `Rule.state_owners` (`owners`, as
+variables are first seen) and `on_device` in tfclip/_rule.py; `begin` / `finish` in tfclip/ops.py's
+`_sharded_step`.
 
-Imports flow one way: the drop-ins import this module; it imports tfclip/_step.py.
+Imports flow one way: the drop-ins, tfclip/_rule.py and tfclip/ops.py import this module; it imports
+tfclip/_step.py.
 """
 import collections
 import contextlib
@@ -41,11 +44,12 @@ def replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync if tf.distribute.has_strategy() else 1
 
 
-def owners(nbytes, n):
+def owners(nbytes, n, load=None):
     """Each variable's owning replica, for variables of `nbytes` bytes over `n` replicas: the
     largest first (ties: the first), each to the replica with the fewest bytes so far (ties: the
-    lowest id). Deterministic: every replica and worker computes the same list."""
-    load = [0] * n
+    lowest id). Deterministic: every replica and worker computes the same list. `load`: the
+    bytes each replica owns already (a list, updated), for variables added later (tfclip.rules)."""
+    load = [0] * n if load is None else load
     out = [0] * len(nbytes)
     for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
         r = min(range(n), key=lambda r: (load[r], r))
@@ -280,9 +284,10 @@ def finish(share, tvars, result, grad_scale=None, agc=False):
         for k, i in enumerate(share.own):
             units[i] = mine[k]
     with tf.control_dependencies([result.applied]):
-        counts = gather([v.handle for v in tvars], [tf.as_dtype(v.dtype) for v in tvars],
-                           [v.shape for v in tvars], share.owner, share.rid, extra=units)
-    return tf.cast(norms, tf.float32), counts
+        counts, writes = gather([v.handle for v in tvars], [tf.as_dtype(v.dtype) for v in tvars],
+                                [v.shape for v in tvars], share.owner, share.rid, extra=units)
+    with tf.control_dependencies(writes):  # (in a TF1 graph, fetching the norms runs the writes)
+        return tf.cast(norms, tf.float32), counts
 
 
 def _bits(x):
@@ -323,7 +328,8 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
     handles, dtypes, shapes: the variables (this replica's copies' handles), owner: each one's
     replica, rid: this replica's id. extra: int32 vectors, one per variable (its entry on the
     owner kept, the others' ignored), gathered beside the variables (AGC's counts); returns them
-    in the variables' order as one int32 tensor (None without). One all-gather of int32 words
+    in the variables' order as one int32 tensor (None without), and the writes (ops; in a graph,
+    what a consumer must depend on). One all-gather of int32 words
     (bit patterns: every bit kept, NaN payloads and -0.0 too), each replica sending its own
     variables', in index order."""
     ctx = tf.distribute.get_replica_context()
@@ -347,11 +353,12 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
             for i in theirs:
                 extra_at[i] = at
                 at += 1
+    writes = []
     for i in range(len(handles)):
         if owner[i] != rid:
             value = _from_bits(got[offsets[i]:offsets[i] + sizes[i]], dtypes[i], shapes[i])
-            tf.raw_ops.AssignVariableOp(resource=handles[i], value=value)
+            writes.append(tf.raw_ops.AssignVariableOp(resource=handles[i], value=value))
     counts = None
     if extra is not None:
         counts = tf.stack([got[extra_at[i]] for i in range(len(handles))]) if handles else tf.zeros([0], tf.int32)
-    return counts
+    return counts, [w for w in writes if w is not None]

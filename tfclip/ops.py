@@ -8,7 +8,7 @@ from tensorflow.python.distribute import values as _dist_values
 from tensorflow.python.framework.ops import EagerTensor
 
 import tfclip._eager as _eager
-from tfclip import _loader, _opcall, _step, clipping
+from tfclip import _loader, _opcall, _shard, _step, clipping
 from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
 from tfclip.rules import Rule
 
@@ -336,6 +336,11 @@ def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
     _check_mirrored(variables, strategy, replica is not None)
     step = dict(clip_mode=clip_mode, clip=clip, nonfinite=nonfinite, lazy_sparse=lazy, **scale_kw)
     scope = name or f"clip_apply_{rule.kind}"
+    if rule.shard_state:
+        if replica is None:
+            raise ValueError(f"{rule.name}(shard_state=True): fused_clip_apply steps inside strategy.run; in the "
+                             "cross-replica context no replica owns a share of the state")
+        return _sharded_step(replica, grads, variables, rule, step, use_norm, scope)
 
     def merge(strategy, grads, use_norm):
         if isinstance(use_norm, tf.distribute.DistributedValues):  # the first replica's
@@ -349,6 +354,46 @@ def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
         return ClipApplyResult(*[strategy.experimental_local_results(t)[0] for t in result])
     return ClipApplyResult(*replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables),
                                                             use_norm)))
+
+
+def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
+    """shard_state=True (tfclip/_shard.py): the gradients aggregated as unsharded, then on each
+    replica the norm pass over every one of them (or `use_norm`), the fused op over the variables
+    whose state the replica keeps, and the all-gather of the updated variables into every copy."""
+    def merge(strategy, contributions):
+        rule.state_owners(variables)  # (each variable's owner, before its slots are made there)
+        rule._make_state(variables)
+        _check_mirrored_state(strategy, rule, [rule.iterations] + [
+            s for v in variables for s in rule._state_variables([v])[1:] if v.ref() not in rule._owner])
+        return _aggregate(strategy, contributions, variables)
+
+    grads = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables),))
+    owner = rule.state_owners(variables)
+    with tf.name_scope(scope):
+        if use_norm is None:
+            share = _shard.begin(grads, owner)
+        else:  # (the norms are the op's: NaN with use_norm)
+            rid = _shard.replica_id()
+            share = _shard.Share(rid, owner, [i for i, r in enumerate(owner) if r == rid], use_norm,
+                                 tf.fill([len(grads)], tf.constant(float("nan"), tf.float64)))
+        result = rule._apply([grads[i] for i in share.own], [variables[i] for i in share.own],
+                             **dict(step, use_norm=share.use_norm))
+        agc = isinstance(step["clip"], clipping.AGC)
+        norms, units = _shard.finish(share, variables, result, step.get("grad_scale"), agc=agc)
+        units = tf.cast(units, tf.int64) if agc else tf.zeros([len(grads)], tf.int64)
+        if tf.executing_eagerly():
+            return ClipApplyResult(result.global_norm, result.applied, norms, units)
+        with tf.control_dependencies([norms]):  # (the norms depend on the all-gather's writes)
+            return ClipApplyResult(tf.identity(result.global_norm), tf.identity(result.applied), norms, units)
+
+
+def _check_mirrored_state(strategy, rule, state):
+    for s in state:
+        if not isinstance(s, tf.distribute.DistributedValues):
+            raise ValueError(
+                f"{rule.name}'s state variable {s.name} was made outside {type(strategy).__name__}'s "
+                "scope, so it is not mirrored: use a new rule under the strategy (a rule's state is "
+                "made on its first step).")
 
 
 def _replica_contributions(replica, grads, variables):
@@ -408,12 +453,7 @@ def _update_every_copy(strategy, grads, variables, rule, step):
     """One fused op per device of the variables, each over that device's copies, with the same
     aggregated gradients: every copy of every variable and slot gets the same update."""
     rule._make_state(variables)  # mirrored (made in the strategy's scope), before any device's op
-    for s in rule._state_variables(variables):
-        if not isinstance(s, tf.distribute.DistributedValues):
-            raise ValueError(
-                f"{rule.name}'s state variable {s.name} was made outside {type(strategy).__name__}'s "
-                "scope, so it is not mirrored: use a new rule under the strategy (a rule's state is "
-                "made on its first step).")
+    _check_mirrored_state(strategy, rule, rule._state_variables(variables))
 
     def on_device(_, *gs):
         return tuple(rule._apply(list(gs), variables, **step))

@@ -56,6 +56,10 @@ rounded to the nearest bfloat16 when stored (docs/low-precision-state.md). Slots
 bfloat16 and float64 variables keep their variable's dtype. The default, `None`, is the stock
 layout. Ftrl, ScheduleFreeAdamW and the TF1 proximal rules keep their state as it is: their slots
 are weights or sums the update cannot lose precision in (`state_dtype` there is an error).
+
+`shard_state=True` (every rule): under MirroredStrategy, `fused_clip_apply` inside `strategy.run`
+keeps each variable's slots on one replica (`rule.state_owners(variables)`) and gives the
+unsharded step's bits (docs/distribute.md, Sharded optimizer state).
 """
 import numbers
 
@@ -95,10 +99,10 @@ class SGD(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=0.0, name=None,
-                 state_dtype=None):
+                 state_dtype=None, shard_state=False):
         self.momentum = momentum
         self.nesterov = bool(nesterov)
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _check_stock_ranges(self):
         _check_range("momentum", self.momentum, 0.0, 1.0)  # keras.optimizers.SGD's
@@ -121,10 +125,10 @@ class Momentum(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate, momentum, use_nesterov=False, weight_decay=0.0, name=None,
-                 state_dtype=None):
+                 state_dtype=None, shard_state=False):
         self.momentum = momentum
         self.use_nesterov = bool(use_nesterov)
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "momentum": self.momentum,
@@ -141,10 +145,10 @@ class Adam(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 amsgrad=False, weight_decay=0.0, name=None, state_dtype=None):
+                 amsgrad=False, weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.amsgrad = bool(amsgrad)
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1,
@@ -155,8 +159,9 @@ class AdamW(Adam):
     """Keras AdamW: Adam with decoupled weight decay (default 0.004, as Keras)."""
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999,
-                 epsilon=1e-7, amsgrad=False, name=None, state_dtype=None):
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, name, state_dtype)
+                 epsilon=1e-7, amsgrad=False, name=None, state_dtype=None, shard_state=False):
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, name, state_dtype,
+                         shard_state=shard_state)
 
 
 class Adagrad(Rule):
@@ -168,10 +173,10 @@ class Adagrad(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
-                 weight_decay=0.0, name=None, state_dtype=None):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
         self.initial_accumulator_value = initial_accumulator_value
         self.epsilon = epsilon
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "epsilon": self.epsilon,
@@ -194,10 +199,10 @@ class RMSprop(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False,
-                 weight_decay=0.0, name=None, state_dtype=None):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
         self.rho, self.momentum, self.epsilon = rho, momentum, epsilon
         self.centered = bool(centered)
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _has_momentum(self):
         # As Keras: a momentum slot only for momentum > 0 (a number <= 0 is no momentum).
@@ -218,9 +223,9 @@ class Adadelta(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, weight_decay=0.0, name=None,
-                 state_dtype=None):
+                 state_dtype=None, shard_state=False):
         self.rho, self.epsilon = rho, epsilon
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "rho": self.rho, "epsilon": self.epsilon,
@@ -231,9 +236,9 @@ class _BetasEpsilonStep(Rule):
     """A rule taking beta_1, beta_2 and epsilon, its bias correction from `iterations + 1`."""
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 weight_decay=0.0, name=None, state_dtype=None):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
@@ -255,9 +260,9 @@ class Lion(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, weight_decay=0.0, name=None,
-                 state_dtype=None):
+                 state_dtype=None, shard_state=False):
         self.beta_1, self.beta_2 = beta_1, beta_2
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _check_stock_ranges(self):
         _check_range("beta_1", self.beta_1, 0.0, 1.0, lo_open=True)  # keras.optimizers.Lion's
@@ -277,11 +282,11 @@ class Nadam(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 weight_decay=0.0, name=None, state_dtype=None):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.u_product = None  # made on the first step
         self._next_u_product = None
-        super().__init__(learning_rate, weight_decay, name, state_dtype)
+        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
@@ -337,7 +342,7 @@ class Ftrl(Rule):
 
     def __init__(self, learning_rate=0.001, learning_rate_power=-0.5, initial_accumulator_value=0.1,
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0,
-                 l2_shrinkage_regularization_strength=0.0, beta=0.0, weight_decay=0.0, name=None):
+                 l2_shrinkage_regularization_strength=0.0, beta=0.0, weight_decay=0.0, name=None, shard_state=False):
         self.learning_rate_power = learning_rate_power
         self.initial_accumulator_value = initial_accumulator_value
         self.l1_regularization_strength = l1_regularization_strength
@@ -346,7 +351,7 @@ class Ftrl(Rule):
         self.beta = beta
         if initial_accumulator_value < 0:
             raise ValueError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "learning_rate_power": self.learning_rate_power,
@@ -389,11 +394,11 @@ class Adafactor(Rule):
                                ("step", STEP)))
 
     def __init__(self, learning_rate=0.001, beta_2_decay=-0.8, epsilon_1=1e-30, epsilon_2=1e-3,
-                 clip_threshold=1.0, weight_decay=0.0, name=None, factored_state=False):
+                 clip_threshold=1.0, weight_decay=0.0, name=None, factored_state=False, shard_state=False):
         self.beta_2_decay, self.epsilon_1, self.epsilon_2 = beta_2_decay, epsilon_1, epsilon_2
         self.clip_threshold = clip_threshold
         self.factored_state = bool(factored_state)
-        super().__init__(learning_rate, weight_decay, name)
+        super().__init__(learning_rate, weight_decay, name, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_2_decay": self.beta_2_decay,
@@ -425,9 +430,9 @@ class ScheduleFreeAdamW(_BetasEpsilonStep):
                       hparams=_BETAS_EPSILON_STEP + (("warmup_steps", "warmup_steps"),))
 
     def __init__(self, learning_rate=0.0025, beta_1=0.9, beta_2=0.999, epsilon=1e-8, warmup_steps=0,
-                 weight_decay=0.0, name=None):
+                 weight_decay=0.0, name=None, shard_state=False):
         self.warmup_steps = warmup_steps
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, weight_decay, name)
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, weight_decay, name, shard_state=shard_state)
 
     def _config_numbers(self):
         return {**super()._config_numbers(), "warmup_steps": self.warmup_steps}
@@ -450,10 +455,10 @@ class _Proximal(Rule):
     still get the l1/l2 shrink); `lazy_sparse=True` updates only the touched rows, each
     duplicate in turn, as TF1's sparse kernels do."""
 
-    def __init__(self, learning_rate, l1_regularization_strength, l2_regularization_strength, name):
+    def __init__(self, learning_rate, l1_regularization_strength, l2_regularization_strength, name, shard_state=False):
         self.l1_regularization_strength = l1_regularization_strength
         self.l2_regularization_strength = l2_regularization_strength
-        super().__init__(learning_rate, 0.0, name)
+        super().__init__(learning_rate, 0.0, name, shard_state=shard_state)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate,
@@ -468,8 +473,9 @@ class ProximalGradientDescent(_Proximal):
     binding = Binding("proximal_gradient_descent", hparams=_L1_L2)
 
     def __init__(self, learning_rate, l1_regularization_strength=0.0, l2_regularization_strength=0.0,
-                 name=None):
-        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name)
+                 name=None, shard_state=False):
+        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name,
+                         shard_state=shard_state)
 
 
 class ProximalAdagrad(_Proximal):
@@ -483,11 +489,12 @@ class ProximalAdagrad(_Proximal):
                       hparams=(("lr", lambda r, _: r._positive_learning_rate()),) + _L1_L2)
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, l1_regularization_strength=0.0,
-                 l2_regularization_strength=0.0, name=None):
+                 l2_regularization_strength=0.0, name=None, shard_state=False):
         if initial_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
         self.initial_accumulator_value = initial_accumulator_value
-        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name)
+        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name,
+                         shard_state=shard_state)
 
     def _check_stock_ranges(self):
         lr = self.learning_rate
@@ -522,12 +529,13 @@ class AdagradDA(_Proximal):
                       hparams=_L1_L2 + (("global_step", STEP),))
 
     def __init__(self, learning_rate, initial_gradient_squared_accumulator_value=0.1,
-                 l1_regularization_strength=0.0, l2_regularization_strength=0.0, name=None):
+                 l1_regularization_strength=0.0, l2_regularization_strength=0.0, name=None, shard_state=False):
         if initial_gradient_squared_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError("initial_gradient_squared_accumulator_value must be positive: "
                              f"{initial_gradient_squared_accumulator_value}")
         self.initial_gradient_squared_accumulator_value = initial_gradient_squared_accumulator_value
-        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name)
+        super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name,
+                         shard_state=shard_state)
 
     def _config_numbers(self):
         return {**super()._config_numbers(),

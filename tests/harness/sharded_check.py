@@ -161,6 +161,52 @@ CASES = {
 }
 
 
+class _RuleSteps:
+    """A tfclip.rules rule stepped by tfclip.fused_clip_apply (in strategy.run: a replica
+    context), seen through the optimizer interface the harness reads: the step's outputs kept in
+    variables (mirrored, the first replica's: every replica's are the same bits)."""
+
+    def __init__(self, rule, **clip):
+        self.rule, self.clip, self.vs = rule, clip, None
+
+    def build(self, vs):
+        self.vs = vs
+        agg = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self.global_norm = tf.Variable(0.0, **agg)
+        self.tensor_norms = tf.Variable(tf.zeros([len(vs)]), **agg)
+        self.skipped_steps = tf.Variable(0, dtype=tf.int64, **agg)
+        agc = isinstance(self.clip.get("clip"), tfclip.clipping.AGC)
+        self.clipped_units = tf.Variable(tf.zeros([len(vs)], tf.int64), **agg) if agc else None
+
+    def apply_gradients(self, pairs):
+        r = tfclip.fused_clip_apply(pairs, self.rule, **self.clip)
+        self.global_norm.assign(r.global_norm)
+        self.tensor_norms.assign(r.tensor_norms)
+        self.skipped_steps.assign_add(1 - tf.cast(r.applied, tf.int64))
+        if self.clipped_units is not None:
+            self.clipped_units.assign(r.clipped_units)
+
+    @property
+    def variables(self):
+        return self.rule.variables
+
+    @property
+    def state_owners(self):
+        return [self.rule._owner[v.ref()] for v in self.vs] if self.rule._owner else None
+
+
+CASES.update({
+    # tfclip.rules through fused_clip_apply in a replica context
+    "rules_adam": lambda s: _RuleSteps(tfclip.rules.Adam(0.01, shard_state=s), global_clipnorm=5.0),
+    "rules_nadam": lambda s: _RuleSteps(tfclip.rules.Nadam(0.01, shard_state=s), clipnorm=2.0),
+    "rules_agc": lambda s: _RuleSteps(tfclip.rules.Momentum(0.05, 0.9, shard_state=s), clip=tfclip.clipping.AGC(0.01)),
+    "rules_zclip": lambda s: _RuleSteps(tfclip.rules.Lamb(0.01, shard_state=s), clip=tfclip.clipping.ZClip(warmup_steps=2)),
+    "rules_int8": lambda s: _RuleSteps(tfclip.rules.AdamW(0.01, state_dtype="int8", shard_state=s), global_clipnorm=5.0),
+    "rules_adafactor": lambda s: _RuleSteps(tfclip.rules.Adafactor(0.01, factored_state=True, shard_state=s),
+                                            global_clipnorm=1.0),
+})
+
+
 def _adamw_excluding(s):
     opt = tfclip.keras.AdamW(0.01, weight_decay=0.1, global_clipnorm=5.0, shard_state=s)
     opt.exclude_from_weight_decay(var_names=["b0", "b1"])
@@ -214,6 +260,19 @@ def _checkpoints(out, ms, tmp):
     tf.train.Checkpoint(v=vs6, opt=stock6).read(path5).assert_consumed()
     out["ckpt_tfk_sharded"] = _values(vs5 + _slots(opt5))
     out["ckpt_tfk_into_stock"] = _values(vs6 + _slots(stock6))
+    # tfclip.rules: a sharded rule's `variables` (the stock layout: one variable per slot) restore
+    # into an unsharded rule on one device, which carries on to the uninterrupted sharded run's bits.
+    make_rule = CASES["rules_adam"]
+    vs7, o7 = _train(ms, lambda: make_rule(True), steps=2, tf_keras=True)
+    path7 = tf.train.Checkpoint(v=vs7, rule=o7.variables).write(os.path.join(tmp, "rule"))
+    with tf.device("/cpu:0"):
+        vs8 = _variables(tf_keras=True)
+        o8 = make_rule(False)
+        o8.rule._make_state(vs8)
+    tf.train.Checkpoint(v=vs8, rule=o8.variables).read(path7).assert_consumed()
+    _train(None, None, steps=2, vs=vs8, opt=o8, start=2, tf_keras=True)
+    out["ckpt_rule_sharded_to_one"] = _values(vs8)
+    out["ckpt_rule_want"] = _values(_train(ms, lambda: make_rule(True), steps=4, tf_keras=True)[0])
     # model.fit with a sharded optimizer, saved as .keras, loaded without a strategy.
     x = np.random.default_rng(1).normal(size=(64, 8)).astype("float32")
     y = x @ np.random.default_rng(2).normal(size=(8, 1)).astype("float32")
@@ -259,6 +318,24 @@ def _refusals(out, ms):
         msgs.append(f"ValueError: {e}")
     out["refusal_unchanged"] = np.array_equal(before, _values(vs))
     out["refusals"] = np.array(msgs)
+    # tfclip.rules: the same two, from the rule's constructor and from fused_clip_apply
+    msgs = []
+    try:
+        tfclip.rules.Adam(shard_state=1)
+        msgs.append("no error")
+    except TypeError as e:
+        msgs.append(f"TypeError: {e}")
+    with ms.scope():
+        vs = [tf.Variable(np.ones(s, np.float32)) for s in SHAPES]
+    rule = tfclip.rules.Adam(0.01, shard_state=True)
+    try:
+        with ms.scope():  # (the cross-replica context)
+            tfclip.fused_clip_apply(zip([tf.ones(v.shape) for v in vs], vs), rule, global_clipnorm=1.0)
+        msgs.append("no error")
+    except ValueError as e:
+        msgs.append(f"ValueError: {e}")
+    out["rule_refusal_unchanged"] = all(np.array_equal(v.numpy(), np.ones(v.shape)) for v in vs) and not rule._slots
+    out["rule_refusals"] = np.array(msgs)
 
 
 def worker(path):
@@ -296,6 +373,16 @@ def worker(path):
         except ValueError as e:
             refusals.append(str(e))
     out["narrow_mirrored_refusals"] = np.array(refusals)
+    # tfclip.rules keeps a sharded rule's state in one process: across processes refused, naming why
+    with ms.scope():
+        vs = [tf.Variable(np.ones(s, np.float32)) for s in SHAPES]
+    rule = tfclip.rules.Adam(0.01, shard_state=True)
+    try:
+        tf.function(lambda: ms.run(lambda: tfclip.fused_clip_apply(zip([tf.ones(v.shape) for v in vs], vs), rule)))()
+        out["rule_across_processes"] = "no error"
+    except ValueError as e:
+        out["rule_across_processes"] = str(e)
+    out["rule_across_unchanged"] = all(np.array_equal(v.numpy(), np.ones(v.shape)) for v in vs) and not rule._slots
     tmp = os.path.dirname(os.path.abspath(path))
     make = CASES["adam"]
     vs, opt = _train(ms, lambda: make(True), steps=4)
@@ -352,10 +439,13 @@ def main(path):
             continue
         for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False), ("one", None, False)):
             vs, opt = _train(strategy, lambda: make(shard), dtype="bfloat16" if case in BF16 else "float32",
-                             tf_keras=case.startswith("tfk_"))
+                             tf_keras=case.startswith(("tfk_", "rules_")))
             _record(out, f"{case}_{run}", vs, opt)
     vs, opt = _train(ms, lambda: CASES["adam"](True), fn=False)
     _record(out, "eager_sharded", vs, opt)
+    if not only or "rules_adam" in only:
+        vs, opt = _train(ms, lambda: CASES["rules_adam"](True), fn=False, tf_keras=True)
+        _record(out, "eager_rules_sharded", vs, opt)
     for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False)):
         vs, opt = _train(strategy, lambda: CASES["adam"](shard), nan_at=(2, 0))
         _record(out, f"nan_{run}", vs, opt)
