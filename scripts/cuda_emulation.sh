@@ -14,11 +14,14 @@
 #                                        if the subset stops launching a kernel. The whole suite takes
 #                                        about an hour there. Pytest args replace the subset.)
 #   PYTHON=/path/python scripts/cuda_emulation.sh [pytest args]
+#   scripts/cuda_emulation.sh --build-only   (the build alone; scripts/planted_faults.sh runs on it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 TSAN=OFF
+BUILD_ONLY=0
 if [ "${1:-}" = "--tsan" ]; then TSAN=ON; shift; fi
+if [ "${1:-}" = "--build-only" ]; then BUILD_ONLY=1; shift; fi  # (scripts/planted_faults.sh)
 BUILD="${BUILD_DIR:-build-emu}"
 [ "$TSAN" = ON ] && BUILD="${BUILD}-tsan"
 # The CPU reference here is the baseline variant alone (TFCLIP_ISA_VARIANTS=OFF): the variants give
@@ -34,6 +37,7 @@ if [ "$TSAN" = OFF ] && "$PY" -c 'import jaxlib' 2>/dev/null; then TARGETS+=(_ja
 cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target "${TARGETS[@]}"
 CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
 echo "+ emulated-CUDA _core: $CORE"
+[ "$BUILD_ONLY" = 0 ] || exit 0
 STATS="$BUILD/emu_stats"
 rm -rf "$STATS"
 mkdir -p "$STATS"

@@ -1,42 +1,42 @@
 #!/usr/bin/env bash
-# Proof of power of the emulated CUDA suite (issue 34): builds tfclip._core against the CUDA
-# emulation with one planted fault at a time (the TFCLIP_PLANT_* blocks of csrc/core/cuda_*.cu and cuda_kernels.cuh,
-# compiled in only here: CMAKE_CXX_FLAGS defines TFCLIP_PLANTED_FAULT and puts this build's
-# tfclip_planted_fault.h on the include path) and runs the tests of the normal suite (tests/gpu)
-# that reach it, as CI runs them. Every planted build must FAIL; the script exits 1 if one passes
-# (a hole: close it with a schedule, the race detector or a test, never by dropping the fault).
-# CI runs it after scripts/cuda_emulation.sh has passed the whole suite on the unplanted build, so a
-# failure here is the planted fault's.
+# Proof of power of the emulated CUDA suite (issue 34): runs the tests of the normal suite
+# (tests/gpu) that reach each planted fault, one fault at a time, on the emulated build of
+# scripts/cuda_emulation.sh (BUILD_DIR, default build-emu; built here if absent). That build
+# compiles in every fault's switch (TFCLIP_PLANTED(NAME) in csrc/core/cuda_*.cu and
+# cuda_kernels.cuh), off unless the environment's TFCLIP_PLANT names it; the product build
+# compiles each to `false`. Every planted run must FAIL; the script exits 1 if one passes (a hole:
+# close it with a schedule, the race detector or a test, never by dropping the fault).
+# CI runs it after scripts/cuda_emulation.sh has passed the whole suite on the same build with no
+# fault planted, so a failure here is the planted fault's.
 #   PYTHON=.venv/bin/python scripts/planted_faults.sh           # CI: the emulation's defaults
 #                                                                # (every schedule in turn, race detector on)
 #   scripts/planted_faults.sh --matrix [fault...]    # also each policy alone with the detector off, and
 #                                                    # the detector alone (random order): cuda/README.md's table
 #   scripts/planted_faults.sh reuse_barrier chunk_end   # only these faults
-# One build of _core (BUILD_DIR, default build-plant; -O1 without debug info: the CUDA sources
-# compile in a quarter of RelWithDebInfo's time), and a recompile of the csrc/core/cuda_*.cu files
-# (they include the fault header through cuda_kernels.cuh) per fault.
+# (Until 2026-11-29 each fault was a compile-time #ifdef and a rebuild of the csrc/core/cuda_*.cu
+# files: 13 rebuilds, most of this step's 387 s in CI.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 MATRIX=0
 if [ "${1:-}" = "--matrix" ]; then MATRIX=1; shift; fi
-BUILD="${BUILD_DIR:-build-plant}"
+BUILD="${BUILD_DIR:-build-emu}"
 
-# name | the macro that plants it | the tests of tests/gpu that reach it (pytest -k)
+# name | its switch (TFCLIP_PLANTED(...), the value of TFCLIP_PLANT) | the tests of tests/gpu that reach it (pytest -k)
 FAULTS=(
-  "reuse_barrier|TFCLIP_PLANT_REUSE_BARRIER|lamb"
-  "publish_barrier|TFCLIP_PLANT_PUBLISH_BARRIER|test_global_norm_parity or test_clip_by_global_norm_parity"
-  "tail_stride|TFCLIP_PLANT_TAIL_STRIDE|misaligned"
-  "chunk_end|TFCLIP_PLANT_CHUNK_END|test_global_norm_parity"
-  "skip_ignored|TFCLIP_PLANT_SKIP_IGNORED|nonfinite"
-  "agc_unit|TFCLIP_PLANT_AGC_UNIT|test_agc_dense_parity"
-  "agc_block|TFCLIP_PLANT_AGC_BLOCK|test_agc_dense_parity"
-  "q8_warp_max|TFCLIP_PLANT_Q8_WARP_MAX|test_int8_state_parity"
-  "q8_code|TFCLIP_PLANT_Q8_CODE|test_int8_state_parity"
-  "grad_scale|TFCLIP_PLANT_GRAD_SCALE|test_grad_scale_on_the_device"
-  "round_tensor|TFCLIP_PLANT_ROUND_TENSOR|test_cuda_draws_the_cpu_bits"
-  "factored_row|TFCLIP_PLANT_FACTORED_ROW|adafactor"
-  "factored_barrier|TFCLIP_PLANT_FACTORED_BARRIER|adafactor"
+  "reuse_barrier|REUSE_BARRIER|lamb"
+  "publish_barrier|PUBLISH_BARRIER|test_global_norm_parity or test_clip_by_global_norm_parity"
+  "tail_stride|TAIL_STRIDE|misaligned"
+  "chunk_end|CHUNK_END|test_global_norm_parity"
+  "skip_ignored|SKIP_IGNORED|nonfinite"
+  "agc_unit|AGC_UNIT|test_agc_dense_parity"
+  "agc_block|AGC_BLOCK|test_agc_dense_parity"
+  "q8_warp_max|Q8_WARP_MAX|test_int8_state_parity"
+  "q8_code|Q8_CODE|test_int8_state_parity"
+  "grad_scale|GRAD_SCALE|test_grad_scale_on_the_device"
+  "round_tensor|ROUND_TENSOR|test_cuda_draws_the_cpu_bits"
+  "factored_row|FACTORED_ROW|adafactor"
+  "factored_barrier|FACTORED_BARRIER|adafactor"
 )
 # What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
 declare -A WHAT=(
@@ -55,12 +55,9 @@ declare -A WHAT=(
   [factored_barrier]="Adafactor: no __syncthreads() between storing r and each matrix's mean of it"
 )
 
+BUILD_DIR="$BUILD" PYTHON="$PY" scripts/cuda_emulation.sh --build-only >/dev/null
+CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
 mkdir -p "$BUILD/planted"
-HDR="$BUILD/planted/tfclip_planted_fault.h"
-[ -f "$HDR" ] || echo "// no fault" > "$HDR"
-cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.executable)')" \
-  -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA_EMULATION=ON -DTFCLIP_TSAN=OFF -DCMAKE_BUILD_TYPE=PlantedFault -DTFCLIP_ISA_VARIANTS=OFF \
-  -DCMAKE_CXX_FLAGS="-O1 -DNDEBUG -DTFCLIP_PLANTED_FAULT -I$PWD/$BUILD/planted" >/dev/null
 
 # run LABEL KSUBSET ENV...: the subset under the given emulation settings; prints PASS or FAIL
 # and, on a failure, the emulation's message or pytest's first failure.
@@ -69,7 +66,7 @@ run() {
   shift 2
   local log="$BUILD/planted/$label.log" t0=$SECONDS rc=0
   # A time limit per run: a fault that hangs the suite must not hang CI (a subset takes seconds).
-  env "$@" TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE" timeout "${PLANT_TIMEOUT:-300}" "$PY" -m pytest \
+  env "$@" TFCLIP_PLANT="$PLANT" TFCLIP_REQUIRE_GPU=1 TFCLIP_CORE_MODULE="$CORE" timeout "${PLANT_TIMEOUT:-300}" "$PY" -m pytest \
     -q -x -p no:cacheprovider tests/gpu -k "$k" >"$log" 2>&1 || rc=$?
   if [ "$rc" = 0 ]; then
     printf '  %-34s PASS (%ds)\n' "$label" $((SECONDS - t0))
@@ -95,10 +92,7 @@ for spec in "${FAULTS[@]}"; do
   IFS='|' read -r name macro subset <<<"$spec"
   if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then continue; fi
   echo "+ planted fault $name: ${WHAT[$name]}"
-  printf '#define %s 1  // scripts/planted_faults.sh: %s\n' "$macro" "$name" > "$HDR"
-  cmake --build "$BUILD" -j "$(nproc 2>/dev/null || echo 2)" --target _core >"$BUILD/planted/build.log" 2>&1 ||
-    { cat "$BUILD/planted/build.log"; exit 2; }
-  CORE="$(ls "$BUILD"/_core*.so | head -n 1)"
+  PLANT="$macro"
   if ! run "default (cycle + race detector)" "$subset"; then holes+=("$name"); fi
   if [ "$MATRIX" = 1 ]; then
     for p in random warp-desc warp-asc thread; do
@@ -107,7 +101,6 @@ for spec in "${FAULTS[@]}"; do
     run "detector alone (random order)" "$subset" TFCLIP_EMU_SCHEDULE=random TFCLIP_EMU_RACECHECK=1 || true
   fi
 done
-echo "// no fault" > "$HDR"
 if [ ${#holes[@]} -gt 0 ]; then
   echo "planted faults the emulated suite does not catch: ${holes[*]}" >&2
   exit 1

@@ -27,12 +27,8 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__
                                            const DevTensor& t, const ClipFactor* __restrict__ fp,
                                            int64_t b, int64_t e, Crew crew, int tensor) {
   using M = typename Elem<V>::Math;
-#ifdef TFCLIP_PLANT_ROUND_TENSOR
-  // Every tensor's stochastic rounding draws the first tensor's bits (its position left out).
-  const ConstsOf<Rule, V> c = WithTensor(*cp, 0 * tensor);
-#else
-  const ConstsOf<Rule, V> c = WithTensor(*cp, tensor);  // (its stochastic rounding, rounding.h)
-#endif
+  // (its stochastic rounding, rounding.h; planted: every tensor draws the first tensor's bits)
+  const ConstsOf<Rule, V> c = WithTensor(*cp, TFCLIP_PLANTED(ROUND_TENSOR) ? 0 : tensor);
   const ClipFactor f = *fp;
   constexpr int kV = 4;
   TrustAcc acc;
@@ -83,11 +79,8 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRange(const ConstsOf<Rule, V>* __restrict__
     grouped = true;
   }
   if (grouped) i0 = b + nvec * kV;
-#ifdef TFCLIP_PLANT_TAIL_STRIDE
-  const int64_t stride = kThreads;  // the block's stride, where the crew may be a warp
-#else
-  const int64_t stride = crew.size;
-#endif
+  // (planted: the block's stride, where the crew may be a warp)
+  const int64_t stride = TFCLIP_PLANTED(TAIL_STRIDE) ? kThreads : crew.size;
   for (int64_t i = i0 + crew.rank; i < e; i += stride) {
     acc.Add(ApplyElem<Rule, kSlots>(c, DenseGrad<M>{grad(i)}, var, s0, s1, s2, i));
   }
@@ -111,12 +104,8 @@ TFCLIP_DEVICE_NOINLINE TrustAcc ApplyRangeAgc(const ConstsOf<Rule, V>* __restric
   S* s2 = static_cast<S*>(t.slots[2]);
   const int64_t units = t.units;
   const int64_t step = crew.size % units;
-#ifdef TFCLIP_PLANT_AGC_UNIT
-  // The unit index one off: element i takes unit (i + 1) % units's scale.
-  int64_t col = (b + crew.rank + 1) % units;
-#else
-  int64_t col = (b + crew.rank) % units;
-#endif
+  // (planted: the unit index one off, element i takes unit (i + 1) % units's scale)
+  int64_t col = (b + crew.rank + (TFCLIP_PLANTED(AGC_UNIT) ? 1 : 0)) % units;
   const DType gt = static_cast<DType>(t.grad_dtype);
   for (int64_t i = b + crew.rank; i < e; i += crew.size) {
     ClipFactor f;
@@ -162,11 +151,8 @@ TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict
   uint8_t* q[kMaxSlots];
 #pragma unroll
   for (int k = 0; k < kMaxSlots; ++k) {
-#ifdef TFCLIP_PLANT_Q8_CODE
-    code[k] = codes;  // every slot with the signed code, the second moments too
-#else
-    code[k] = codes + (((Rule::kUnsignedSlots >> k) & 1u) ? kQuantCodeSize : 0);
-#endif
+    // (planted: every slot with the signed code, the second moments too)
+    code[k] = codes + (((Rule::kUnsignedSlots >> k) & 1u) && !TFCLIP_PLANTED(Q8_CODE) ? kQuantCodeSize : 0);
     q[k] = static_cast<uint8_t*>(t.slots[k]);
   }
   const int lane = crew.rank & 31, warp = crew.rank >> 5, warps = crew.size >> 5;
@@ -197,11 +183,8 @@ TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict
     }
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
-#ifdef TFCLIP_PLANT_Q8_WARP_MAX
-      const float am = AbsmaxOf(m[k]);  // the lane's own max, not the block's
-#else
-      const float am = AbsmaxOf(WarpMax(m[k]));
-#endif
+      // (planted: the lane's own max, not the block's)
+      const float am = AbsmaxOf(TFCLIP_PLANTED(Q8_WARP_MAX) ? m[k] : WarpMax(m[k]));
       if (lane == 0) t.absmax[k][blk] = am;
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
@@ -214,9 +197,8 @@ TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict
 
 template <typename Rule, int kSlots>
 __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
-#ifndef TFCLIP_PLANT_SKIP_IGNORED
-  if (!t.status->apply) return;  // skip / raise / a bad value: nothing is written
-#endif
+  // skip / raise / a bad value: nothing is written (planted: the flag ignored)
+  if (!t.status->apply && !TFCLIP_PLANTED(SKIP_IGNORED)) return;
   const RuleConsts<Rule>* consts = t.consts->template As<Rule>();
   ForEachChunk(t, [&](int64_t c, Crew crew) {
     const DevChunk ch = t.chunks[c];

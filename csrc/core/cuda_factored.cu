@@ -66,10 +66,8 @@ __global__ void FactoredStatsKernel(Table t, DevFactored f) {
           lq[k % kFactoredLanes] += static_cast<double>(Rule::Square(c, grad(r * cols + k)));
         }
         q = FactoredLaneTotal(lq);
-#ifdef TFCLIP_PLANT_FACTORED_ROW
-        // A row's sum of q loses its last element.
-        q -= static_cast<double>(Rule::Square(c, grad(r * cols + cols - 1)));
-#endif
+        // (planted: a row's sum of q loses its last element)
+        if (TFCLIP_PLANTED(FACTORED_ROW)) q -= static_cast<double>(Rule::Square(c, grad(r * cols + cols - 1)));
         f.rows[f.row_off[i] + r] = q;
       } else {
         const int64_t e0 = tile.r0 + j * kFactoredRowElems;
@@ -123,9 +121,7 @@ __global__ void FactoredMomentsKernel(Table t, DevFactored f) {
       const M mean = static_cast<M>(rows[x] / static_cast<double>(cols));
       r[x] = Elem<V>::Store(Rule::Average(c, Elem<V>::Load(r[x]), mean));
     }
-#ifndef TFCLIP_PLANT_FACTORED_BARRIER
-    __syncthreads();  // every r stored before any matrix's mean reads it
-#endif
+    if (!TFCLIP_PLANTED(FACTORED_BARRIER)) __syncthreads();  // every r stored before any matrix's mean reads it
     for (int64_t b = threadIdx.x; b < mats; b += kThreads) {
       double sum = 0.0;
       for (int64_t k = b * m; k < (b + 1) * m; ++k) sum += static_cast<double>(Elem<V>::Load(r[k]));

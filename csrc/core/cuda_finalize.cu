@@ -114,12 +114,10 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(Table t, Fina
   const ClipMode mode = static_cast<ClipMode>(s_mode);
   const bool sums = a.have_partials && (mode == ClipMode::kNorm || norms_out != nullptr);
   auto finish = [&](int i, double sumsq) {
-#ifdef TFCLIP_PLANT_GRAD_SCALE
-    // the clip factors without grad_scale (its default argument): the apply sees g, not g * s
-    if (t.factors != nullptr) t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq);
-#else
-    if (t.factors != nullptr) t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq, s_grad_scale);
-#endif
+    // (planted: the clip factors without grad_scale, its default 1: the apply sees g, not g * s)
+    if (t.factors != nullptr) {
+      t.factors[i] = TensorClipFactor(mode, s_clip, s_scale, sumsq, TFCLIP_PLANTED(GRAD_SCALE) ? 1.0 : s_grad_scale);
+    }
     if (norms_out != nullptr) {
       const double nt = a.have_partials ? sqrt(sumsq) * s_grad_scale : NAN;
       if (a.out.tensor_norms_dtype == DType::kDouble) static_cast<double*>(norms_out)[i] = nt;

@@ -40,11 +40,29 @@
 #define TFCLIP_SHARED_ARRAY(T, name, n) __shared__ T name[n]
 #endif
 
-// Planted faults, for scripts/planted_faults.sh only: a test build of the emulation defines
-// TFCLIP_PLANTED_FAULT and puts a tfclip_planted_fault.h on the include path that defines one
-// TFCLIP_PLANT_* (each is named where it acts); the product build defines neither.
+// Planted faults, for scripts/planted_faults.sh only. The emulated build (CMake's
+// TFCLIP_CUDA_EMULATION) defines TFCLIP_PLANTED_FAULT: there TFCLIP_PLANTED(NAME) is true where
+// the environment's TFCLIP_PLANT names that fault (read once per site), so one build serves the
+// emulated suite (no fault) and every planted run. Every other build compiles each to `false`,
+// the fault away. Each site names its fault where it acts.
 #ifdef TFCLIP_PLANTED_FAULT
-#include "tfclip_planted_fault.h"
+#include <cstdlib>
+#include <cstring>
+namespace tfclip {
+namespace cuda {
+inline bool PlantedIs(const char* name) {
+  const char* planted = std::getenv("TFCLIP_PLANT");
+  return planted != nullptr && std::strcmp(planted, name) == 0;
+}
+}  // namespace cuda
+}  // namespace tfclip
+#define TFCLIP_PLANTED(name)                                            \
+  ([] {                                                                 \
+    static const bool planted = ::tfclip::cuda::PlantedIs(#name);       \
+    return planted;                                                     \
+  }())
+#else
+#define TFCLIP_PLANTED(name) false
 #endif
 
 #include <algorithm>
@@ -229,13 +247,9 @@ __device__ double BlockSum(double v) {
   TFCLIP_SHARED_ARRAY(double, warp_sums, kBlock / 32);
   v = WarpSum(v);
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#ifndef TFCLIP_PLANT_REUSE_BARRIER
-  __syncthreads();  // warp_sums may still be read from the previous call
-#endif
+  if (!TFCLIP_PLANTED(REUSE_BARRIER)) __syncthreads();  // warp_sums may still be read from the previous call
   if (lane == 0) warp_sums[w] = v;
-#ifndef TFCLIP_PLANT_PUBLISH_BARRIER
-  __syncthreads();
-#endif
+  if (!TFCLIP_PLANTED(PUBLISH_BARRIER)) __syncthreads();
   double r = 0.0;
   if (w == 0) r = WarpSum(lane < kBlock / 32 ? warp_sums[lane] : 0.0);
   return r;

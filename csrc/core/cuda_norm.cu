@@ -149,12 +149,8 @@ __global__ void __launch_bounds__(kThreads) AgcNormKernel(Table t, DevAgc a) {
     const AgcTile tl = a.tiles[x];
     const DevTensor& ten = t.tensors[tl.tensor];
     const int64_t units = a.unit_off[tl.tensor + 1] - a.unit_off[tl.tensor];
-#ifdef TFCLIP_PLANT_AGC_BLOCK
-    // Every tile's partials land in row block 0: a tensor of several row blocks loses all but one.
-    const int64_t off = a.part_off[tl.tensor] + tl.c0;
-#else
-    const int64_t off = a.part_off[tl.tensor] + tl.block * units + tl.c0;
-#endif
+    // (planted: every tile's partials land in row block 0, a tensor of several loses all but one)
+    const int64_t off = a.part_off[tl.tensor] + (TFCLIP_PLANTED(AGC_BLOCK) ? 0 : tl.block * units) + tl.c0;
     DispatchDType(static_cast<DType>(ten.var_dtype), [&](auto vtag) {
       using V = decltype(vtag);
       const V* w = static_cast<const V*>(ten.var);

@@ -128,10 +128,10 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
   for (size_t c = 0; c < p.plan.chunks.size(); ++c) {
     const Chunk& ch = p.plan.chunks[c];
     hc[c] = DevChunk{ch.begin, ch.end, ch.tensor, 0};
-#ifdef TFCLIP_PLANT_CHUNK_END
-    // A chunk followed by another of its tensor ends one element early.
-    if (c + 1 < p.plan.chunks.size() && p.plan.chunks[c + 1].tensor == ch.tensor) hc[c].end--;
-#endif
+    // (planted: a chunk followed by another of its tensor ends one element early)
+    if (TFCLIP_PLANTED(CHUNK_END) && c + 1 < p.plan.chunks.size() && p.plan.chunks[c + 1].tensor == ch.tensor) {
+      hc[c].end--;
+    }
   }
   std::memcpy(h + l.off_blocks, p.plan.block_begin.data(), sizeof(int64_t) * p.plan.block_begin.size());
   if (!p.many.empty()) std::memcpy(h + l.off_many, p.many.data(), sizeof(int32_t) * p.many.size());
