@@ -119,8 +119,6 @@ class _FusedMixin(_optstate.NormState):
     # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
     low_precision_state = True
     int8_state = True
-    # Whether shard_state=True may keep each slot on its owning replica only (tfclip/_shard.py).
-    shard_state_why_not = None
 
     def __init__(self, *args, clip=None, stochastic_rounding=False, rounding_seed=0, shard_state=False, **kwargs):
         # `clip`: an adaptive clip (tfclip.clipping), bfloat16 variables' stochastic rounding
@@ -131,8 +129,6 @@ class _FusedMixin(_optstate.NormState):
         self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
         if not isinstance(shard_state, bool):
             raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
-        if shard_state and self.shard_state_why_not:
-            raise ValueError(f"{type(self).__name__} does not take shard_state=True: {self.shard_state_why_not}")
         object.__setattr__(self, "shard_state", shard_state)
         object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
 

@@ -44,7 +44,7 @@ Adadelta, Adamax, Nadam, Lion, Lamb) makes the slot variables of float32 variabl
 the optimizer state's bytes: each slot is read to float32, updated as a float32 slot, and rounded
 to the nearest bfloat16 when stored (docs/low-precision-state.md).
 
-`shard_state=True` (all but Muon): under MirroredStrategy and MultiWorkerMirroredStrategy each
+`shard_state=True`: under MirroredStrategy and MultiWorkerMirroredStrategy each
 replica keeps the slots of its share of the variables and the updated variables are
 all-gathered, the unsharded step's bits (tfclip/_shard.py, docs/distribute.md).
 
@@ -67,7 +67,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfclip import _muon, _opcall, _step  # noqa: E402
+from tfclip import _muon, _opcall, _shard, _step  # noqa: E402
 from tfclip import clipping as _clipping  # noqa: E402
 from tfclip._keras_logger import GradientNormLogger  # noqa: E402, F401  (tfclip.keras.GradientNormLogger)
 from tfclip._keras_loss_scale import LossScaleOptimizer  # noqa: E402, F401  (tfclip.keras.LossScaleOptimizer)
@@ -336,7 +336,8 @@ class Muon(_Generic, keras.optimizers.Muon):
     products per distinct shape, not per matrix; on the CPU per matrix, which is faster there),
     and their weight decay and `rms_rate`-scaled update one fused op per matrix size
     (MuonUpdateRule). The clip is the one the AdamW op runs, from the same norm pass. Extra:
-    `nonfinite`. Not `state_dtype` (the matrices' momentum is read by the Nesterov step and the
+    `nonfinite`, and `shard_state=True`, where each replica also runs the Newton–Schulz products
+    of its own matrices only. Not `state_dtype` (the matrices' momentum is read by the Nesterov step and the
     products, TF ops) or `stochastic_rounding` (those TF ops round to nearest)."""
 
     _tfclip_binding = Binding("adam", slots=(("m", "momentums"), ("v", "adam_velocities")),
@@ -353,8 +354,6 @@ class Muon(_Generic, keras.optimizers.Muon):
     _checked = ("epsilon", "momentum")
     low_precision_state = False
     int8_state = False
-    shard_state_why_not = ("its matrices' momentum is read by TF ops (Nesterov, the Newton–Schulz "
-                           "products) on every replica, so it stays mirrored")
     # Whether the Newton–Schulz products run batched by shape: None, on a GPU (tfclip/_muon.py).
     _tfclip_batch_products = None
 
@@ -379,14 +378,18 @@ class Muon(_Generic, keras.optimizers.Muon):
         return self.adam_velocities[self._get_variable_index(v)] is None
 
     def _fused_update_step(self, grads, keras_vars, learning_rate):
-        mats = [self._tfclip_is_matrix(v) for v in keras_vars]
-        adam = [i for i, m in enumerate(mats) if not m]
-        muon = [i for i, m in enumerate(mats) if m]
+        # shard_state (tfclip/_shard.py): the norm of every gradient, then this replica's
+        # variables only, the Newton–Schulz products of its own matrices too.
+        share = _shard.begin(grads, self._tfclip_owners_of(keras_vars))
+        own = range(len(keras_vars)) if share is None else share.own
+        mats = {i: self._tfclip_is_matrix(keras_vars[i]) for i in own}
+        adam = [i for i in own if not mats[i]]
+        muon = [i for i in own if mats[i]]
         tvars = [_tf_var(v) for v in keras_vars]
         loss_scale = _step.loss_scale(self)
         nonfinite = self.nonfinite if loss_scale is None else "skip"
         # (IndexedSlices as they are: their norm is of their slices, as stock's)
-        norm, pass_norms = _step.norm_pass(grads)
+        norm, pass_norms = _step.norm_pass(grads) if share is None else (share.use_norm, share.pass_norms)
         # The AdamW part: keras's Adam update at learning_rate * adam_lr_ratio, after the decay
         # `w - w * adam_weight_decay * learning_rate` (the op's own where the two rates agree).
         learning_rate = tf.convert_to_tensor(learning_rate)
@@ -423,11 +426,18 @@ class Muon(_Generic, keras.optimizers.Muon):
                 applied = matrices_applied
         if loss_scale is not None:
             _step.loss_scale_applied(self, applied)
-        tensor_norms = tf.cast(pass_norms if loss_scale is None else pass_norms * tf.cast(loss_scale, tf.float64),
-                               tf.float32)
         units = None
-        if counts is not None:
-            units = _step.in_order([result.clipped_units, counts] if adam else [counts], adam + muon)
+        if isinstance(self.clip, _clipping.AGC):  # (this replica's variables', in `own`'s order)
+            at = {i: k for k, i in enumerate(own)}
+            parts = ([result.clipped_units] if adam else []) + ([counts] if muon else [])
+            units = (_step.in_order(parts, [at[i] for i in adam + muon]) if parts
+                     else tf.zeros([0], tf.int64))
+        if share is not None:
+            tensor_norms, units = _shard.finish(share, tvars, result._replace(applied=applied, clipped_units=units),
+                                                loss_scale, agc=units is not None)
+        else:
+            tensor_norms = tf.cast(pass_norms if loss_scale is None else
+                                   pass_norms * tf.cast(loss_scale, tf.float64), tf.float32)
         self._record_norms(result.global_norm, applied, tensor_norms, keras_vars, result.clip_mode, result.clip,
                            None if result.adaptive is None else result.adaptive.threshold, units)
         return applied
