@@ -78,8 +78,7 @@ def _refuse_mirrored_across_processes(state_dtype):
     from the chief by CollectiveBcastSend, whose kernels take bool, half, float, double, int32
     and int64 only: a uint8 or bfloat16 slot fails there with TF's "Value for attr 'T' ... is not
     in the list of allowed values". Sharded slots sit on one device each, with no broadcast, so
-    the Keras optimizers' shard_state=True keeps narrow state across processes (tested in
-    tests/test_shard.py)."""
+    shard_state=True keeps narrow state across processes (tested in tests/test_shard.py)."""
     if not tf.distribute.has_strategy():
         return
     extended = tf.distribute.get_strategy().extended
@@ -89,7 +88,7 @@ def _refuse_mirrored_across_processes(state_dtype):
     if workers > 1:
         raise ValueError(
             f"state_dtype={state_dtype!r} under MultiWorkerMirroredStrategy ({workers} worker processes) needs "
-            f"shard_state=True (the tfclip.keras and tfclip.tf_keras optimizers): TensorFlow broadcasts each "
+            f"shard_state=True (tfclip.keras, tfclip.tf_keras, tfclip.rules): TensorFlow broadcasts each "
             f"mirrored variable's initial value between processes with a collective that has no "
             f"{'uint8' if state_dtype == 'int8' else 'bfloat16'} kernel, while a sharded slot lives on one device "
             f"and is never broadcast. Or keep state_dtype='float32'.")
@@ -187,7 +186,8 @@ class Rule:
         self.shard_state = shard_state
         # shard_state under a strategy of more than one replica (tfclip/_shard.py): var.ref() ->
         # its owning replica, and the bytes each replica owns so far (`state_owners`).
-        self._owner, self._owner_load = {}, None
+        # Across worker processes, the checkpoint side (`_shard.SlotExchange`; None within one).
+        self._owner, self._owner_load, self._exchange = {}, None, None
         self._slots = {}
         self._absmax = {}  # int8 state: var.ref() -> {slot: its absmax variable}
         self._iterations = None
@@ -224,18 +224,29 @@ class Rule:
         key = var.ref()
         got = self._slots.get(key)
         if got is None:
+            self.state_owners([var])  # shard_state: its owner, if not given yet
             with _opcall.state_lock(self), _step.state_scope():
                 got = self._slots.get(key)
                 if got is None:
                     base = var.name.split(":")[0]
-
-                    owner = self._owner.get(key)  # shard_state: made on its owner's device alone
+                    # shard_state: made on its owner's device alone; an owner in another worker
+                    # process keeps it, and here a `_shard.RemoteSlot` stands for it.
+                    owner = self._owner.get(key)
+                    device = None if owner is None else _shard.local_device(tf.distribute.get_strategy(), owner,
+                                                                            remote_ok=True)
 
                     def make(value, name):
-                        with (contextlib.nullcontext() if owner is None else
-                              _shard.on_device(_shard.local_device(tf.distribute.get_strategy(), owner))):
-                            return tf.Variable(value, trainable=False, name=f"{base}/{self.name}/{name}",
-                                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                        name = f"{base}/{self.name}/{name}"
+                        if owner is not None and device is None:
+                            value = tf.convert_to_tensor(value)
+                            slot = _shard.RemoteSlot(value.shape, value.dtype, name, name, owner)
+                        else:
+                            with contextlib.nullcontext() if owner is None else _shard.on_device(device):
+                                slot = tf.Variable(value, trainable=False, name=name,
+                                                   aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                        if owner is not None and self._exchange is not None:
+                            self._exchange.add(slot, owner)
+                        return slot
 
                     if self.slot_dtype(var) == tf.uint8:  # int8: the codes, and an absmax beside each
                         unsigned = self._unsigned_slots()
@@ -288,7 +299,17 @@ class Rule:
             out.extend(self._absmax.get(key, {}).values())
         for clip in self.__dict__.get("_named_clips", {}).values():
             out.extend((clip.state or {}).values())
-        return out
+        # Sharded across worker processes: each slot as its proxy (`_shard._SlotProxy`: the slot's own
+        # attributes; a checkpoint of the list saves every slot from its owner, the stock layout).
+        return out if self._exchange is None else [self._exchange.proxy(v) for v in out]
+
+    def build(self, variables):
+        """Makes the step counter and the slots of `variables` now, not at the first step: as
+        `keras.optimizers.Optimizer.build`, before restoring a checkpoint into `rule.variables`.
+        With shard_state=True under a strategy, call it in the strategy's scope: each variable
+        gets its owner (`state_owners`) from the whole list, as a first step over it would."""
+        self.state_owners(variables)
+        self._make_state(variables)
 
     def _slot_initial(self, name):
         """A slot's initial value (Adagrad's accumulator: initial_accumulator_value)."""
@@ -328,19 +349,11 @@ class Rule:
                                      f"replicas, and this strategy has {n}: use a new rule (its checkpoint "
                                      "restores into it)")
                 sizes = [v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in new]
-                load = list(self._owner_load)
-                got = _shard.owners(sizes, n, load)
                 strategy = tf.distribute.get_strategy()
-                remote = sorted(r for r in set(got) if _shard.local_device(strategy, r, remote_ok=True) is None)
-                if remote:
-                    raise ValueError(
-                        f"{self.name}(shard_state=True): replica {remote[0]} runs in another worker process, and a "
-                        "tfclip.rules rule keeps its state in one process (`rule.variables`, what its checkpoint "
-                        "holds, cannot stand for another process's slots). Across worker processes shard with the "
-                        "tfclip.keras or tfclip.tf_keras optimizers (docs/distribute.md)")
-                self._owner_load[:] = load
-                for v, r in zip(new, got):
+                for v, r in zip(new, _shard.owners(sizes, n, self._owner_load)):
                     self._owner[v.ref()] = r
+                    if self._exchange is None and _shard.local_device(strategy, r, remote_ok=True) is None:
+                        self._exchange = _shard.SlotExchange(strategy)
         return [self._owner[v.ref()] for v in variables]
 
     # -- hyper-parameters ---------------------------------------------------------------

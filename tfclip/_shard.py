@@ -19,9 +19,9 @@ drop-ins (tfclip/_keras_step.py) under a `tf.distribute` strategy with more than
 The drop-ins' part is small (tfclip/_keras_step.py, tfclip/_tf_keras_step.py): `plan` at build;
 each slot made on its owner's device (`on_device`; tf_keras: `making_slots`) or as a `RemoteSlot`;
 `begin` / `finish` around the fused step of the replica's share; `trackable_children` for
-checkpoints. `tfclip.rules` (`fused_clip_apply`, one process): `Rule.state_owners` (`owners`, as
-variables are first seen) and `on_device` in tfclip/_rule.py; `begin` / `finish` in tfclip/ops.py's
-`_sharded_step`.
+checkpoints. `tfclip.rules` (`fused_clip_apply`): `Rule.state_owners` (`owners`, as variables are
+first seen), `on_device` or a `RemoteSlot` per slot, and `rule.variables` listing each slot's proxy
+where an exchange exists, in tfclip/_rule.py; `begin` / `finish` in tfclip/ops.py's `_sharded_step`.
 
 Imports flow one way: the drop-ins, tfclip/_rule.py and tfclip/ops.py import this module; it imports
 tfclip/_step.py.
@@ -234,8 +234,19 @@ class SlotExchange:
 
 
 class _SlotProxy(tf.__internal__.tracking.Trackable):
+    """A sharded slot as a checkpoint sees it (`SlotExchange`); its other public attributes are
+    the slot's own (`numpy()`, `name`, `shape`, ...: tfclip.rules lists these in `variables`)."""
+
     def __init__(self, exchange, slot, owner):
         self._exchange, self._slot, self._owner = exchange, slot, owner
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # (not the slot's: Trackable's own, looked up on the proxy)
+            raise AttributeError(name)
+        return getattr(self._slot, name)
+
+    def __repr__(self):
+        return f"<checkpoint proxy of {self._slot!r}>"
 
     def _serialize_to_tensors(self):
         slot = self._slot

@@ -361,8 +361,7 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
     replica the norm pass over every one of them (or `use_norm`), the fused op over the variables
     whose state the replica keeps, and the all-gather of the updated variables into every copy."""
     def merge(strategy, contributions):
-        rule.state_owners(variables)  # (each variable's owner, before its slots are made there)
-        rule._make_state(variables)
+        rule.build(variables)  # (each variable's owner, then its slots, made there)
         _check_mirrored_state(strategy, rule, [rule.iterations] + [
             s for v in variables for s in rule._state_variables([v])[1:] if v.ref() not in rule._owner])
         return _aggregate(strategy, contributions, variables)

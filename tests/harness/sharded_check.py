@@ -53,9 +53,14 @@ def _variables(dtype="float32", tf_keras=False):
     return [keras.Variable(rng.normal(size=s).astype("float32"), dtype=dtype, name=n) for s, n in zip(SHAPES, names)]
 
 
+def _unproxied(v):
+    """A slot for the slot's checkpoint proxy (tfclip.rules' `variables` across processes)."""
+    return v._slot if isinstance(v, tfclip._shard._SlotProxy) else v
+
+
 def _values(vs):
     out = []
-    for v in vs:
+    for v in map(_unproxied, vs):
         if isinstance(v, tfclip._shard.RemoteSlot):  # (kept by another worker process)
             continue
         x = v.value if isinstance(v, keras.Variable) else v
@@ -79,7 +84,7 @@ def _slots(opt):
 
 def _slot_bytes_by_device(opt):
     by = {}
-    for v in _slots(opt):
+    for v in map(_unproxied, _slots(opt)):
         if isinstance(v, tfclip._shard.RemoteSlot):
             continue
         x = v.value if isinstance(v, keras.Variable) else v
@@ -271,7 +276,7 @@ def _checkpoints(out, ms, tmp):
     with tf.device("/cpu:0"):
         vs8 = _variables(tf_keras=True)
         o8 = make_rule(False)
-        o8.rule._make_state(vs8)
+        o8.rule.build(vs8)
     tf.train.Checkpoint(v=vs8, rule=o8.variables).read(path7).assert_consumed()
     _train(None, None, steps=2, vs=vs8, opt=o8, start=2, tf_keras=True)
     out["ckpt_rule_sharded_to_one"] = _values(vs8)
@@ -376,17 +381,38 @@ def worker(path):
         except ValueError as e:
             refusals.append(str(e))
     out["narrow_mirrored_refusals"] = np.array(refusals)
-    # tfclip.rules keeps a sharded rule's state in one process: across processes refused, naming why
-    with ms.scope():
-        vs = [tf.Variable(np.ones(s, np.float32)) for s in SHAPES]
-    rule = tfclip.rules.Adam(0.01, shard_state=True)
-    try:
-        tf.function(lambda: ms.run(lambda: tfclip.fused_clip_apply(zip([tf.ones(v.shape) for v in vs], vs), rule)))()
-        out["rule_across_processes"] = "no error"
-    except ValueError as e:
-        out["rule_across_processes"] = str(e)
-    out["rule_across_unchanged"] = all(np.array_equal(v.numpy(), np.ones(v.shape)) for v in vs) and not rule._slots
+    # tfclip.rules through fused_clip_apply: sharded across the processes (a slot kept elsewhere a
+    # RemoteSlot here), int8 state too
+    for case in ("rules_adam", "rules_int8"):
+        runs = (("sharded", ms, True), ("one", None, False)) + ((("mirrored", ms, False),) if case == "rules_adam" else ())
+        for run, strategy, shard in runs:
+            vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=True)
+            _record(out, f"{case}_{run}", vs, opt)
+    # ... and its checkpoint: every worker saves `rule.variables`; the chief's file holds every
+    # slot (stock layout): an unsharded rule on one device restores it whole and matches the
+    # unsharded run's slots, and a fresh sharded rule (built first) carries on to the
+    # uninterrupted run's bits.
     tmp = os.path.dirname(os.path.abspath(path))
+    make_rule = CASES["rules_adam"]
+    out["rules_ckpt_want"] = _values(_train(ms, lambda: make_rule(True), steps=4, tf_keras=True)[0])
+    vs7, o7 = _train(ms, lambda: make_rule(True), steps=2, tf_keras=True)
+    out["rules_remote_slots"] = sum(isinstance(_unproxied(v), tfclip._shard.RemoteSlot) for v in o7.variables)
+    tf.train.Checkpoint(v=vs7, rule=o7.variables).write(os.path.join(tmp, "rk" if task == 0 else f"rk_worker{task}"))
+    vs_m, o_m = _train(ms, lambda: make_rule(False), steps=2, tf_keras=True)
+    out["rules_ckpt_mirrored_slots"] = _values(_slots(o_m))
+    with tf.device("/cpu:0"):
+        vs8 = _variables(tf_keras=True)
+        o8 = make_rule(False)
+        o8.rule.build(vs8)
+    tf.train.Checkpoint(v=vs8, rule=o8.variables).read(os.path.join(tmp, "rk")).assert_consumed()
+    out["rules_ckpt_into_one_slots"] = _values(_slots(o8))
+    with ms.scope():
+        vs9 = _variables(tf_keras=True)
+        o9 = make_rule(True)
+        o9.rule.build(vs9)
+    tf.train.Checkpoint(v=vs9, rule=o9.variables).read(os.path.join(tmp, "rk")).assert_consumed()
+    _train(ms, None, steps=2, vs=vs9, opt=o9, start=2, tf_keras=True)
+    out["rules_ckpt_resumed"] = _values(vs9)
     make = CASES["adam"]
     vs, opt = _train(ms, lambda: make(True), steps=4)
     out["ckpt_want"] = _values(vs)
