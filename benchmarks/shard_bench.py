@@ -6,13 +6,16 @@ medians of interleaved repeats, as ratios in the same run; and the sharded step'
 parts each alone (the norm pass over every gradient, the all-gather of the updated variables).
 
     python benchmarks/shard_bench.py [--layers 12] [--replicas 2 | --workers 2] [--repeats 5] [--iters 3]
+                                     [--optimizer adam | muon]
 
 --layers: BERT-base's embeddings and that many of its transformer layers (12: BERT-base, 110M
 parameters). The gradients are fixed per replica (made once, outside the timed call), float32,
 Adam with global_clipnorm=1. Logical CPU devices share this machine's cores: the times say what
 the extra norm pass and all-gather cost here, not what N GPUs would gain. --workers N runs the same
 under MultiWorkerMirroredStrategy over N processes on localhost (the collectives over gRPC), the
-chief's times and each process's own state.
+chief's times and each process's own state. --optimizer muon: Muon instead (the three embeddings
+AdamW, as stock's exclude_embeddings; the layers' matrices Muon's): sharded, each replica runs the
+Newton–Schulz products of its own matrices only, where unsharded every replica runs all of them.
 """
 import argparse
 import json
@@ -63,6 +66,7 @@ def main():
     ap.add_argument("--task", type=int, default=None, help=argparse.SUPPRESS)  # (a spawned worker)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--optimizer", choices=("adam", "muon"), default="adam")
     args = ap.parse_args()
     if args.workers > 1 and args.task is None:
         return _spawn_workers(args)
@@ -95,15 +99,19 @@ def main():
     with strategy.scope():
         grad_vars = [tf.Variable(rng.normal(size=s).astype("float32") * 1e-3, trainable=False) for s in shapes]
 
+    name = "Muon" if args.optimizer == "muon" else "Adam"
+    stock, ours = getattr(keras.optimizers, name), getattr(tfclip.keras, name)
+    unsharded, sharded = f"tfclip.keras.{name}", f"tfclip.keras.{name}(shard_state=True)"
     contenders = {
-        "stock keras.optimizers.Adam": lambda: keras.optimizers.Adam(1e-4, global_clipnorm=1.0),
-        "tfclip.keras.Adam": lambda: tfclip.keras.Adam(1e-4, global_clipnorm=1.0),
-        "tfclip.keras.Adam(shard_state=True)": lambda: tfclip.keras.Adam(1e-4, global_clipnorm=1.0, shard_state=True),
+        f"stock keras.optimizers.{name}": lambda: stock(1e-4, global_clipnorm=1.0),
+        unsharded: lambda: ours(1e-4, global_clipnorm=1.0),
+        sharded: lambda: ours(1e-4, global_clipnorm=1.0, shard_state=True),
     }
     steps, state, built = {}, {}, {}
     for label, make in contenders.items():
         with strategy.scope():
-            vs = [keras.Variable(x) for x in init]
+            # (named: Muon leaves the three embeddings to AdamW, as stock's exclude_embeddings)
+            vs = [keras.Variable(x, name=("embedding" if k < 3 else "w") + str(k)) for k, x in enumerate(init)]
             opt = make()
             opt.build(vs)
 
@@ -130,7 +138,7 @@ def main():
     from tfclip import _shard, _step
     from tfclip._keras_step import _tf_var
 
-    svs, sopt = built["tfclip.keras.Adam(shard_state=True)"]
+    svs, sopt = built[sharded]
 
     def gather_alone():
         tv = [_tf_var(v) for v in svs]
@@ -157,9 +165,9 @@ def main():
             tf.nest.map_structure(lambda t: t, out)
             times[label].append((time.perf_counter() - t0) / args.iters)
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["tfclip.keras.Adam"]
+    base = med[unsharded]
     print(f"shard_bench: BERT-base embeddings + {args.layers} layers, {n_params:,} parameters, {len(shapes)} "
-          f"tensors, Adam float32, global_clipnorm=1, {where} ({os.cpu_count()} cores); median of "
+          f"tensors, {name} float32, global_clipnorm=1, {where} ({os.cpu_count()} cores); median of "
           f"{args.repeats} x {args.iters} whole tf.function calls")
     print(f"{'':<40} {'ms/step':>9} {'x unsharded':>12}   optimizer state, bytes/param on each replica")
     for label in contenders:

@@ -252,7 +252,8 @@ class _FusedMixin(_optstate.NormState):
     def build(self, var_list):
         # shard_state: each variable's owner, before the stock build makes the slots there; an
         # owner in another worker process: a RemoteSlot here, and the checkpoint exchange.
-        owner, exchange = _shard.plan(var_list, self.shard_state, remote_ok=True)
+        owner, exchange = _shard.plan(var_list, self.shard_state, remote_ok=True,
+                                      weights=self._tfclip_state_weights(var_list))
         object.__setattr__(self, "_tfclip_owner", owner)
         object.__setattr__(self, "_tfclip_exchange", exchange)
         self._tfclip_build_slots(var_list)
@@ -269,6 +270,11 @@ class _FusedMixin(_optstate.NormState):
             clip.build(lambda name, shape, dtype: self.add_variable(
                 shape, initializer="zeros", dtype=dtype, aggregation="only_first_replica",
                 name=f"{clip.mode}_{name}"))
+
+    def _tfclip_state_weights(self, var_list):
+        """shard_state: each variable's slots per byte, where a class's differ between variables
+        (`_shard.plan`); None: the same for all."""
+        return None
 
     def _tfclip_build_slots(self, var_list):
         """The stock build: its slots made by add_variable_from_reference (each on its owner's

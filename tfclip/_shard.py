@@ -97,15 +97,18 @@ def replica_id():
     return None if rid is None else int(rid)
 
 
-def plan(var_list, shard_state, remote_ok=False):
+def plan(var_list, shard_state, remote_ok=False, weights=None):
     """(each variable's owning replica (`owners` by bytes), the `SlotExchange` where some owner is
     in another worker process (else None)), or (None, None): not sharded (shard_state off, or one
     replica). An owner in another process is refused unless remote_ok (its slots are then
-    `RemoteSlot`s here)."""
+    `RemoteSlot`s here). weights: each variable's bytes counted that many times (its slots per
+    byte, where they differ between variables: Muon's), else once."""
     if not shard_state or replicas() <= 1:
         return None, None
     strategy = tf.distribute.get_strategy()
-    owner = owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in var_list], replicas())
+    weights = weights or [1] * len(var_list)
+    owner = owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size * w for v, w in zip(var_list, weights)],
+                   replicas())
     remote = [local_device(strategy, r, remote_ok) is None for r in sorted(set(owner))]
     return owner, SlotExchange(strategy) if any(remote) else None
 

@@ -373,6 +373,10 @@ class Muon(_Generic, keras.optimizers.Muon):
             raise ValueError("Muon does not take stochastic_rounding=True: its matrices' Nesterov step and "
                              "Newton–Schulz products are TF ops (tfclip/_muon.py), which round to nearest")
 
+    def _tfclip_state_weights(self, var_list):
+        # (AdamW's variables keep two slots, a matrix one: sharded by state bytes, not variable bytes)
+        return [2 if self._should_use_adamw(v) else 1 for v in var_list]
+
     def _tfclip_is_matrix(self, v):
         """Whether `v` takes Muon's own step (stock keeps no AdamW velocity for it)."""
         return self.adam_velocities[self._get_variable_index(v)] is None
