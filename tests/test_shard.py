@@ -125,6 +125,17 @@ def test_refusals_name_what_is_wrong(r):
     assert bool(r["rule_refusal_unchanged"])
 
 
+@pytest.mark.parametrize("edge", ["edge_one_var_rule", "edge_one_var_keras", "edge_use_norm", "edge_int8_sparse"])
+def test_edges_give_the_unsharded_bits(r, edge):
+    """A replica that owns nothing (one variable: tfclip.rules and Keras, against unsharded and one
+    device); a `use_norm` each replica gives differently (the first replica's counts, as
+    unsharded: a clip from each replica's own would differ); int8 state with IndexedSlices
+    gradients (densified before the norm pass, as unsharded). Each row: weights, then the norm."""
+    rows = r[edge]
+    for row in rows[1:]:
+        assert _bits(rows[0]) == _bits(row)
+
+
 def test_a_sharded_rules_variables_restore_on_one_device(r):
     """tfclip.rules: `rule.variables` saved sharded restore into an unsharded rule on one device
     (assert_consumed), which carries on to the uninterrupted sharded run's bits."""
@@ -238,6 +249,15 @@ def test_two_worker_rule_checkpoint_is_the_stock_layout_and_resumes(workers):
         assert int(w["rules_remote_slots"]) > 0
         assert _bits(w["rules_ckpt_into_one_slots"]) == _bits(w["rules_ckpt_mirrored_slots"])
         assert _bits(w["rules_ckpt_resumed"]) == _bits(w["rules_ckpt_want"])
+
+
+def test_two_worker_processes_where_one_keeps_all_of_a_rules_state(workers):
+    """One variable: worker 0 owns all of the rule's state; the step gives one device's bits, and
+    every worker's checkpoint makes the same broadcasts (each keeps an exchange), so the chief's
+    file holds the slots and restores on one device (the counter and slots of that device's run)."""
+    for w in workers:
+        assert _bits(w["one_var"][0]) == _bits(w["one_var"][1])
+        assert _bits(w["one_var_slots"][0]) == _bits(w["one_var_slots"][1])
 
 
 def test_two_worker_checkpoint_is_the_stock_layout_and_resumes(workers):

@@ -339,9 +339,9 @@ class Rule:
         n = _shard.replicas()
         if not self.shard_state or n <= 1:
             return None
-        new = list({v.ref(): v for v in variables if v.ref() not in self._owner}.values())
-        if new:
+        if any(v.ref() not in self._owner for v in variables):
             with _opcall.state_lock(self):
+                new = list({v.ref(): v for v in variables if v.ref() not in self._owner}.values())
                 if self._owner_load is None:
                     self._owner_load = [0] * n
                 elif len(self._owner_load) != n:
@@ -350,10 +350,11 @@ class Rule:
                                      "restores into it)")
                 sizes = [v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in new]
                 strategy = tf.distribute.get_strategy()
+                if self._exchange is None and _shard.across_processes(strategy):
+                    # (on every worker, before any slot: each lists the same slots as proxies)
+                    self._exchange = _shard.SlotExchange(strategy)
                 for v, r in zip(new, _shard.owners(sizes, n, self._owner_load)):
                     self._owner[v.ref()] = r
-                    if self._exchange is None and _shard.local_device(strategy, r, remote_ok=True) is None:
-                        self._exchange = _shard.SlotExchange(strategy)
         return [self._owner[v.ref()] for v in variables]
 
     # -- hyper-parameters ---------------------------------------------------------------
@@ -454,8 +455,11 @@ class Rule:
                      for g, v in zip(grads, variables)]
         group = _step.Group(self.kind, var_handles, self._op_slots(slot_lists), hparams, flags,
                             iterations=() if counter is None else (counter,), absmax=absmax)
-        result = _step.run(grads, [group], clip_mode, clip, clip_obj=clip_obj, use_norm=use_norm,
-                           nonfinite=nonfinite, lazy=lazy_sparse, all_dense=all_dense, grad_scale=grad_scale,
+        # (no variables: a sharded replica that owns none of the step's; the norm alone decides
+        # `applied`, and the counter advances with the others')
+        result = _step.run(grads, [group] if variables else [], clip_mode, clip, clip_obj=clip_obj,
+                           use_norm=use_norm, nonfinite=nonfinite, lazy=lazy_sparse, all_dense=all_dense,
+                           grad_scale=grad_scale,
                            rounding=None if rounding_seed is None else (rounding_seed, self._rounding_step(counter)))
         after = self._after_step(result.applied)
         if counter is None:
@@ -465,7 +469,7 @@ class Rule:
         if tf.executing_eagerly():
             return result.outputs
         with tf.control_dependencies(after):
-            return ClipApplyResult(*[tf.identity(t) for t in result.outputs])
+            return ClipApplyResult(*[None if t is None else tf.identity(t) for t in result.outputs])
 
     def _rounding_step(self, counter):
         """Stochastic rounding's step (iterations + 1): where the op owns the counter, 1, to which

@@ -28,6 +28,7 @@ tfclip/_step.py.
 """
 import collections
 import contextlib
+import itertools
 
 import tensorflow as tf
 from tensorflow.python.distribute import numpy_dataset
@@ -97,6 +98,16 @@ def replica_id():
     return None if rid is None else int(rid)
 
 
+def across_processes(strategy):
+    """Whether `strategy` runs replicas in more than one worker process (MultiWorkerMirroredStrategy
+    with several workers): then every worker keeps a `SlotExchange`, whichever replicas its own
+    variables' owners are, so that every worker's checkpoint makes the same broadcasts."""
+    from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended
+
+    ext = strategy.extended
+    return isinstance(ext, CollectiveAllReduceExtended) and ext._num_workers > 1
+
+
 def plan(var_list, shard_state, remote_ok=False, weights=None):
     """(each variable's owning replica (`owners` by bytes), the `SlotExchange` where some owner is
     in another worker process (else None)), or (None, None): not sharded (shard_state off, or one
@@ -109,8 +120,9 @@ def plan(var_list, shard_state, remote_ok=False, weights=None):
     weights = weights or [1] * len(var_list)
     owner = owners([v.shape.num_elements() * tf.as_dtype(v.dtype).size * w for v, w in zip(var_list, weights)],
                    replicas())
-    remote = [local_device(strategy, r, remote_ok) is None for r in sorted(set(owner))]
-    return owner, SlotExchange(strategy) if any(remote) else None
+    for r in sorted(set(owner)):
+        local_device(strategy, r, remote_ok)  # (refuses an owner in another process unless remote_ok)
+    return owner, SlotExchange(strategy) if across_processes(strategy) else None
 
 
 def trackable_children(exchange, children, save_type):
@@ -179,6 +191,10 @@ class SlotExchange:
     every slot's value under its stock key."""
 
     _GROUP_KEY = 0x7F7C0000  # (apart from the strategy's own collective group keys, small numbers)
+    # One count for every exchange of the process (several optimizers and rules may save in one
+    # checkpoint): each broadcast a fresh instance key, the same on every worker, which makes the
+    # same broadcasts in the same order.
+    _instances = itertools.count(1)
 
     def __init__(self, strategy):
         ext = strategy.extended
@@ -189,7 +205,6 @@ class SlotExchange:
         self.slots = []  # (slot: a variable or a RemoteSlot, owner replica)
         self.proxies = {}  # id(slot) -> _SlotProxy
         self.lists = {}  # (child name, its elements' ids) -> the list with proxies
-        self.instance = 0
 
     def add(self, slot, owner):
         if not any(s is slot for s, _ in self.slots):
@@ -223,16 +238,16 @@ class SlotExchange:
 
     def broadcast(self, value, owner, shape, dtype):
         """The owner's `value` on every worker (bit for bit)."""
-        self.instance += 1
+        instance = next(SlotExchange._instances)
         words = _words(dtype, shape.num_elements())
         with tf.device(self.device):
             if (owner - self.first) in range(self.local):
                 sent = _bits(value)
                 tf.raw_ops.CollectiveBcastSendV2(input=sent, group_size=self.group_size, group_key=self._GROUP_KEY,
-                                                 instance_key=self.instance)
+                                                 instance_key=instance)
                 return value
             got = tf.raw_ops.CollectiveBcastRecvV2(group_size=self.group_size, group_key=self._GROUP_KEY,
-                                                   instance_key=self.instance, shape=[words], T=tf.int32)
+                                                   instance_key=instance, shape=[words], T=tf.int32)
             return _from_bits(got, dtype, shape)
 
 

@@ -360,14 +360,19 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
     """shard_state=True (tfclip/_shard.py): the gradients aggregated as unsharded, then on each
     replica the norm pass over every one of them (or `use_norm`), the fused op over the variables
     whose state the replica keeps, and the all-gather of the updated variables into every copy."""
-    def merge(strategy, contributions):
+    def merge(strategy, contributions, use_norm):
         rule.build(variables)  # (each variable's owner, then its slots, made there)
-        _check_mirrored_state(strategy, rule, [rule.iterations] + [
-            s for v in variables for s in rule._state_variables([v])[1:] if v.ref() not in rule._owner])
-        return _aggregate(strategy, contributions, variables)
+        _check_mirrored_state(strategy, rule, rule._state_variables([]))  # (the counter, Nadam's product)
+        if isinstance(use_norm, tf.distribute.DistributedValues):  # the first replica's, as unsharded
+            use_norm = strategy.experimental_local_results(use_norm)[0]
+        return _aggregate(strategy, contributions, variables), use_norm
 
-    grads = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables),))
+    grads, use_norm = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables), use_norm))
     owner = rule.state_owners(variables)
+    # int8 state takes dense gradients (a row's duplicates summed, as the unsharded step converts
+    # them before its norm pass): here before the norm pass too
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and rule._int8(v) else g
+             for g, v in zip(grads, variables)]
     with tf.name_scope(scope):
         if use_norm is None:
             share = _shard.begin(grads, owner)

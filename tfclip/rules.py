@@ -58,8 +58,9 @@ layout. Ftrl, ScheduleFreeAdamW and the TF1 proximal rules keep their state as i
 are weights or sums the update cannot lose precision in (`state_dtype` there is an error).
 
 `shard_state=True` (every rule): under MirroredStrategy, `fused_clip_apply` inside `strategy.run`
-keeps each variable's slots on one replica (`rule.state_owners(variables)`) and gives the
-unsharded step's bits (docs/distribute.md, Sharded optimizer state).
+keeps each variable's slots on one replica (`rule.state_owners(variables)`; `rule.build(variables)`
+makes them before a first step) and gives the unsharded step's bits, but for stochastic rounding's
+draw (docs/distribute.md, Sharded optimizer state).
 """
 import numbers
 

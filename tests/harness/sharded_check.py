@@ -304,6 +304,67 @@ def _checkpoints(out, ms, tmp):
     out["fit_loaded_config"] = str(loaded.optimizer.get_config().get("shard_state"))
 
 
+def _edges(out, ms):
+    """The sharded step where a replica owns nothing (one variable on 2 replicas: tfclip.rules and
+    Keras), with a `use_norm` each replica gives differently (the first replica's is used, as
+    unsharded), and with int8 state and IndexedSlices gradients (densified before the norm pass,
+    as unsharded): each against the unsharded run (and one device)."""
+    rng = np.random.default_rng(11)
+    w0 = rng.normal(size=(50, 8)).astype("float32")
+    base = [rng.normal(size=(50, 8)).astype("float32") for _ in range(3)]
+
+    def run(strategy, make, steps=3, use_norm=None, sparse=False, nvars=1):
+        with strategy.scope() if strategy is not None else tf.device("/cpu:0"):
+            stepper = make()
+            rule = isinstance(stepper, tfclip.rules.Rule)
+            vs = [tf.Variable(w0 * (k + 1)) if rule else keras.Variable(w0 * (k + 1)) for k in range(nvars)]
+            if not rule:  # (built lazily in strategy.run, stock Keras fails too)
+                stepper.build(vs)
+
+        def grad(t, r, k):
+            g = tf.constant(base[t]) * tf.cast((r + 1) * (k + 1), tf.float32)
+            if sparse:  # rows 0..9 twice, from each replica
+                idx = tf.constant(list(range(10)) * 2)
+                return tf.IndexedSlices(tf.gather(g, idx), idx, tf.constant([50, 8]))
+            return g
+
+        def apply(grads):
+            if rule:
+                return tfclip.fused_clip_apply(zip(grads, vs), stepper, global_clipnorm=1.0, **kw).global_norm
+            stepper.apply_gradients(zip(grads, vs))
+            return stepper.global_norm
+
+        def replica_step(t):
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            if use_norm is not None:  # (each replica its own: the first replica's counts)
+                kw["use_norm"] = use_norm * tf.cast(r + 1, tf.float32)
+            return apply([grad(t, r, k) for k in range(nvars)])
+
+        def one_step(t):
+            return apply([tf.convert_to_tensor(grad(t, 0, k)) + tf.convert_to_tensor(grad(t, 1, k))
+                          for k in range(nvars)])
+
+        kw = {}
+        for t in range(steps):
+            norm = tf.function(lambda t=t: strategy.run(replica_step, (t,)) if strategy is not None
+                               else one_step(t))()
+        norm = ms.experimental_local_results(norm)[0] if strategy is not None else norm
+        if rule and stepper.shard_state:  # (the share of each replica: one owns nothing with one variable)
+            assert sorted({stepper._owner[v.ref()] for v in vs}) == list(range(min(nvars, 2)))
+        return np.concatenate([_values(vs), np.asarray(norm, np.float64).ravel()])
+
+    adam = lambda s: lambda: tfclip.rules.Adam(0.01, shard_state=s)  # noqa: E731
+    keras_adam = lambda s: lambda: tfclip.keras.Adam(0.01, global_clipnorm=1.0, shard_state=s)  # noqa: E731
+    out["edge_one_var_rule"] = np.stack([run(ms, adam(True)), run(ms, adam(False)), run(None, adam(False))])
+    out["edge_one_var_keras"] = np.stack([run(ms, keras_adam(True)), run(ms, keras_adam(False)),
+                                          run(None, keras_adam(False))])
+    out["edge_use_norm"] = np.stack([run(ms, adam(True), use_norm=2.0, nvars=2),
+                                     run(ms, adam(False), use_norm=2.0, nvars=2)])
+    int8 = lambda s: lambda: tfclip.rules.AdamW(0.01, state_dtype="int8", shard_state=s)  # noqa: E731
+    out["edge_int8_sparse"] = np.stack([run(ms, int8(True), sparse=True, nvars=2),
+                                        run(ms, int8(False), sparse=True, nvars=2)])
+
+
 def _refusals(out, ms):
     """shard_state's refusals, by message."""
     msgs = []
@@ -413,6 +474,27 @@ def worker(path):
     tf.train.Checkpoint(v=vs9, rule=o9.variables).read(os.path.join(tmp, "rk")).assert_consumed()
     _train(ms, None, steps=2, vs=vs9, opt=o9, start=2, tf_keras=True)
     out["rules_ckpt_resumed"] = _values(vs9)
+    # One variable: worker 0 keeps all of the rule's state, and each worker still keeps an exchange,
+    # so both checkpoints make the same broadcasts (else worker 1 waits for a broadcast worker 0
+    # never sends). The chief's file restores on one device to that device's own run.
+    shape = (40, 8)
+    with ms.scope():
+        v1 = tf.Variable(np.ones(shape, np.float32))
+    rule1 = tfclip.rules.Adam(0.01, shard_state=True)
+    step1 = tf.function(lambda: ms.run(lambda: tfclip.fused_clip_apply(
+        [(tf.fill(shape, 0.5), v1)], rule1, global_clipnorm=1.0).applied))
+    step1()
+    step1()
+    tf.train.Checkpoint(rule=rule1.variables).write(os.path.join(tmp, "r1" if task == 0 else f"r1_worker{task}"))
+    with tf.device("/cpu:0"):
+        w1, w2 = tf.Variable(np.ones(shape, np.float32)), tf.Variable(np.ones(shape, np.float32))
+        into, ref = tfclip.rules.Adam(0.01), tfclip.rules.Adam(0.01)
+        into.build([w1])
+        for _ in range(2):  # (0.5 from each worker: 1.0)
+            tfclip.fused_clip_apply([(tf.fill(shape, 1.0), w2)], ref, global_clipnorm=1.0)
+    tf.train.Checkpoint(rule=into.variables).read(os.path.join(tmp, "r1")).assert_consumed()
+    out["one_var"] = np.stack([_values([v1]), _values([w2])])
+    out["one_var_slots"] = np.stack([_values(into.variables), _values(ref.variables)])
     make = CASES["adam"]
     vs, opt = _train(ms, lambda: make(True), steps=4)
     out["ckpt_want"] = _values(vs)
@@ -481,6 +563,7 @@ def main(path):
     if not only:
         _checkpoints(out, ms, os.path.dirname(os.path.abspath(path)))
         _refusals(out, ms)
+        _edges(out, ms)
     np.savez(path, **out)
 
 
