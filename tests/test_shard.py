@@ -76,11 +76,13 @@ def test_agc_counts_are_gathered(r, agc):
     assert r[f"{agc}_sharded_units"].sum() > 0
 
 
-def test_a_nonfinite_step_is_skipped_on_every_replica(r):
-    # A NaN in one variable's gradient at step 3 of 4: skipped on both replicas, as unsharded.
-    assert int(r["nan_sharded_skipped"]) == int(r["nan_mirrored_skipped"]) == 1
-    assert _bits(r["nan_sharded_vars"]) == _bits(r["nan_mirrored_vars"])
-    assert _bits(r["nan_sharded_slots"]) == _bits(r["nan_mirrored_slots"])
+@pytest.mark.parametrize("front", ["nan", "rules_nan"])
+def test_a_nonfinite_step_is_skipped_on_every_replica(r, front):
+    # A NaN in one variable's gradient at step 3 of 4: skipped on both replicas, as unsharded
+    # (Keras's Adam, and tfclip.rules.Adam through fused_clip_apply, whose counter stays put).
+    assert int(r[f"{front}_sharded_skipped"]) == int(r[f"{front}_mirrored_skipped"]) == 1
+    assert _bits(r[f"{front}_sharded_vars"]) == _bits(r[f"{front}_mirrored_vars"])
+    assert _bits(r[f"{front}_sharded_slots"]) == _bits(r[f"{front}_mirrored_slots"])
 
 
 def test_eager_steps_equal_traced_ones(r):

@@ -560,6 +560,9 @@ def main(path):
     for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False)):
         vs, opt = _train(strategy, lambda: CASES["adam"](shard), nan_at=(2, 0))
         _record(out, f"nan_{run}", vs, opt)
+        if not only or "rules_adam" in only:  # (tfclip.rules: the same through fused_clip_apply)
+            vs, opt = _train(strategy, lambda: CASES["rules_adam"](shard), nan_at=(2, 0), tf_keras=True)
+            _record(out, f"rules_nan_{run}", vs, opt)
     if not only:
         _checkpoints(out, ms, os.path.dirname(os.path.abspath(path)))
         _refusals(out, ms)
