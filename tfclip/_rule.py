@@ -348,7 +348,8 @@ class Rule:
                     raise ValueError(f"{self.name} (shard_state=True) keeps state for {len(self._owner_load)} "
                                      f"replicas, and this strategy has {n}: use a new rule (its checkpoint "
                                      "restores into it)")
-                sizes = [v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in new]
+                sizes = [v.shape.num_elements() * tf.as_dtype(v.dtype).size * w
+                         for v, w in zip(new, self._state_weights(new))]
                 strategy = tf.distribute.get_strategy()
                 if self._exchange is None and _shard.across_processes(strategy):
                     # (on every worker, before any slot: each lists the same slots as proxies)
@@ -356,6 +357,11 @@ class Rule:
                 for v, r in zip(new, _shard.owners(sizes, n, self._owner_load)):
                     self._owner[v.ref()] = r
         return [self._owner[v.ref()] for v in variables]
+
+    def _state_weights(self, variables):
+        """shard_state: each variable's slots per byte, where they differ between variables
+        (`state_owners` balances by bytes of state): the same for all by default."""
+        return [1] * len(variables)
 
     # -- hyper-parameters ---------------------------------------------------------------
     def current_learning_rate(self):

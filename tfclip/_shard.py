@@ -30,6 +30,7 @@ import collections
 import contextlib
 import itertools
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import numpy_dataset
 
@@ -96,6 +97,17 @@ def replica_id():
         return None
     rid = tf.get_static_value(ctx.replica_id_in_sync_group)
     return None if rid is None else int(rid)
+
+
+def factored_weights(shapes):
+    """Adafactor with factored_state: each variable's state elements per element (`plan`'s
+    weights): a matrix (rank >= 2) keeps its row and column sums, a smaller variable its v."""
+    out = []
+    for shape in shapes:
+        shape = [int(d) for d in shape]
+        n = max(int(np.prod(shape)), 1)
+        out.append(1.0 if len(shape) < 2 else (int(np.prod(shape[:-1])) + int(np.prod(shape[:-2])) * shape[-1]) / n)
+    return out
 
 
 def across_processes(strategy):

@@ -186,7 +186,8 @@ class _FusedMixin(_optstate.NormState):
     def build(self, var_list):
         built = getattr(self, "_built", False)
         if not built:  # shard_state: each variable's owner, before the stock build makes the slots there
-            owner, exchange = _shard.plan(var_list, self.shard_state, remote_ok=True)
+            owner, exchange = _shard.plan(var_list, self.shard_state, remote_ok=True,
+                                          weights=self._tfclip_state_weights(var_list))
             object.__setattr__(self, "_tfclip_owner", owner)
             object.__setattr__(self, "_tfclip_exchange", exchange)
         self._tfclip_build_slots(var_list)
@@ -196,6 +197,11 @@ class _FusedMixin(_optstate.NormState):
             object.__setattr__(self, "_tensor_norm_names", [v.name for v in var_list])
             self._tfclip_make_clipped_units(len(var_list))
         self._tfclip_build_clip(self._tfclip_add_clip_variable)
+
+    def _tfclip_state_weights(self, var_list):
+        """shard_state: each variable's slots per byte, where a class's differ between variables
+        (`_shard.plan`); None: the same for all."""
+        return None
 
     def _tfclip_build_slots(self, var_list):
         """The stock build: its slots made by add_variable_from_reference (each on its owner's

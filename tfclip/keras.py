@@ -289,16 +289,8 @@ class Adafactor(_Generic, keras.optimizers.Adafactor):
                 "or factored_state=True for the dense gradient's step")
 
     def _tfclip_state_weights(self, var_list):
-        # factored_state: a matrix keeps its row and column sums (r, c) and no full v, so it is
-        # balanced by those (state elements per element), not by its bytes
-        if not self.factored_state:
-            return None
-        out = []
-        for v in var_list:
-            shape = tuple(v.shape)
-            n = max(int(np.prod(shape)), 1)
-            out.append(1.0 if len(shape) < 2 else (int(np.prod(shape[:-1])) + int(np.prod(shape[:-2])) * shape[-1]) / n)
-        return out
+        # factored_state: a matrix keeps its row and column sums (r, c) and no full v
+        return _shard.factored_weights([v.shape for v in var_list]) if self.factored_state else None
 
     def _tfclip_build_slots(self, var_list):
         if self._tfclip_owner is None or self.built:

@@ -66,7 +66,7 @@ import numbers
 
 import tensorflow as tf
 
-from tfclip import _opcall, _step
+from tfclip import _opcall, _shard, _step
 from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.rules.ClipApplyResult)
 from tfclip._rule import Rule
 from tfclip._step import STEP, Binding
@@ -405,6 +405,12 @@ class Adafactor(Rule):
         return {"learning_rate": self.learning_rate, "beta_2_decay": self.beta_2_decay,
                 "epsilon_1": self.epsilon_1, "epsilon_2": self.epsilon_2,
                 "clip_threshold": self.clip_threshold, "weight_decay": self.weight_decay}
+
+    def _state_weights(self, variables):
+        # factored_state: a matrix keeps its row and column sums (r, c) and no full v
+        if not self.factored_state:
+            return super()._state_weights(variables)
+        return _shard.factored_weights([v.shape for v in variables])
 
     def _slot_initial_value(self, name, var):
         shape = var.shape

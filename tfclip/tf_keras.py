@@ -47,7 +47,7 @@ tf_keras step there (which also clips after the all-reduce).
 """
 import tensorflow as tf
 
-from tfclip import _mixup, _opcall, _step
+from tfclip import _mixup, _opcall, _shard, _step
 from tfclip._step import STEP, Binding
 from tfclip._tf_keras_legacy import _LEGACY_CLASSES, legacy
 from tfclip._tf_keras_step import _FusedMixin, _tf_keras
@@ -207,6 +207,10 @@ class Adafactor(_FusedMixin, _stock.Adafactor):
     def __init__(self, *args, factored_state=False, **kwargs):
         object.__setattr__(self, "factored_state", bool(factored_state))
         super().__init__(*args, **kwargs)
+
+    def _tfclip_state_weights(self, var_list):
+        # factored_state: a matrix keeps its row and column sums (r, c) and no full v
+        return _shard.factored_weights([v.shape for v in var_list]) if self.factored_state else None
 
     def _tfclip_build_slots(self, var_list):
         if self._tfclip_owner is None or getattr(self, "_built", False):
