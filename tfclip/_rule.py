@@ -264,6 +264,12 @@ class Rule:
         """Whether `var`'s slots are int8 state (state_dtype='int8', a float32 variable)."""
         return self.state_dtype == "int8" and var.dtype == tf.float32
 
+    def _int8_dense(self, grads, variables):
+        """The gradients as int8 state takes them: dense (an IndexedSlices summed per row, as TF's
+        dense conversion; the core requantizes whole blocks), the others as they are."""
+        return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and self._int8(v) else g
+                for g, v in zip(grads, variables)]
+
     def _unsigned_slots(self):
         """The stock names of the slots the rule keeps >= 0 (int8 state's unsigned code)."""
         table = set(_opcall.RULES[self.kind]["unsigned_slots"])
@@ -455,10 +461,8 @@ class Rule:
         # ops do it here. (`counter`: its handle then, else None.)
         var_handles, slot_lists, host, counter, absmax = self._handles(variables)
         hparams, flags = self._op_inputs(counter is not None)
-        if absmax:  # int8 state: dense gradients only (its IndexedSlices summed per row, as TF's
-            # dense conversion; the core requantizes whole blocks)
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and self._int8(v) else g
-                     for g, v in zip(grads, variables)]
+        if absmax:
+            grads = self._int8_dense(grads, variables)
         group = _step.Group(self.kind, var_handles, self._op_slots(slot_lists), hparams, flags,
                             iterations=() if counter is None else (counter,), absmax=absmax)
         # (no variables: a sharded replica that owns none of the step's; the norm alone decides

@@ -298,16 +298,21 @@ Share.__doc__ = """A replica's share of a sharded step: its id, the step's varia
 positions it owns, and the norm pass over every gradient (global norm, each gradient's norm)."""
 
 
-def begin(grads, owner):
+def begin(grads, owner, use_norm=None):
     """The replica's `Share` of a step over `grads` whose variables' owners are `owner` (None:
-    not sharded, returns None): the norm of every gradient, the same bits on every replica."""
+    not sharded, returns None): the norm of every gradient, the same bits on every replica; or,
+    given `use_norm` (the same on every replica), that norm and no norm pass (each gradient's
+    norm NaN, as the op reports it with use_norm)."""
     if owner is None:
         return None
     rid = replica_id()
     if rid is None:
         raise ValueError("shard_state=True steps inside strategy.run (as model.fit does): in the "
                          "cross-replica context no replica owns a share")
-    use_norm, pass_norms = _step.norm_pass(grads)
+    if use_norm is None:
+        use_norm, pass_norms = _step.norm_pass(grads)
+    else:
+        pass_norms = tf.fill([len(grads)], tf.constant(float("nan"), tf.float64))
     return Share(rid, owner, [i for i, r in enumerate(owner) if r == rid], use_norm, pass_norms)
 
 

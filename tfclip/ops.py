@@ -343,8 +343,7 @@ def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
         return _sharded_step(replica, grads, variables, rule, step, use_norm, scope)
 
     def merge(strategy, grads, use_norm):
-        if isinstance(use_norm, tf.distribute.DistributedValues):  # the first replica's
-            use_norm = strategy.experimental_local_results(use_norm)[0]
+        use_norm = _first_replica(strategy, use_norm)
         with tf.name_scope(scope):
             return _update_every_copy(strategy, _aggregate(strategy, grads, variables), variables, rule,
                                       dict(step, use_norm=use_norm))
@@ -363,23 +362,13 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
     def merge(strategy, contributions, use_norm):
         rule.build(variables)  # (each variable's owner, then its slots, made there)
         _check_mirrored_state(strategy, rule, rule._state_variables([]))  # (the counter, Nadam's product)
-        if isinstance(use_norm, tf.distribute.DistributedValues):  # the first replica's, as unsharded
-            use_norm = strategy.experimental_local_results(use_norm)[0]
-        return _aggregate(strategy, contributions, variables), use_norm
+        return _aggregate(strategy, contributions, variables), _first_replica(strategy, use_norm)
 
     grads, use_norm = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables), use_norm))
-    owner = rule.state_owners(variables)
-    # int8 state takes dense gradients (a row's duplicates summed, as the unsharded step converts
-    # them before its norm pass): here before the norm pass too
-    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and rule._int8(v) else g
-             for g, v in zip(grads, variables)]
+    # int8 state takes dense gradients, densified before the norm pass as the unsharded op does
+    grads = rule._int8_dense(grads, variables)
     with tf.name_scope(scope):
-        if use_norm is None:
-            share = _shard.begin(grads, owner)
-        else:  # (the norms are the op's: NaN with use_norm)
-            rid = _shard.replica_id()
-            share = _shard.Share(rid, owner, [i for i, r in enumerate(owner) if r == rid], use_norm,
-                                 tf.fill([len(grads)], tf.constant(float("nan"), tf.float64)))
+        share = _shard.begin(grads, rule.state_owners(variables), use_norm)
         result = rule._apply([grads[i] for i in share.own], [variables[i] for i in share.own],
                              **dict(step, use_norm=share.use_norm))
         agc = isinstance(step["clip"], clipping.AGC)
@@ -389,6 +378,13 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
             return ClipApplyResult(result.global_norm, result.applied, norms, units)
         with tf.control_dependencies([norms]):  # (the norms depend on the all-gather's writes)
             return ClipApplyResult(tf.identity(result.global_norm), tf.identity(result.applied), norms, units)
+
+
+def _first_replica(strategy, value):
+    """A value given per replica (use_norm), as the step takes it: the first replica's."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
 
 
 def _check_mirrored_state(strategy, rule, state):
