@@ -1,7 +1,7 @@
 """CPU speed of one clip(global 1.0) + update step: tfclip against TensorFlow's paths.
 
     python benchmarks/cpu_bench.py [--sets resnet50,bert_base,small2000] [--repeats 7]
-                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,state_tiles,loss_scale,rounding,adafactor,muon]
+                                   [--extras rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,state_tiles,op_vs_core,loss_scale,rounding,adafactor,muon]
 
 Main table: one fp32 clip + Adam step per `tf.function` call, median of --repeats (after two
 warm-up calls). Every call of a `tf.function` that captures N variables and tensors pays TF's
@@ -48,6 +48,21 @@ import tfclip.keras  # noqa: E402,F401  (the state_dtype table's drop-in)
 from tfclip import _core  # noqa: E402,F401  (tfclip._core.cpu_isa)
 
 BYTES_PER_PARAM = 32
+
+
+def _numpy_pages_as_tf():
+    """NumPy asks the kernel for transparent huge pages on its large arrays (madvise); TF's CPU
+    allocator does not. A floor (or a core step) timed on NumPy arrays would then run on bigger
+    pages than the TF steps beside it: 1.2x faster on the development machine, whose THP setting
+    is "madvise" (benchmarks/NOTES.md, section 37). Turned off here, NumPy's arrays get the pages
+    malloc gives, as TF's tensors do (GLIBC_TUNABLES=glibc.malloc.hugetlb=1 gives both huge ones)."""
+    mod = getattr(np, "_core", None) or np.core
+    set_hugepage = getattr(mod.multiarray, "_set_madvise_hugepage", None)
+    if set_hugepage is not None:
+        set_hugepage(False)
+
+
+_numpy_pages_as_tf()
 
 
 def resnet50_like():
@@ -597,6 +612,75 @@ def state_tiles_table(args, rng):
         _core.set_cpu_isa(old)
 
 
+def stream_in_place(n_elems, dtype, threads=None):
+    """a += b over two arrays of n_elems, split over all cores: reads a and b, writes a, whose
+    lines were just read (no write-allocate read, as in the step, whose every write goes to a
+    line it read). The bus speed the step can reach; `floor_copy`'s copy also reads each
+    destination line before writing it."""
+    threads = threads or os.cpu_count() or 1
+    a, b = np.ones(n_elems, dtype), np.ones(n_elems, dtype)
+    bounds = [(i * n_elems // threads, (i + 1) * n_elems // threads) for i in range(threads)]
+
+    def run():
+        ts = [threading.Thread(target=np.add, args=(a[lo:hi], b[lo:hi]), kwargs={"out": a[lo:hi]})
+              for lo, hi in bounds]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return run, 3 * n_elems * np.dtype(dtype).itemsize
+
+
+def op_vs_core_table(args, rng):
+    """The TF op against the core on the same step, interleaved in one loop: one float32 tensor of
+    110M parameters (past this machine's 480 MB L3), global clip 1.0, Adam and SGD momentum with
+    float32 and bfloat16 state; the whole tf.function call of fused_clip_apply, and
+    tfclip._core.clip_apply on NumPy arrays (the same kernels on the core's own threads, the same
+    pages: _numpy_pages_as_tf). Each
+    step's bytes over its time, beside an in-place stream's (stream_in_place: float32 and 16-bit
+    elements) and the copy's: what the bus gives two cores, and whether fewer bytes are less time."""
+    n = 110_000_000
+    print(f"\nthe TF op and the core, the same step: one float32 tensor of {n / 1e6:.0f}M parameters, global clip 1.0")
+    print(f"{'step':<37} {'state':<9} {'B/param':>7} {'ms/call':>8} {'GB/s':>6} {'x core':>7}")
+    var0 = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
+    grad0 = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
+    g = tf.constant(grad0)
+    rules = {"Adam": ("adam", {"lr": 1e-9, "step": 1.0}, 2, lambda sd: tfclip.rules.Adam(1e-9, state_dtype=sd)),
+             "SGD momentum": ("keras_momentum", {"lr": 1e-9, "momentum": 0.9}, 1,
+                              lambda sd: tfclip.rules.SGD(1e-9, momentum=0.9, state_dtype=sd))}
+    fns, nbytes = {}, {}
+    for label, (core_rule, hp, k, make) in rules.items():
+        for sd in ("float32", "bfloat16"):
+            v = tf.Variable(var0)
+            rule = make(sd)
+            fns[(label, sd, "op")] = tf.function(lambda v=v, rule=rule: tfclip.fused_clip_apply([(g, v)], rule,
+                                                                                              global_clipnorm=1.0))
+            cv = var0.copy()
+            slots = [[np.zeros(n, ml_dtypes.bfloat16 if sd == "bfloat16" else np.float32)] for _ in range(k)]
+            fns[(label, sd, "core")] = (lambda cv=cv, slots=slots, core_rule=core_rule, hp=hp:
+                                        _core.clip_apply(core_rule, [cv], [grad0], slots, hp,
+                                                         clip_mode="global_norm", clip=1.0))
+            nbytes[(label, sd)] = n * (16 + 2 * k * (4 if sd == "float32" else 2))
+    streams = {}
+    for dt in (np.float32, np.uint16):
+        streams[("stream", np.dtype(dt).name)] = stream_in_place(n, dt)
+    copy = floor_copy(n)
+    r = interleaved_medians({**fns, **{key: fn for key, (fn, _) in streams.items()}, "copy": copy}, args.repeats)
+    for label in rules:
+        for sd in ("float32", "bfloat16"):
+            b = nbytes[(label, sd)]
+            for where in ("op", "core"):
+                t = r[(label, sd, where)]
+                name = f"{label}, {'TF op in tf.function' if where == 'op' else 'core (_core.clip_apply)'}"
+                print(f"{name:<37} {sd:<9} {b / n:7.0f} {t * 1e3:8.2f} {b / t / 1e9:6.1f} "
+                      f"{t / r[(label, sd, 'core')]:7.2f}", flush=True)
+    for key, (_, b) in streams.items():
+        print(f"{'in-place stream a += b':<37} {key[1]:<9} {'':>7} {r[key] * 1e3:8.2f} {b / r[key] / 1e9:6.1f}")
+    print(f"{'copy (the floor of the tables above)':<37} {'float32':<9} {'':>7} {r['copy'] * 1e3:8.2f} "
+          f"{BYTES_PER_PARAM * n / r['copy'] / 1e9:6.1f}  (counted as {BYTES_PER_PARAM} B/param; it also reads "
+          f"each destination line before writing it)")
+
+
 def loss_scale_table(args, rng):
     """mixed_float16's loss scaling around tfclip's Adam on the BERT-base set (float32 variables
     and loss-scaled float32 gradients, global clip 1.0), the whole tf.function call `opt.apply`
@@ -916,7 +1000,7 @@ def main(argv=None):
     p.add_argument("--rules", default="", help="rules and tf1 tables: only these labels (comma-separated)")
     p.add_argument("--extras", default="rules,tf1,adaptive,grad_dtypes,overhead,state_dtype,loss_scale,rounding,"
                    "adafactor", help="comma list of rules, tf1, adaptive, grad_dtypes, overhead, state_dtype, state_tiles, "
-                   "loss_scale, rounding, adafactor, muon (or empty)")
+                   "op_vs_core, loss_scale, rounding, adafactor, muon (or empty)")
     p.add_argument("--jit", action="store_true", help="adafactor, muon: also jit_compile=True steps")
     p.add_argument("--muon-layers", type=int, default=2, help="muon: BERT-base transformer layers (12: all)")
     args = p.parse_args(argv)
@@ -942,6 +1026,8 @@ def main(argv=None):
         state_dtype_table(args, rng)
     if "state_tiles" in extras:
         state_tiles_table(args, rng)
+    if "op_vs_core" in extras:
+        op_vs_core_table(args, rng)
     if "loss_scale" in extras:
         loss_scale_table(args, rng)
     if "rounding" in extras:
