@@ -37,24 +37,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from core_loader import load_core  # noqa: E402 (tfclip._core, without importing TensorFlow)
+from gpu_sets import SETS  # noqa: E402
 from timing import wall_time  # noqa: E402
 
 _core = load_core()
 
-def bert_like(h, ff, layers, vocab=30522):
-    shapes = [(vocab, h), (512, h), (2, h), (h,), (h,)]
-    for _ in range(layers):
-        shapes += [(h, h), (h,)] * 4 + [(h,), (h,), (h, ff), (ff,), (ff, h), (h,), (h,), (h,)]
-    shapes += [(h, h), (h,)]
-    return shapes
-
-
-SETS = {
-    "bert_base": lambda: bert_like(768, 3072, 12),        # ~110M params, ~200 tensors
-    "bert_large": lambda: bert_like(1024, 4096, 24),      # ~335M params, ~390 tensors
-    "small2000": lambda: [(64, 64 if i % 2 else 62) for i in range(2000)],  # ~8.1M params
-    "one_tensor": lambda: [(sum(64 * (64 if i % 2 else 62) for i in range(2000)),)],  # same count, 1 tensor
-}
 # rule: (tfclip rule, slots, hparams, bytes of var+slots traffic per param at fp32 beyond the grad)
 RULES = {
     "adam": ("adam", 2, {"lr": 1e-3}),

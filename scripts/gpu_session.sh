@@ -3,7 +3,8 @@
 # compute-sanitizer, ncu), in one device call: build tfclip._core and the JAX module of the XLA
 # handlers (_jax_ffi) with CUDA; run the XLA handlers under JAX on the GPU (tests/xla_jax); the
 # speed table (benchmarks/gpu_bench.py: copy bandwidth, tfclip _core, tfclip's XLA handler
-# under jax.jit, PyTorch fused, optax under jax.jit); ncu's DRAM figures for tfclip's norm and
+# under jax.jit, PyTorch fused, optax under jax.jit); float32, bfloat16 and int8 optimizer state
+# (benchmarks/gpu_state_bench.py, issue 47); ncu's DRAM figures for tfclip's norm and
 # apply kernels; the CUDA suite on the GPU (tests/gpu); compute-sanitizer on a subset. Logs go to
 # $OUT (the device tool brings that folder back), or ./gpu-out.
 #
@@ -12,9 +13,10 @@
 #
 # Knobs (environment): TFCLIP_GPU_ARCH (90), TFCLIP_SAN_K (the sanitizers' -k), TFCLIP_SAN_TOOLS
 # (memcheck racecheck synccheck), TFCLIP_DEADLINE (below), TFCLIP_BENCH_ARGS (gpu_bench.py's
-# arguments), TFCLIP_TEST_JOBS (pytest-xdist workers for tests/gpu, default 8).
+# arguments), TFCLIP_STATE_ARGS (gpu_state_bench.py's), TFCLIP_TEST_JOBS (pytest-xdist workers for
+# tests/gpu, default 8).
 #
-# Steps: build, jax, test, bench, ncu, sanitize. Each prints a one-line verdict; the script's exit
+# Steps: build, jax, test, bench, state, ncu, sanitize. Each prints a one-line verdict; the script's exit
 # status is the first failing step's. Each step is given at most its own share of the time (the
 # numbers in run_step's calls) and never past TFCLIP_DEADLINE, so a lease's fixed time still
 # brings back every step's log.
@@ -116,17 +118,29 @@ step_bench() {
   return $rc
 }
 
+step_state() {
+  # Issue 47's GPU figures: float32, bfloat16 and int8 optimizer state, one interleaved loop per
+  # set and rule, each state's first two steps checked against the core's CPU steps first.
+  # TFCLIP_STATE_ARGS replaces the arguments.
+  # shellcheck disable=SC2086
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${T[@]}" "$PY" benchmarks/gpu_state_bench.py ${TFCLIP_STATE_ARGS:---sets bert_base,small2000 --rules adam,sgdm --iters 20} \
+    >> "$OUT/gpu-state-bench.txt" 2>&1
+  local rc=$?
+  echo "gpu_state_bench rc=$rc"; cat "$OUT/gpu-state-bench.txt"
+  return $rc
+}
+
 # Each step's share of a lease, in seconds (cut at the deadline).
-declare -A SHARE=([build]=240 [jax]=90 [test]=110 [bench]=300 [ncu]=50 [sanitize]=300)
-[ $# -eq 0 ] && set -- build jax test bench ncu sanitize
+declare -A SHARE=([build]=240 [jax]=90 [test]=110 [bench]=300 [state]=90 [ncu]=50 [sanitize]=300)
+[ $# -eq 0 ] && set -- build jax test bench state ncu sanitize
 for s in "$@"; do
   case "$s" in
-    build|jax|bench|ncu|test|sanitize)
+    build|jax|bench|state|ncu|test|sanitize)
       if [ $((DEADLINE - SECONDS)) -lt 10 ]; then echo "$s: not run (deadline)"; [ $status -eq 0 ] && status=124; continue; fi
       limit "${SHARE[$s]}"
       echo "== $s (at ${SECONDS} s, up to ${T[3]} s)"
       "step_$s" || { r=$?; [ $status -eq 0 ] && status=$r; [ "$s" = build ] && exit $r; } ;;
-    *) echo "unknown step: $s (build, jax, bench, ncu, test, sanitize)"; exit 2 ;;
+    *) echo "unknown step: $s (build, jax, bench, state, ncu, test, sanitize)"; exit 2 ;;
   esac
 done
 echo "== done at ${SECONDS} s"
