@@ -115,6 +115,24 @@ def _probes():
                 f"(this CPU runs: {', '.join(_core.cpu_isas())}; built: {built_isas}); "
                 f"{_core.num_threads()} threads")
 
+    def pages():
+        # Where the kernel gives transparent huge pages only on request, TF's CPU allocator never
+        # asks and large tensors sit on 4 KB pages: a memory-bound CPU step (tfclip's, any op's)
+        # ran 1.2x slower on the development machine (docs/benchmarks.md, the huge-pages tip).
+        path = "/sys/kernel/mm/transparent_hugepage/enabled"
+        if not os.path.exists(path):
+            return "transparent huge pages: not on this system"
+        with open(path) as f:
+            mode = f.read().split("[")[-1].split("]")[0]
+        tunable = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+        if mode == "madvise" and not tunable:
+            lib, ver = platform.libc_ver()
+            too_old = lib == "glibc" and tuple(int(x) for x in ver.split(".")[:2] if x.isdigit()) < (2, 35)
+            how = (f"glibc {ver} cannot ask (2.35 has GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" if too_old
+                   else "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 asks")
+            return f"transparent huge pages: madvise, not asked for: TF's tensors on 4 KB pages ({how}; docs/benchmarks.md)"
+        return f"transparent huge pages: {mode}" + ("; GLIBC_TUNABLES asks for them" if tunable else "")
+
     def tensorboard():
         v = _version("tensorboard")
         return v or "not installed (tfclip.keras.GradientNormLogger needs it: pip install tensorboard)"
@@ -131,6 +149,7 @@ def _probes():
         ("CUDA here", cuda_runtime),
         ("GPUs TF sees", gpus),
         ("CPU", cpu),
+        ("memory pages", pages),
         ("tensorboard", tensorboard),
     ]
 
