@@ -1,7 +1,7 @@
 """benchmarks/gpu_state_bench.py (issue 47's GPU figures for bfloat16 and int8 state) proven on
 this host before a lease spends device time on it: its whole run on the tiny set, through the
 same array backend and _core as on the GPU (the emulated build in CI). The script checks each
-state's first two steps against the core's CPU steps before it times anything; a planted fault
+state's first two steps against the core's CPU steps, bit for bit, before it times anything; a planted fault
 in the int8 quantization (TFCLIP_PLANT=Q8_CODE, Q8_WARP_MAX) fails that check."""
 import os
 import sys
