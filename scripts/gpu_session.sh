@@ -16,7 +16,7 @@
 # arguments), TFCLIP_STATE_ARGS (gpu_state_bench.py's), TFCLIP_TEST_JOBS (pytest-xdist workers for
 # tests/gpu, default 8).
 #
-# Steps: build, jax, test, bench, state, ncu, sanitize. Each prints a one-line verdict; the script's exit
+# Steps: build, jax, test, state, bench, ncu, sanitize. Each prints a one-line verdict; the script's exit
 # status is the first failing step's. Each step is given at most its own share of the time (the
 # numbers in run_step's calls) and never past TFCLIP_DEADLINE, so a lease's fixed time still
 # brings back every step's log.
@@ -132,7 +132,7 @@ step_state() {
 
 # Each step's share of a lease, in seconds (cut at the deadline).
 declare -A SHARE=([build]=240 [jax]=90 [test]=110 [bench]=300 [state]=90 [ncu]=50 [sanitize]=300)
-[ $# -eq 0 ] && set -- build jax test bench state ncu sanitize
+[ $# -eq 0 ] && set -- build jax test state bench ncu sanitize
 for s in "$@"; do
   case "$s" in
     build|jax|bench|state|ncu|test|sanitize)

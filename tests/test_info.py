@@ -64,34 +64,35 @@ def test_a_tensorflow_mismatch_is_named_with_the_rebuild_command(monkeypatch):
     assert "pip install --force-reinstall --no-deps ." in rows["TensorFlow"]
 
 
-def _thp_mode():
+def test_memory_pages_line_reads_this_machines_setting():
     path = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return f.read().split("[")[-1].split("]")[0]
-
-
-def test_memory_pages_line_reads_the_kernels_setting_and_the_tunable(monkeypatch):
-    mode = _thp_mode()
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     text = dict(tfclip.info.collect())["memory pages"]
-    if mode is None:
+    if not os.path.exists(path):
         assert text == "transparent huge pages: not on this system"
-        return
-    assert text.startswith(f"transparent huge pages: {mode}")
-    # Only under "madvise" does the line point at the tunable: "always" gives TF huge pages
-    # already, "never" gives none whatever malloc asks.
-    assert ("GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in text) == (mode == "madvise")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
-    assert dict(tfclip.info.collect())["memory pages"] == f"transparent huge pages: {mode}; GLIBC_TUNABLES asks for them"
+    else:
+        with open(path) as f:
+            assert text.startswith("transparent huge pages: " + f.read().split("[")[1].split("]")[0])
 
 
-def test_memory_pages_line_says_when_glibc_is_too_old_to_ask(monkeypatch):
-    if _thp_mode() != "madvise":
-        pytest.skip(f"transparent huge pages here are {_thp_mode()!r}: the line names the tunable only under 'madvise'")
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    monkeypatch.setattr(tfclip.info.platform, "libc_ver", lambda: ("glibc", "2.31"))
-    assert "glibc 2.31 cannot ask (2.35 has GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" in dict(tfclip.info.collect())["memory pages"]
-    monkeypatch.setattr(tfclip.info.platform, "libc_ver", lambda: ("glibc", "2.35"))
-    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 asks" in dict(tfclip.info.collect())["memory pages"]
+@pytest.mark.parametrize("setting,tunables,libc,want", [
+    # The kernel gives huge pages unasked, or never: nothing to ask for.
+    ("[always] madvise never\n", "", ("glibc", "2.36"), "transparent huge pages: always"),
+    ("always madvise [never]\n", "glibc.malloc.hugetlb=1", ("glibc", "2.36"), "transparent huge pages: never"),
+    # Only on request: who can ask, and whether anyone does.
+    ("always [madvise] never\n", "", ("glibc", "2.36"),
+     "transparent huge pages: madvise, not asked for: TF's tensors on 4 KB pages "
+     "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1 asks; docs/benchmarks.md)"),
+    ("always [madvise] never\n", "glibc.malloc.check=0:glibc.malloc.hugetlb=1", ("glibc", "2.35"),
+     "transparent huge pages: madvise; GLIBC_TUNABLES asks for them"),
+    ("always [madvise] never\n", "", ("glibc", "2.31"),
+     "transparent huge pages: madvise, not asked for: TF's tensors on 4 KB pages "
+     "(glibc 2.31 cannot ask; 2.35 has GLIBC_TUNABLES=glibc.malloc.hugetlb=1; docs/benchmarks.md)"),
+    ("always [madvise] never\n", "glibc.malloc.hugetlb=1", ("glibc", "2.31"),
+     "transparent huge pages: madvise; GLIBC_TUNABLES is set, but glibc 2.31 cannot ask; "
+     "2.35 has GLIBC_TUNABLES=glibc.malloc.hugetlb=1"),
+    ("always [madvise] never\n", "glibc.malloc.hugetlb=1", ("", ""),
+     "transparent huge pages: madvise; GLIBC_TUNABLES is set, but this C library is not glibc: "
+     "GLIBC_TUNABLES cannot ask"),
+])
+def test_memory_pages_line(setting, tunables, libc, want):
+    assert tfclip.info.pages_line(setting, tunables, libc) == want

@@ -31,6 +31,34 @@ def _build_info():
         return None
 
 
+def pages_line(thp_setting, tunables, libc):
+    """The "memory pages" line from the kernel's THP setting (the text of
+    /sys/kernel/mm/transparent_hugepage/enabled, the chosen mode in brackets), GLIBC_TUNABLES and
+    platform.libc_ver(). Where the kernel gives huge pages only on request ("madvise"), TF's CPU
+    allocator never asks, and its large tensors sit on 4 KB pages: a memory-bound CPU step (tfclip's,
+    any op's) ran 1.2x slower on the development machine (docs/benchmarks.md, the huge-pages tip).
+    glibc 2.35 and later can ask on every large allocation (glibc.malloc.hugetlb=1)."""
+    mode = thp_setting.split("[")[-1].split("]")[0].strip() if "[" in thp_setting else thp_setting.strip()
+    lib, ver = libc
+    parts = tuple(int(x) for x in ver.split(".")[:2] if x.isdigit())
+    if lib != "glibc":
+        can_ask = "this C library is not glibc: GLIBC_TUNABLES cannot ask"
+    elif parts and parts < (2, 35):
+        can_ask = f"glibc {ver} cannot ask; 2.35 has GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
+    else:
+        can_ask = None
+    asked = "glibc.malloc.hugetlb=1" in tunables
+    line = f"transparent huge pages: {mode}"
+    if mode != "madvise":
+        return line
+    if asked and can_ask is None:
+        return line + "; GLIBC_TUNABLES asks for them"
+    if asked:
+        return line + f"; GLIBC_TUNABLES is set, but {can_ask}"
+    return line + (", not asked for: TF's tensors on 4 KB pages ("
+                   + (can_ask or "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 asks") + "; docs/benchmarks.md)")
+
+
 def _probes():
     """(label, callable returning the value's text), in report order."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -116,22 +144,11 @@ def _probes():
                 f"{_core.num_threads()} threads")
 
     def pages():
-        # Where the kernel gives transparent huge pages only on request, TF's CPU allocator never
-        # asks and large tensors sit on 4 KB pages: a memory-bound CPU step (tfclip's, any op's)
-        # ran 1.2x slower on the development machine (docs/benchmarks.md, the huge-pages tip).
         path = "/sys/kernel/mm/transparent_hugepage/enabled"
         if not os.path.exists(path):
             return "transparent huge pages: not on this system"
         with open(path) as f:
-            mode = f.read().split("[")[-1].split("]")[0]
-        tunable = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
-        if mode == "madvise" and not tunable:
-            lib, ver = platform.libc_ver()
-            too_old = lib == "glibc" and tuple(int(x) for x in ver.split(".")[:2] if x.isdigit()) < (2, 35)
-            how = (f"glibc {ver} cannot ask (2.35 has GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" if too_old
-                   else "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 asks")
-            return f"transparent huge pages: madvise, not asked for: TF's tensors on 4 KB pages ({how}; docs/benchmarks.md)"
-        return f"transparent huge pages: {mode}" + ("; GLIBC_TUNABLES asks for them" if tunable else "")
+            return pages_line(f.read(), os.environ.get("GLIBC_TUNABLES", ""), platform.libc_ver())
 
     def tensorboard():
         v = _version("tensorboard")

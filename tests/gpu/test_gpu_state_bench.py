@@ -26,7 +26,7 @@ def test_state_bench_runs_and_checks_every_state(capsys):
     assert len({int(r[-2]) for r in rows}) == 1 and int(rows[0][-2]) > 0
     # The floor's bytes per parameter: Adam 32 / 24 / 20 + 2 x 2 x 4/256 (absmax), SGD momentum
     # 24 / 20 / 18 + 2 x 4/256.
-    assert [float(r[7]) for r in rows] == pytest.approx([32, 24, 20 + 16 / 256, 24, 20, 18 + 8 / 256], abs=0.006)
+    assert [float(r[9]) for r in rows] == pytest.approx([32, 24, 20 + 16 / 256, 24, 20, 18 + 8 / 256], abs=0.006)
 
 
 def test_state_bench_refuses_an_unknown_state(capsys):
