@@ -25,6 +25,17 @@ struct CpuExecutor {
   std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)> parallel_for;
 };
 
+// How many contiguous ranges an executor cuts n units of `cost` cycles each into: at most one per
+// thread of its pool (`threads`), and none smaller than `min_cycles` of work (one: run inline).
+// Not one more than the threads: a pool whose caller is one of its threads, or that queues ranges
+// beyond them (TF's fixed-block ParallelFor), then runs a second round (benchmarks/NOTES.md, T3).
+inline int64_t CpuRanges(int64_t threads, int64_t n, int64_t cost, int64_t min_cycles = int64_t{1} << 17) {
+  const int64_t by_work = n * cost / min_cycles;
+  int64_t r = threads < n ? threads : n;
+  r = r < by_work ? r : by_work;
+  return r > 1 ? r : 1;
+}
+
 // Norm pass: fp64 sum of squares per chunk into partials[chunk], then reduced in chunk order
 // into per_tensor[n] (may be null) and *total. fp64 accumulation keeps float32 values near
 // 1e20 (whose squares overflow float32) and subnormals exact enough for a right norm.

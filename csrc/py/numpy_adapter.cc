@@ -30,9 +30,7 @@ int NumThreads() {
 // Our own threads: contiguous blocks of units, one per thread; small work stays inline.
 CpuExecutor PyExecutor() {
   return CpuExecutor{[](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
-    constexpr int64_t kMinCyclesPerThread = 1 << 16;
-    int64_t threads = std::min<int64_t>(NumThreads(), n);
-    threads = std::min<int64_t>(threads, std::max<int64_t>(1, n * cost / kMinCyclesPerThread));
+    const int64_t threads = CpuRanges(NumThreads(), n, cost, int64_t{1} << 16);
     if (threads <= 1) {
       fn(0, n);
       return;

@@ -19,14 +19,10 @@ namespace tf_glue {
 CpuExecutor TfExecutor(tf::OpKernelContext* ctx) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return CpuExecutor{[pool](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
-    // One contiguous range of units per thread (as many as the work is worth): streams stay
-    // long, and no thread picks up scattered small shards. The partition never changes a result.
-    // At most NumThreads ranges: TF's fixed-block ParallelFor runs the first range on the calling
-    // thread only when there are no more ranges than the pool's threads; one more range went
-    // wholly to the pool, a second round on one of its threads (benchmarks/NOTES.md, T3).
-    constexpr int64_t kMinCyclesPerThread = int64_t{1} << 17;
-    const int64_t threads = std::max<int64_t>(
-        1, std::min<int64_t>({static_cast<int64_t>(pool->NumThreads()), n, n * cost / kMinCyclesPerThread}));
+    // One contiguous range of units per thread (as many as the work is worth, CpuRanges): streams
+    // stay long, and no thread picks up scattered small shards. The partition never changes a
+    // result. TF's fixed-block ParallelFor runs the first range on the calling thread.
+    const int64_t threads = CpuRanges(pool->NumThreads(), n, cost);
     if (threads <= 1) {
       fn(0, n);
       return;

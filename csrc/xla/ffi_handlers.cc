@@ -36,17 +36,12 @@ class PoolParallelFor {
 
   void operator()(int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
     // As the TF kernel's executor (csrc/tf/device.cc): contiguous ranges, as many as the work
-    // is worth, at most one per pool thread. The partition never changes a result. (One more
-    // part than threads, as until 2026-11-29, gives one runner a second part wherever the caller
-    // is itself a pool thread; where it is not, a part per thread still keeps every core busy.
-    // benchmarks/NOTES.md, T3.)
-    constexpr int64_t kMinCyclesPerThread = int64_t{1} << 17;
+    // is worth (CpuRanges). The partition never changes a result.
     // The pool's size; where the API cannot say (TF 2.18), the machine's (TF's intra-op pool
     // defaults to it).
     int64_t threads = f_->NumThreads();
     if (threads < 0) threads = static_cast<int64_t>(std::thread::hardware_concurrency());
-    const int64_t parts =
-        std::max<int64_t>(1, std::min<int64_t>({threads, n, n * cost / kMinCyclesPerThread}));
+    const int64_t parts = CpuRanges(threads, n, cost);
     if (parts <= 1) {
       if (n > 0) fn(0, n);
       return;
