@@ -37,6 +37,7 @@ FAULTS=(
   "round_tensor|ROUND_TENSOR|test_cuda_draws_the_cpu_bits"
   "factored_row|FACTORED_ROW|adafactor"
   "factored_barrier|FACTORED_BARRIER|adafactor"
+  "bf16_slot_store|BF16_SLOT_STORE|test_bf16_state_parity"
 )
 # What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
 declare -A WHAT=(
@@ -53,6 +54,7 @@ declare -A WHAT=(
   [round_tensor]="stochastic rounding: the dense apply draws every variable's bits as the first variable's (its position left out)"
   [factored_row]="Adafactor: a row's sum of g^2 + epsilon_1 loses its last element"
   [factored_barrier]="Adafactor: no __syncthreads() between storing r and each matrix's mean of it"
+  [bf16_slot_store]="bfloat16 state: the dense apply's vector path leaves the last slot's new values unstored"
 )
 
 BUILD_DIR="$BUILD" PYTHON="$PY" scripts/cuda_emulation.sh --build-only >/dev/null
