@@ -317,6 +317,37 @@ XLA_FFI_Error* RunHandler(XLA_FFI_CallFrame* f, FfiBody body) {
   return s.ok() ? nullptr : MakeError(f->api, s.code(), s.message());
 }
 
+// An error's message. XLA renamed XLA_FFI_Error_GetMessage to XLA_FFI_Error_GetDetails (the same
+// slot of the API table, its arguments one out-field longer: jaxlib 0.11's headers have only the
+// new name, TF's the old), so the call is picked by which member the table has; the arguments'
+// type comes from the member's own signature and its size from its last field, as XLA counts it.
+template <typename Fn> struct FirstArg;
+template <typename A> struct FirstArg<void (*)(A*)> { using type = A; };
+
+template <typename Args, typename Fn>
+std::string ReadMessage(Fn fn, XLA_FFI_Error* e, size_t struct_size) {
+  Args g;
+  std::memset(&g, 0, sizeof(g));
+  g.struct_size = struct_size;
+  g.error = e;
+  fn(&g);
+  return g.message != nullptr ? g.message : "unknown error";
+}
+
+template <typename Api>
+auto ErrorMessage(const Api* api, XLA_FFI_Error* e, int)
+    -> decltype(api->XLA_FFI_Error_GetDetails, std::string()) {
+  using Args = typename FirstArg<decltype(api->XLA_FFI_Error_GetDetails)>::type;
+  return ReadMessage<Args>(api->XLA_FFI_Error_GetDetails, e, XLA_FFI_STRUCT_SIZE(Args, errc));
+}
+
+template <typename Api>
+auto ErrorMessage(const Api* api, XLA_FFI_Error* e, long)
+    -> decltype(api->XLA_FFI_Error_GetMessage, std::string()) {
+  using Args = typename FirstArg<decltype(api->XLA_FFI_Error_GetMessage)>::type;
+  return ReadMessage<Args>(api->XLA_FFI_Error_GetMessage, e, XLA_FFI_STRUCT_SIZE(Args, message));
+}
+
 std::string RegisterHandler(const XLA_FFI_Api* api, const char* name, const char* platform,
                             XLA_FFI_Handler* handler) {
   XLA_FFI_Handler_Register_Args a;
@@ -328,12 +359,7 @@ std::string RegisterHandler(const XLA_FFI_Api* api, const char* name, const char
   a.traits = 0;
   XLA_FFI_Error* e = api->XLA_FFI_Handler_Register(&a);
   if (e == nullptr) return "";
-  XLA_FFI_Error_GetMessage_Args g;
-  std::memset(&g, 0, sizeof(g));
-  g.struct_size = XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE;
-  g.error = e;
-  api->XLA_FFI_Error_GetMessage(&g);
-  std::string msg = g.message != nullptr ? g.message : "unknown error";
+  std::string msg = ErrorMessage(api, e, 0);
   XLA_FFI_Error_Destroy_Args d;
   std::memset(&d, 0, sizeof(d));
   d.struct_size = XLA_FFI_Error_Destroy_Args_STRUCT_SIZE;
