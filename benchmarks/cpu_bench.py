@@ -829,7 +829,7 @@ def muon_table(args, rng):
     GPU): the share of the step that is matrix products."""
     import keras
 
-    from tfclip import _muon
+    from tfclip.keras import _muon
 
     shapes = bert_layers(args.muon_layers)
     variables = [keras.Variable(rng.standard_normal(s, dtype=np.float32) * 0.02,

@@ -1,4 +1,4 @@
-"""shard_state=True (ZeRO-1, tfclip/_shard.py) against the unsharded step, under MirroredStrategy
+"""shard_state=True (ZeRO-1, tfclip/_engine/shard.py) against the unsharded step, under MirroredStrategy
 over N logical CPU devices of this machine: optimizer-state bytes per replica, and the whole
 `tf.function` call of `strategy.run(step)` as a custom loop runs it (the all-reduce of the
 gradients, Keras's apply_gradients with the fused step, the all-gather of the updated variables),
@@ -122,7 +122,7 @@ def main():
         built[label] = (vs, opt)
         by = {}
         for v in opt.variables:
-            if isinstance(v, tfclip._shard.RemoteSlot) or v.path.split("/")[-1] in ("iteration", "learning_rate"):
+            if isinstance(v, tfclip._engine.shard.RemoteSlot) or v.path.split("/")[-1] in ("iteration", "learning_rate"):
                 continue  # (a RemoteSlot: kept by another worker process)
             x = v.value
             n = v.shape.num_elements() * tf.as_dtype(v.dtype).size
@@ -135,8 +135,9 @@ def main():
     # The sharded step's two extra parts, each alone in its own strategy.run: the norm pass over
     # every summed gradient (_step.norm_pass), and the all-gather of the updated variables into
     # every copy (_shard.gather, as int32 words), with the sharded optimizer's owners.
-    from tfclip import _shard, _step
-    from tfclip._keras_step import _tf_var
+    from tfclip._engine import shard as _shard
+    from tfclip._engine import step as _step
+    from tfclip.keras._dropin import _tf_var
 
     svs, sopt = built[sharded]
 

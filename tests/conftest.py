@@ -29,11 +29,11 @@ def rng():
 @pytest.fixture
 def folded_steps(monkeypatch):
     """A list that gets an entry each time a LossScaleOptimizer builds a step with its unscale
-    folded in (tfclip._step.with_loss_scale): the fold ran, not the stock passes."""
-    from tfclip import _step
+    folded in (tfclip._engine.loss_scale.with_loss_scale): the fold ran, not the stock passes."""
+    from tfclip._engine import loss_scale as _loss_scale
 
-    calls, real = [], _step.with_loss_scale
-    monkeypatch.setattr(_step, "with_loss_scale", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], _loss_scale.with_loss_scale
+    monkeypatch.setattr(_loss_scale, "with_loss_scale", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

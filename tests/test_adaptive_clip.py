@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import reference
 import tfclip
-from tfclip import clipping
+from tfclip import _loader, clipping
 
 LR = 0.1
 SPIKES = (31, 47, 48)  # gradients x100 at these steps
@@ -325,10 +325,10 @@ def test_keras_adam_with_an_adaptive_clip_is_stock_adam_on_the_reference_clipped
     """xla_fallback: a build without tfclip's XLA kernels, under jit_compile, takes stock Keras ops
     (with a warning), the adaptive clip computed the same way."""
     if how == "xla_fallback":
-        import tfclip._keras_step as tk
+        from tfclip._engine import xla as _xla
 
-        monkeypatch.setattr(tk, "_XLA_KERNELS", False)
-        monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", True)
+        monkeypatch.setattr(_loader, "_XLA", False)
+        monkeypatch.setattr(_xla, "_WARNED", {"keras"})
     grad_steps = _grads(40, SHAPES, seed=7)
     targets = ref([reference.global_norm(gs) for gs in grad_steps])
     assert any(t is not None for t in targets)
@@ -556,10 +556,10 @@ def test_agc_in_keras_adam_is_adam_on_the_unit_clipped_gradients(how, monkeypatc
     from test_agc import agc_clip
 
     if how == "xla_fallback":
-        import tfclip._keras_step as tk
+        from tfclip._engine import xla as _xla
 
-        monkeypatch.setattr(tk, "_XLA_KERNELS", False)
-        monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", True)
+        monkeypatch.setattr(_loader, "_XLA", False)
+        monkeypatch.setattr(_xla, "_WARNED", {"keras"})
     grad_steps = _agc_grads(8, seed=14)
     rng = np.random.default_rng(15)
     init = [rng.normal(size=s) + 0.5 for s in AGC_SHAPES]

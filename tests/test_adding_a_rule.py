@@ -1,8 +1,8 @@
 """docs/architecture.md's "Adding an update rule" and "Adding a clip mode", checked: every
-rule-table row is bound (as data, `tfclip._step.Binding`) by `tfclip.rules` and by each front
-door whose stock library has the class; every binding names the hyper-parameters its row needs
-and no other; nothing but a binding names a rule; the fused step is said once
-(`tfclip/_step.py`), so an adaptive clip mode runs the same in every front door."""
+rule-table row is bound (as data, `tfclip._engine.binding.Binding`) by `tfclip.rules` and by each
+front door whose stock library has the class; every binding names the hyper-parameters its row
+needs and no other; nothing but a binding names a rule; the fused step is said once
+(`tfclip/_engine/step.py`), so an adaptive clip mode runs the same in every front door."""
 import ast
 import inspect
 import os
@@ -14,14 +14,14 @@ import tensorflow as tf
 import tfclip
 import tfclip.compat.v1 as v1
 from tfclip import _core, clipping
-from tfclip._step import Binding
+from tfclip._engine.binding import Binding
 
 TABLE = _core.rule_table()
 HPARAMS = _core.hparam_table()
 HERE = os.path.dirname(os.path.abspath(tfclip.__file__))
-# Every Python module but the op-call builder (tfclip/_opcall.py, which picks Ftrl's variant).
+# Every Python module but the op-call builder (tfclip/_engine/opcall.py, which picks Ftrl's variant).
 PY_MODULES = sorted(os.path.relpath(os.path.join(d, f), HERE) for d, _, fs in os.walk(HERE) for f in fs
-                    if f.endswith(".py") and f != "_opcall.py")
+                    if f.endswith(".py") and os.path.relpath(os.path.join(d, f), HERE) != os.path.join("_engine", "opcall.py"))
 # What the front door gives every rule itself (not in a binding row): the schedule's learning
 # rate, Keras's weight decay per group.
 FROM_THE_FRONT_DOOR = {"lr", "weight_decay"}
@@ -182,7 +182,7 @@ def test_nothing_but_a_binding_names_a_rule(module):
 @pytest.mark.parametrize("module", [m for m in PY_MODULES if m not in ("clipping.py", "demo.py")])
 def test_no_front_door_names_a_clip_mode(module):
     # An adaptive clip mode is its class in tfclip/clipping.py and its `_MODES` entry; the fused
-    # step (tfclip/_step.py) takes any of them.
+    # step (tfclip/_engine/step.py) takes any of them.
     found = _string_constants_outside_bindings(os.path.join(HERE, module), set(clipping._MODES))
     assert not found, f"tfclip/{module} names clip modes (line, name): {found}"
 

@@ -399,7 +399,7 @@ def test_tf_op_nonfinite_skip_and_bad_eps(rng):
 
 
 def test_opcall_clip_config_accepts_agc():
-    from tfclip import _opcall
+    from tfclip._engine import opcall as _opcall
     assert _opcall.clip_config(agc_clip_factor=0.01) == ("agc", 0.01)
     assert _opcall.clip_config(agc_clip_factor=0) == ("none", 0.0)
     with pytest.raises(ValueError, match="at most one"):

@@ -1,7 +1,7 @@
 """The apply ops' registered signature (TfclipClipApply<Op>, TfclipClipApplyRef<Op>) against
 references that do not come from the C++ description it is generated from
-(csrc/core/apply_op.h): the outputs of `tfclip._opcall.ClipApplyResult`, the keywords every Python
-caller of `_opcall.apply` passes (read from the source), the rule table as `_core` reports it, and
+(csrc/core/apply_op.h): the outputs of `tfclip._engine.opcall.ClipApplyResult`, the keywords every Python
+caller of `tfclip._engine.opcall.apply` passes (read from the source), the rule table as `_core` reports it, and
 the defaults saved graphs rely on (written out here). A new attribute or output that one side
 lacks fails here; docs/architecture.md ("Adding an apply-op attribute or output") lists the places.
 """
@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-from tfclip import _loader, _opcall, clipping
+from tfclip import _loader, clipping
+from tfclip._engine import opcall as _opcall
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 DESCRIPTION = os.path.join(ROOT, "csrc", "core", "apply_op.h")
@@ -141,7 +142,7 @@ def _splat_keys(node):
 
 
 def _python_calls():
-    """Per call of `_opcall.apply` in tfclip/: (where, the keywords it passes to the op: not
+    """Per call of `tfclip._engine.opcall.apply` in tfclip/: (where, the keywords it passes to the op: not
     apply's own parameters, `refs`)."""
     own = {n for n, p in inspect.signature(_opcall.apply).parameters.items()
            if p.kind is not inspect.Parameter.VAR_KEYWORD}
@@ -166,8 +167,8 @@ def _python_calls():
 
 def test_python_callers_pass_what_the_ops_take():
     calls = _python_calls()
-    # The one caller: the fused step (tfclip/_step.py, run), which every front door goes through.
-    assert [where.split(":")[0] for where, _ in calls] == ["tfclip/_step.py"], calls
+    # The one caller: the fused step (tfclip/_engine/step.py, run), which every front door goes through.
+    assert [where.split(":")[0] for where, _ in calls] == ["tfclip/_engine/step.py"], calls
     common_attrs = {n for n, _ in COMMON_ATTRS}
     for rule, row, ref_op, op_def in OPS:
         inputs = {a.name for a in op_def.input_arg}

@@ -660,7 +660,7 @@ def test_tf1_auto_clustering_leaves_the_ref_step_alone(tmp_path):
 def test_ref_op_lists_that_disagree_with_ref_are_named():
     """The ref op called directly: resource and ref lists that do not fit `ref` (the positions of
     the refs among the gradients), and `ref` itself out of order, are errors naming them."""
-    from tfclip import _opcall
+    from tfclip._engine import opcall as _opcall
 
     with tf.Graph().as_default():
         a = v1.Variable([1.0, 2.0], name="a", use_resource=False)

@@ -530,7 +530,6 @@ def test_compat_v1_int8_state_refuses_ref_variables():
 
 # ---------------------------------------------------------------- the Keras 3 drop-ins
 keras = pytest.importorskip("keras", minversion="3", reason="tfclip.keras needs Keras 3")
-from tfclip import _keras_step  # noqa: E402
 
 KERAS_OPTS = {
     "SGD": dict(learning_rate=0.1, momentum=0.9, nesterov=True),
@@ -558,7 +557,7 @@ def _slot_pairs(opt):
 
 
 def _opcall_rules():
-    from tfclip import _opcall
+    from tfclip._engine import opcall as _opcall
 
     return _opcall.RULES
 
@@ -609,25 +608,19 @@ def test_keras_int8_state_is_the_float32_step_quantized(rng, name):
 
 
 @pytest.mark.parametrize("name", sorted(KERAS_OPTS))
-def test_keras_unsigned_slot_names_follow_the_rule_table(name):
-    """_keras_step._KERAS_UNSIGNED_SLOTS (the stock slot names whose codes start at the unsigned
-    code's 0) names exactly the slots the rule table keeps >= 0, for every class."""
-    opt = getattr(tfclip.keras, name)(**KERAS_OPTS[name])
-    made = []
-    real = opt.add_variable_from_reference
-
-    def spy(ref, name=None, initializer="zeros"):
-        made.append(name)
-        return real(ref, name=name, initializer=initializer)
-
-    opt.add_variable_from_reference = spy
+def test_keras_int8_codes_are_signed_as_the_rule_table_says(name):
+    """Every int8-state slot a class makes takes the signed code exactly where the rule table keeps
+    the slot's values of either sign (its unsigned_slots: the rest >= 0), whatever Keras 3 names
+    the slot (tfclip._engine.narrow_state.made_signed): its codes start at that code's 0."""
+    opt = getattr(tfclip.keras, name)(**KERAS_OPTS[name], state_dtype="int8")
     v = keras.Variable(np.zeros(3, np.float32))
     opt.build([v])
-    slot_made = [n for n in made if n not in ("average", "gradient_accumulator")]
+    made = {id(s.codes): s.signed for s in opt.tfclip_int8_slots()}
     pairs = _slot_pairs(opt)
-    assert len(slot_made) == len(pairs)
-    for n, (table, unsigned, _) in zip(slot_made, pairs):
-        assert (n in _keras_step._KERAS_UNSIGNED_SLOTS) == unsigned, (n, table)
+    assert len(made) == len(pairs)
+    for table, unsigned, slots in pairs:
+        assert made[id(slots[0])] == (not unsigned), (name, table)
+        assert int(slots[0].numpy()[0]) == (0 if unsigned else 127), (name, table)
 
 
 def test_keras_int8_state_config_checkpoint_and_fit(rng, tmp_path):

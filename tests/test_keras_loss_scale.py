@@ -1,5 +1,5 @@
 """tfclip.keras.LossScaleOptimizer (issue 47): Keras 3's dynamic loss scaling with the unscale and
-the finite check folded into a tfclip optimizer's passes (tfclip/_keras_loss_scale.py).
+the finite check folded into a tfclip optimizer's passes (tfclip/keras/_loss_scale.py).
 
 The reference is the stock keras.optimizers.LossScaleOptimizer around the same tfclip optimizer:
 it checks every gradient for inf/NaN, divides every gradient by the scale, then runs the inner
@@ -160,18 +160,18 @@ def test_the_unscale_being_folded_is_the_building_threads_own():
     run at the same time: the optimizer's lock), and it is gone afterwards."""
     import threading
 
-    from tfclip import _step
+    from tfclip._engine import loss_scale as _loss_scale
 
     opt, seen = tfclip.keras.Adam(0.01), []
 
     def apply():
-        t = threading.Thread(target=lambda: seen.append(_step.loss_scale(opt)))
+        t = threading.Thread(target=lambda: seen.append(_loss_scale.loss_scale(opt)))
         t.start()
         t.join()
-        seen.append(_step.loss_scale(opt))
+        seen.append(_loss_scale.loss_scale(opt))
 
-    assert bool(_step.with_loss_scale(opt, 0.5, apply))  # (no fused step ran: counted as applied)
-    assert seen == [None, 0.5] and _step.loss_scale(opt) is None
+    assert bool(_loss_scale.with_loss_scale(opt, 0.5, apply))  # (no fused step ran: counted as applied)
+    assert seen == [None, 0.5] and _loss_scale.loss_scale(opt) is None
 
 
 MIRRORED_PROGRAM = r"""
@@ -182,7 +182,7 @@ cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras
 import tfclip.keras as tk
-from tfclip import _step
+from tfclip._engine import loss_scale as _loss_scale
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
@@ -193,8 +193,8 @@ for k in range(8):
     if k in (2, 6):
         c[1].flat[3] = np.inf
     coefs.append(c)
-calls, real = [], _step.with_loss_scale
-_step.with_loss_scale = lambda *a: calls.append(1) or real(*a)
+calls, real = [], _loss_scale.with_loss_scale
+_loss_scale.with_loss_scale = lambda *a: calls.append(1) or real(*a)
 
 
 def custom_loop(wrapper):

@@ -10,10 +10,11 @@ import pytest
 import tensorflow as tf
 
 import tfclip
-import tfclip._keras_step as tk
+import tfclip.keras._dropin as tk
+from tfclip import _loader
 
 pytestmark = pytest.mark.skipif(
-    not tk._xla_kernels(), reason="this build of tfclip has no XLA kernels (TFCLIP_XLA off: a TF "
+    not _loader.xla_kernels(), reason="this build of tfclip has no XLA kernels (TFCLIP_XLA off: a TF "
                                   "other than the one the XLA glue is built for); the Keras "
                                   "fallback is tested in test_tensor_norms.py")
 
@@ -66,7 +67,7 @@ def test_optimizer_step_under_xla_runs_the_custom_calls_with_the_same_bits(rng, 
 
 
 # Classes whose step also runs TF ops, which XLA compiles with its own kernels (their bits are
-# not TF's): Muon's Newton–Schulz products (tfclip/_muon.py); its AdamW variables are the op's.
+# not TF's): Muon's Newton–Schulz products (tfclip/keras/_muon.py); its AdamW variables are the op's.
 TF_OPS = {"Muon"}
 
 

@@ -219,7 +219,7 @@ class _OnDevice:
 
 
 def test_batches_join_transposed_shapes():
-    from tfclip import _muon
+    from tfclip.keras import _muon
 
     groups = _muon.shape_groups([(8, 16), (16, 16), (16, 8), (3, 5), (16, 16)])
     assert groups == [((8, 16), [(0, False), (2, True)]), ((16, 16), [(1, False), (4, False)]),
@@ -434,7 +434,7 @@ def test_bfloat16_matrices_follow_stock():
 def test_a_batch_is_one_dtype(monkeypatch):
     """Batched (a GPU's way), matrices of one shape but two dtypes take a batch each. (Stock
     Muon cannot step a float64 matrix: its rms_rate factor is float32.)"""
-    from tfclip import _muon
+    from tfclip.keras import _muon
 
     assert [k for k, _ in _muon.shape_groups([(4, 6), (6, 4), (4, 6)], ["float32", "bfloat16", "bfloat16"])] == \
         [(4, 6, "float32"), (4, 6, "bfloat16")]

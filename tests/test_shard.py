@@ -1,4 +1,4 @@
-"""shard_state=True (tfclip/_shard.py), tfclip.keras and tfclip.tf_keras: each replica keeps the optimizer state of its share of
+"""shard_state=True (tfclip/_engine/shard.py), tfclip.keras and tfclip.tf_keras: each replica keeps the optimizer state of its share of
 the variables, and the step gives the unsharded step's bits.
 
 tests/harness/sharded_check.py runs in a fresh process (MirroredStrategy over 2 logical CPUs is
@@ -16,7 +16,7 @@ import pytest
 
 import tfclip
 from procs import free_ports
-from tfclip import _shard
+from tfclip._engine import shard as _shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "sharded_check.py")

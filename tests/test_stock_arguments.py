@@ -223,7 +223,7 @@ def test_non_finite_learning_rate_tensor_at_run_time_writes_nothing():
 def test_keras_apply_with_unequal_lists_matches_stock(name, n_grads):
     """optimizer.apply(grads, variables) with 2 or 4 gradients for 3 variables: stock Keras zips
     the lists and applies the pairs it has; tfclip does the same, with a warning naming both
-    lengths (it raised IndexError from inside tfclip/keras.py)."""
+    lengths (it raised IndexError from inside tfclip/keras/__init__.py)."""
     init = [np.array([1.0, 2.0], "float32"), np.array([3.0], "float32"), np.array([-1.0], "float32")]
     grads = [tf.constant([0.5, 0.5]), tf.constant([1.0]), tf.constant([2.0]), tf.constant([3.0])][:n_grads]
 

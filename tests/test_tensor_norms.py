@@ -283,12 +283,13 @@ def test_keras_fit_tensor_norms_and_not_in_checkpoints(rng, tmp_path):
 def test_keras_xla_records_tensor_norms(rng, monkeypatch, fallback):
     """Inside jit_compile the step runs tfclip's XLA custom calls, or, in a build without them,
     falls back to stock ops (with a warning); either way the norms are recorded."""
-    import tfclip._keras_step as tk
+    from tfclip import _loader
+    from tfclip._engine import xla as _xla
 
     if fallback:
-        monkeypatch.setattr(tk, "_XLA_KERNELS", False)
-        monkeypatch.setattr(tk, "_XLA_FALLBACK_WARNED", False)
-    elif not tk._xla_kernels():
+        monkeypatch.setattr(_loader, "_XLA", False)
+        monkeypatch.setattr(_xla, "_WARNED", set())
+    elif not _loader.xla_kernels():
         pytest.skip("this build has no XLA kernels (TFCLIP_XLA off): the fallback case covers it")
     model = _model()
     opt = tfclip.keras.Adam(0.01, global_clipnorm=0.1)

@@ -23,7 +23,8 @@ import tensorflow as tf  # noqa: E402
 
 import tfclip  # noqa: E402
 import tfclip.tf_keras as tk  # noqa: E402
-from tfclip import _tf_keras_legacy, _tf_keras_step  # noqa: E402  (their warned-once flags)
+from tfclip.tf_keras import _legacy  # noqa: E402  (their warned-once flags)
+from tfclip.tf_keras import _dropin
 from procs import free_ports  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
@@ -331,7 +332,7 @@ def test_a_legacy_optimizer_given_to_keras3_names_its_legacy_class_and_the_keras
     keras = pytest.importorskip("keras")
     if int(keras.__version__.split(".")[0]) < 3:
         pytest.skip("Keras 3 is not installed")
-    from tfclip import _mixup
+    from tfclip._engine import mixup as _mixup
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match=r"tfclip\.tf_keras\.legacy\.Adam is an optimizer for tf_keras.*"
@@ -510,7 +511,7 @@ def test_legacy_rmsprop_without_momentum_is_fused_epsilon_outside_the_sqrt(kw):
     """Stock legacy RMSprop without momentum (the default) computes var -= lr*g / (sqrt(rms) +
     epsilon): fused now (no stock fallback, no warning), and its IndexedSlices step decays every
     row's rms as stock does (lazy_sparse defaults to False there)."""
-    _tf_keras_legacy._LEGACY_WARNED.clear()
+    _legacy._LEGACY_WARNED.clear()
     for sparse in (False, True):
         _, want = _train(stock.legacy.RMSprop, kw, sparse=sparse)
         with warnings.catch_warnings():
@@ -519,7 +520,7 @@ def test_legacy_rmsprop_without_momentum_is_fused_epsilon_outside_the_sqrt(kw):
         _assert_same(got, want)
         assert opt.lazy_sparse is False and int(opt.iterations.numpy()) == 4
         assert int(opt.clipped_steps.numpy()) >= (1 if set(kw) & {"clipnorm", "global_clipnorm"} else 0)
-    assert not _tf_keras_legacy._LEGACY_WARNED
+    assert not _legacy._LEGACY_WARNED
 
 
 @pytest.mark.parametrize("centered", [False, True])
@@ -630,7 +631,7 @@ def test_legacy_nadam_indexed_slices():
     """Stock's IndexedSlices step decays every row's m and v and moves only the touched rows:
     neither the dense update nor the lazy one. The default runs the stock ops (a warning once);
     lazy_sparse=True is fused and leaves the other rows and their slots alone."""
-    _tf_keras_legacy._LEGACY_WARNED.clear()
+    _legacy._LEGACY_WARNED.clear()
     _, want = _train(stock.legacy.Nadam, {}, sparse=True)
     with pytest.warns(UserWarning, match="IndexedSlices gradient: stock decays every row"):
         opt, got = _train(tk.legacy.Nadam, {}, sparse=True)
@@ -801,8 +802,11 @@ def test_legacy_nonfinite_skip_and_stock_fallback():
 def test_jit_without_xla_kernels_runs_the_stock_step(monkeypatch):
     """A build without tfclip's XLA kernels: inside jit_compile=True the stock tf_keras step runs
     (it clips after the all-reduce too), said once."""
-    monkeypatch.setattr(_tf_keras_step, "_XLA_KERNELS", False)
-    monkeypatch.setattr(_tf_keras_step, "_XLA_FALLBACK_WARNED", False)
+    from tfclip import _loader
+    from tfclip._engine import xla as _xla
+
+    monkeypatch.setattr(_loader, "_XLA", False)
+    monkeypatch.setattr(_xla, "_WARNED", set())
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, (32, 5)).astype("int32")
     y = rng.normal(size=(32, 1)).astype("float32")
@@ -851,7 +855,7 @@ def test_legacy_other_float_dtypes(name, kw, dtype):
 
 
 def test_legacy_complex_variables_run_the_stock_step():
-    _tf_keras_legacy._LEGACY_WARNED.clear()
+    _legacy._LEGACY_WARNED.clear()
     res = []
     for cls in (stock.legacy.Adam, tk.legacy.Adam):
         v = tf.Variable([1 + 1j, 2 - 1j], dtype=tf.complex64)

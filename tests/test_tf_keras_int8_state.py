@@ -17,8 +17,9 @@ import tensorflow as tf  # noqa: E402
 
 import reference  # noqa: E402
 import tfclip.tf_keras as tk  # noqa: E402
-from tfclip import _loader, _opcall, _rule  # noqa: E402
-from tfclip import _tf_keras_step  # noqa: E402
+from tfclip import _loader  # noqa: E402
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import narrow_state as _narrow
 from test_tf_keras_state_dtype import CASES, _make, _problem, _same_bits, _variables  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def _build(kind, opt, vars_):
 def test_int8_state_starts_at_the_stock_start(kind, name):
     """A fresh optimizer's codes dequantize to the stock class's start (0, or Adagrad's initial
     accumulator value) exactly, and are the start's index in the code the rule table gives the
-    slot (the unsigned one for a slot kept >= 0: `_tf_keras_step._UNSIGNED_SLOTS`, by stock slot
+    slot (the unsigned one for a slot kept >= 0: the rule table's, by the stock slot
     name): the signed code's 0 is at index 127, the unsigned one's at 0, the same value (absmax
     0) but not the same bytes in a checkpoint."""
     v, bv = tf.Variable(np.zeros(300, np.float32)), tf.Variable(np.zeros(300, np.float32))
@@ -53,7 +54,7 @@ def test_int8_state_starts_at_the_stock_start(kind, name):
         stock = want[0][0].numpy().ravel()
         np.testing.assert_array_equal(
             reference.dequantize_blockwise(codes.numpy(), absmax.numpy(), not unsigned), stock)
-        index, _ = _rule.int8_start(float(stock[0]), not unsigned)
+        index, _ = _narrow.int8_start(float(stock[0]), not unsigned)
         assert set(codes.numpy().ravel().tolist()) == {index}
 
 
@@ -84,7 +85,7 @@ def test_int8_state_is_the_float32_step_quantized(rng, kind, name, how):
         for (codes, absmax), v in zip(got, a_vars):
             if v.dtype == tf.float32:
                 assert codes.dtype == tf.uint8 and tuple(codes.shape) == tuple(v.shape)
-                assert tuple(absmax.shape) == (_rule.int8_blocks(v.shape),) and id(absmax) in listed
+                assert tuple(absmax.shape) == (_narrow.int8_blocks(v.shape),) and id(absmax) in listed
             else:
                 assert codes.dtype == tf.float64 and absmax is None
     for _ in range(3):
@@ -108,20 +109,22 @@ def test_int8_state_is_the_float32_step_quantized(rng, kind, name, how):
                 _same_bits(absmax.numpy(), am)
 
 
-def test_unsigned_slot_names_are_the_rule_tables():
-    """Every stock slot name a class with int8 state makes is in _UNSIGNED_SLOTS exactly when
-    the rule table keeps that slot >= 0 (the start test above checks the codes; this, the set
-    itself, so a name both signed and unsigned somewhere would show)."""
+def test_int8_codes_are_signed_as_the_rule_table_says():
+    """Every int8-state slot a class makes takes the signed code exactly where the rule table keeps
+    the slot's values of either sign (tfclip._engine.narrow_state.made_signed, from the stock
+    name it is made under), and no stock name is signed in one class and unsigned in another."""
     seen = {}
     for kind, name in CASES:
-        opt, v = _make(kind, name), tf.Variable(np.zeros(3, np.float32))
+        opt, v = _make(kind, name, state_dtype="int8"), tf.Variable(np.zeros(3, np.float32))
         _build(kind, opt, [v])
+        made = {id(s.codes): s.signed for s in opt.tfclip_int8_slots()}
         for table, src in opt._tfclip_binding.slot_names(opt):
             slot = opt._tfclip_slot_var(src, v)
             stock = slot.name.split(":")[0].split("/")[-1 if kind == "legacy" else -2]
             unsigned = table in _opcall.RULES[opt._tfclip_binding.kind(opt)]["unsigned_slots"]
             assert seen.setdefault(stock, unsigned) == unsigned, (kind, name, stock)
-            assert (stock in _tf_keras_step._UNSIGNED_SLOTS) == unsigned, (kind, name, stock)
+            assert made[id(slot)] == (not unsigned), (kind, name, stock)
+            assert int(slot.numpy().ravel()[0]) == (0 if unsigned else 127), (kind, name, stock)
     assert {"m", "v", "momentum", "accumulator"} <= set(seen)
 
 

@@ -1,6 +1,6 @@
 """tfclip.tf_keras.LossScaleOptimizer (issue 47): tf_keras's dynamic loss scaling with the unscale
 and the finite check folded into a tfclip.tf_keras optimizer's passes in `minimize`
-(tfclip/_tf_keras_loss_scale.py).
+(tfclip/tf_keras/_loss_scale.py).
 
 The reference is the stock tf_keras.mixed_precision.LossScaleOptimizer around the same tfclip
 optimizer: the scaled loss's gradients times 1 / scale (written), all checked for inf/NaN, then
@@ -14,7 +14,7 @@ tf_keras = pytest.importorskip("tf_keras", reason="tf-keras (the optional Keras 
 import tensorflow as tf  # noqa: E402
 
 import tfclip.tf_keras as tk  # noqa: E402
-from tfclip._tf_keras_loss_scale import LegacyLossScaleOptimizer  # noqa: E402
+from tfclip.tf_keras._loss_scale import LegacyLossScaleOptimizer  # noqa: E402
 from tfclip import _loader  # noqa: E402
 
 INNER = {
@@ -236,7 +236,7 @@ cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 import tf_keras
 import tfclip.tf_keras as tk
-from tfclip import _step
+from tfclip._engine import loss_scale as _loss_scale
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
 init = [rng.normal(size=s).astype(np.float32) for s in [(30,), (4, 5)]]
@@ -246,8 +246,8 @@ for k in range(8):
     if k in (2, 6):
         c[1].flat[3] = np.inf
     coefs.append(c)
-calls, real = [], _step.with_loss_scale
-_step.with_loss_scale = lambda *a: calls.append(1) or real(*a)
+calls, real = [], _loss_scale.with_loss_scale
+_loss_scale.with_loss_scale = lambda *a: calls.append(1) or real(*a)
 
 
 def custom_loop(wrapper, make):  # (new and legacy: OptimizerV2's variables is a method)

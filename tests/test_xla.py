@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfclip
-from tfclip import _opcall
+from tfclip._engine import opcall as _opcall
 import reference as ref
 
 NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
@@ -608,9 +608,9 @@ def _keras_step(vs, opt, jit):
 @pytest.mark.parametrize("name", KERAS_OPTS, ids=KERAS_OPTS.keys())
 def test_keras_fused_step_compiles_to_the_kernels(rng, monkeypatch, name):
     import keras
-    import tfclip._keras_step as tk
+    from tfclip._engine import xla as _xla
 
-    monkeypatch.setattr(tk, "_in_xla_context", lambda: False)
+    monkeypatch.setattr(_xla, "in_context", lambda: False)
     shapes = {"kernel": (4, 3), "bias": (3,), "emb": (6, 2)}
     init = {k: rng.normal(size=s) for k, s in shapes.items()}
     steps = [{k: rng.normal(size=s) for k, s in shapes.items()} for _ in range(3)]

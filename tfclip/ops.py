@@ -8,8 +8,11 @@ from tensorflow.python.distribute import values as _dist_values
 from tensorflow.python.framework.ops import EagerTensor
 
 import tfclip._eager as _eager
-from tfclip import _loader, _opcall, _shard, _step, clipping
-from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
+from tfclip import _loader, clipping
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import shard as _shard
+from tfclip._engine import checks as _checks
+from tfclip._engine.opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
 from tfclip.rules import Rule
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -263,7 +266,7 @@ def fused_clip_apply(
     if isinstance(grad_scale, numbers.Real) and not (math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"grad_scale must be finite and > 0 (1 / the loss scale), got {grad_scale}")
     scale_kw = {} if grad_scale is None else {"grad_scale": grad_scale}
-    stochastic_rounding, rounding_seed = _step.check_rounding(stochastic_rounding, rounding_seed)
+    stochastic_rounding, rounding_seed = _checks.check_rounding(stochastic_rounding, rounding_seed)
     if stochastic_rounding:
         scale_kw["rounding_seed"] = rounding_seed
 
@@ -356,7 +359,7 @@ def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
 
 
 def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
-    """shard_state=True (tfclip/_shard.py): the gradients aggregated as unsharded, then on each
+    """shard_state=True (tfclip/_engine/shard.py): the gradients aggregated as unsharded, then on each
     replica the norm pass over every one of them (or `use_norm`), the fused op over the variables
     whose state the replica keeps, and the all-gather of the updated variables into every copy."""
     def merge(strategy, contributions, use_norm):

@@ -138,7 +138,7 @@ std::string ParseNonFiniteAttr(const std::string& s, ApplyOpAttrs* out);
 
 // The common attributes, in the ops' attr order (after the inputs' own attrs and the rule's
 // flags). Order, names, types and defaults are the ops' signature: saved graphs and
-// tfclip/_opcall.py (by keyword) depend on them; change them only by adding a row with a default.
+// tfclip/_engine/opcall.py (by keyword) depend on them; change them only by adding a row with a default.
 inline constexpr ApplyAttrDef kApplyAttrs[] = {
     DeclaredAttr("N", "int >= 1", nullptr, /*ref_type=*/"int >= 0"),
     IntAttr("Niterations", "int >= 0", "0", &ApplyOpAttrs::num_iterations),

@@ -1,6 +1,6 @@
 // tfclip core: the one table of a step's scalar hyper-parameters and rule flags. The op inputs
 // (csrc/tf/ops.cc), the HParams fields, their validation (host and device), _core's keyword
-// names and tfclip/_opcall.py all follow from it: a name exists once.
+// names and tfclip/_engine/opcall.py all follow from it: a name exists once.
 #pragma once
 
 #include <cmath>

@@ -1,9 +1,9 @@
 // tfclip core: the one rule table. Each row names a rule's struct (csrc/core/rules.h), its op
 // (TfclipClipApply<Op>, registered from this table in csrc/tf/ops.cc and apply_kernel.cc), its name
-// in tfclip._core and tfclip/_opcall.py, its slot inputs, and the hyper-parameters and flags it
+// in tfclip._core and tfclip/_engine/opcall.py, its slot inputs, and the hyper-parameters and flags it
 // takes (csrc/core/hparams.h). Dispatch, op registration, HParams reading, _core and the Python
 // op calls all follow from it. Adding a rule: its struct in rules.h, one row here, one Python
-// declaration (tfclip/rules.py, and the drop-ins that use it).
+// declaration (tfclip/rules/__init__.py, and the drop-ins that use it).
 #pragma once
 
 #include <cstdint>

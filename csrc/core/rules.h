@@ -729,7 +729,7 @@ struct ScheduleFreeAdamWRule : RuleBase {
 };
 
 // Keras Muon's element-wise halves, around the Newton–Schulz iterations (TF matrix products,
-// tfclip/_muon.py) that no element-wise pass can run: tfclip.keras.Muon runs MuonMomentumRule's
+// tfclip/keras/_muon.py) that no element-wise pass can run: tfclip.keras.Muon runs MuonMomentumRule's
 // op on every matrix before them and MuonUpdateRule's after.
 struct MuonMomentumRule : RuleBase {
   // The momentum slot as the op's variable (no slots of its own): m <- m + (g + m (momentum - 1)),

@@ -26,7 +26,7 @@ void DefineCuda(py::module_& m);
 #endif
 
 namespace {
-// The rule table (csrc/core/rule_table.h) for the Python layer (tfclip/_opcall.py): per rule its
+// The rule table (csrc/core/rule_table.h) for the Python layer (tfclip/_engine/opcall.py): per rule its
 // op, slot inputs, hyper-parameter inputs and flag attrs; and each hyper-parameter's default.
 py::dict RuleTable() {
   py::dict rules;

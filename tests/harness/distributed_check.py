@@ -46,7 +46,7 @@ def _model():
 def _optimizer(muon=False):
     import tfclip
 
-    if muon:  # (its matrices' step is TF ops beside the fused op: tfclip/_muon.py)
+    if muon:  # (its matrices' step is TF ops beside the fused op: tfclip/keras/_muon.py)
         return tfclip.keras.Muon(0.05, global_clipnorm=0.5)
     return tfclip.keras.Adam(0.05, global_clipnorm=0.5)
 

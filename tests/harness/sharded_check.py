@@ -1,4 +1,4 @@
-"""shard_state=True (tfclip/_shard.py) under MirroredStrategy over 2 logical CPUs, in a fresh
+"""shard_state=True (tfclip/_engine/shard.py) under MirroredStrategy over 2 logical CPUs, in a fresh
 process (strategies configure devices at start-up; tests/test_shard.py runs this and reads OUT).
 
     python tests/harness/sharded_check.py OUT.npz
@@ -55,13 +55,13 @@ def _variables(dtype="float32", tf_keras=False):
 
 def _unproxied(v):
     """A slot for the slot's checkpoint proxy (tfclip.rules' `variables` across processes)."""
-    return v._slot if isinstance(v, tfclip._shard._SlotProxy) else v
+    return v._slot if isinstance(v, tfclip._engine.shard._SlotProxy) else v
 
 
 def _values(vs):
     out = []
     for v in map(_unproxied, vs):
-        if isinstance(v, tfclip._shard.RemoteSlot):  # (kept by another worker process)
+        if isinstance(v, tfclip._engine.shard.RemoteSlot):  # (kept by another worker process)
             continue
         x = v.value if isinstance(v, keras.Variable) else v
         if isinstance(x, tf.distribute.DistributedValues):
@@ -85,7 +85,7 @@ def _slots(opt):
 def _slot_bytes_by_device(opt):
     by = {}
     for v in map(_unproxied, _slots(opt)):
-        if isinstance(v, tfclip._shard.RemoteSlot):
+        if isinstance(v, tfclip._engine.shard.RemoteSlot):
             continue
         x = v.value if isinstance(v, keras.Variable) else v
         n = v.shape.num_elements() * tf.as_dtype(v.dtype).size if v.shape.rank is not None else 0
@@ -457,7 +457,7 @@ def worker(path):
     make_rule = CASES["rules_adam"]
     out["rules_ckpt_want"] = _values(_train(ms, lambda: make_rule(True), steps=4, tf_keras=True)[0])
     vs7, o7 = _train(ms, lambda: make_rule(True), steps=2, tf_keras=True)
-    out["rules_remote_slots"] = sum(isinstance(_unproxied(v), tfclip._shard.RemoteSlot) for v in o7.variables)
+    out["rules_remote_slots"] = sum(isinstance(_unproxied(v), tfclip._engine.shard.RemoteSlot) for v in o7.variables)
     tf.train.Checkpoint(v=vs7, rule=o7.variables).write(os.path.join(tmp, "rk" if task == 0 else f"rk_worker{task}"))
     vs_m, o_m = _train(ms, lambda: make_rule(False), steps=2, tf_keras=True)
     out["rules_ckpt_mirrored_slots"] = _values(_slots(o_m))
@@ -499,9 +499,9 @@ def worker(path):
     vs, opt = _train(ms, lambda: make(True), steps=4)
     out["ckpt_want"] = _values(vs)
     vs, opt = _train(ms, lambda: make(True), steps=2)
-    out["remote_slots"] = sum(isinstance(v, tfclip._shard.RemoteSlot) for v in opt.variables)
+    out["remote_slots"] = sum(isinstance(v, tfclip._engine.shard.RemoteSlot) for v in opt.variables)
     try:
-        opt.variables[[isinstance(v, tfclip._shard.RemoteSlot) for v in opt.variables].index(True)].numpy()
+        opt.variables[[isinstance(v, tfclip._engine.shard.RemoteSlot) for v in opt.variables].index(True)].numpy()
     except ValueError as e:
         out["remote_numpy"] = str(e)
     prefix = os.path.join(tmp, "ck" if task == 0 else f"ck_worker{task}")  # (the chief's is the one)

@@ -36,7 +36,7 @@ if find_module() is None:
 try:
     import tensorflow as tf
 
-    from tfclip import _opcall
+    from tfclip._engine import opcall as _opcall
 except ImportError:  # the GPU hosts: the core's driver is the reference there
     tf = None
 

@@ -1,12 +1,16 @@
 """What the `tfclip.compat.v1` optimizers share (`_Fused`): the stock TF1 class's
 apply_gradients (pairs, slots, ref variables, distribution, global_step, the train op and its
-collection) around the one fused step (tfclip/_step.py), and tfclip's own norm variables. The
+collection) around the one fused step (tfclip/_engine/step.py), and tfclip's own norm variables. The
 classes, each a constructor and a binding row: tfclip/compat/v1.py."""
 import numbers
 
 import tensorflow as tf
 
-from tfclip import _opcall, _rule, _step
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import narrow_state as _narrow
+from tfclip._engine import step as _step
+from tfclip._engine import checks as _checks
+from tfclip._engine import loss_scale as _loss_scale
 from tfclip import clipping as _clipping
 
 
@@ -37,7 +41,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
     # The slots in the stock class's creation order: a TF1 slot variable is named after its
     # variable and the optimizer only (w/RMSProp, w/RMSProp_1, ...), so the order is the name.
     _slot_names = ()
-    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
+    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_engine/step.py, Binding)
     # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules).
     low_precision_state = False
     int8_state = True  # (where low_precision_state is: every such class keeps moments only)
@@ -45,11 +49,11 @@ class _Fused(tf.compat.v1.train.Optimizer):
     def __init__(self, use_locking, name, global_clipnorm, clipnorm, clipvalue, nonfinite, clip=None,
                  state_dtype=None, stochastic_rounding=False, rounding_seed=0):
         super().__init__(use_locking, name)
-        self._state_dtype = _rule.check_state_dtype(state_dtype, type(self))
+        self._state_dtype = _narrow.check_state_dtype(state_dtype, type(self))
         # bfloat16 variables' stochastic rounding (csrc/core/rounding.h): the step it draws by is
         # global_step + 1 where apply_gradients is given one, else the optimizer's own count of
         # its steps in the graph (a local variable, not saved)
-        self._stochastic_rounding, self._rounding_seed = _step.check_rounding(stochastic_rounding, rounding_seed)
+        self._stochastic_rounding, self._rounding_seed = _checks.check_rounding(stochastic_rounding, rounding_seed)
         self._tfclip_rounding_steps = {}  # graph -> its step count; not tracked
         self._clip_mode, self._clip = _opcall.clip_config(global_clipnorm, clipnorm, clipvalue)
         # An adaptive clip (tfclip.clipping): its state is made with the slots, on the first
@@ -72,7 +76,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
         callables are checked by the op when the step runs, before it writes anything."""
         for name, v in named.items():
             if isinstance(v, numbers.Real) and not isinstance(v, bool):
-                _step.check_number(name, float(v))
+                _checks.check_number(name, float(v))
 
     @staticmethod
     def _check_strengths(**named):
@@ -88,7 +92,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             # The variable's dtype, as the stock class; bfloat16 for a float32 variable under
             # state_dtype="bfloat16", uint8 codes and a float32 absmax slot `<name>_absmax` beside
             # each under "int8" (docs/low-precision-state.md).
-            dtype = _rule.state_slot_dtype(self._state_dtype, v.dtype.base_dtype)
+            dtype = _narrow.state_slot_dtype(self._state_dtype, v.dtype.base_dtype)
             if dtype == tf.uint8:
                 self._create_int8_slots(v)
                 continue
@@ -107,15 +111,15 @@ class _Fused(tf.compat.v1.train.Optimizer):
                              "tf.compat.v1.get_variable(..., use_resource=True))")
         unsigned = self._unsigned_slots()
         for s in self._slot_names:
-            codes, absmax = _rule.int8_start(self._slot_initial(s), s not in unsigned)
+            codes, absmax = _narrow.int8_start(self._slot_initial(s), s not in unsigned)
             slot = self._get_or_make_slot_with_initializer(
                 v, tf.compat.v1.constant_initializer(codes, dtype=tf.uint8), v.shape, tf.uint8, s, self._name)
             # Named <variable>/<optimizer>_<slot>_absmax: the codes keep the stock slots' names
             # (w/Adam, w/Adam_1, ...), and a Saver's checkpoint says which absmax is whose.
             a = self._get_or_make_slot_with_initializer(
                 v, tf.compat.v1.constant_initializer(absmax, dtype=tf.float32),
-                tf.TensorShape([_rule.int8_blocks(v.shape)]), tf.float32, f"{s}_absmax", f"{self._name}_{s}_absmax")
-            _rule.keep_int8_slot(self, slot, a, s not in unsigned, (v, s))
+                tf.TensorShape([_narrow.int8_blocks(v.shape)]), tf.float32, f"{s}_absmax", f"{self._name}_{s}_absmax")
+            _narrow.keep_int8_slot(self, slot, a, s not in unsigned, (v, s))
 
     def _create_or_restore_slot_variable(self, slot_variable_position, slot_name, variable):
         # A checkpoint restored eagerly before the first step makes each slot as it restores it,
@@ -127,13 +131,12 @@ class _Fused(tf.compat.v1.train.Optimizer):
         return super()._create_or_restore_slot_variable(slot_variable_position, slot_name, variable)
 
     def tfclip_int8_slots(self):
-        """int8 state's slots (state_dtype="int8"): `_rule.Int8Slot`s (tfclip.convert_checkpoint)."""
+        """int8 state's slots (state_dtype="int8"): `_narrow.Int8Slot`s (tfclip.convert_checkpoint)."""
         return list(getattr(self, "_tfclip_int8_slots", ()))
 
     def _unsigned_slots(self):
         """The stock names of the slots the rule keeps >= 0 (int8 state's unsigned code)."""
-        table = set(_opcall.RULES[self._tfclip_binding.kind(self)]["unsigned_slots"])
-        return {stock for t, stock in self._tfclip_binding.slot_names(self) if t in table}
+        return _narrow.unsigned_slots(self._tfclip_binding, self)
 
     def _slot_initial(self, name):
         return 0.0
@@ -261,7 +264,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
             self._create_slots(var_list)
             if isinstance(self._adaptive, _clipping.AdaptiveClip):
                 self._adaptive.bind(self)
-                with _step.state_scope():
+                with _checks.state_scope():
                     self._adaptive.build()
             norm_var = self._norm_var(var_list)
             tnorm_var = self._tnorm_var(all_vars)
@@ -331,7 +334,7 @@ class _Fused(tf.compat.v1.train.Optimizer):
         return self._tfclip_rounding_steps[key]
 
     def _fused(self, var_list, grads, rounding_step=None):
-        """The step through the one fused step (tfclip/_step.py): TF1's part is its ref variables
+        """The step through the one fused step (tfclip/_engine/step.py): TF1's part is its ref variables
         and its slots."""
         binding = self._tfclip_binding
         kind = binding.kind(self)
@@ -362,15 +365,10 @@ class _Fused(tf.compat.v1.train.Optimizer):
                             hparams, flags, refs=refs, absmax=absmax)
         # Inside tfclip.compat.v1.MixedPrecisionLossScaleOptimizer's minimize (tfclip/compat/
         # _loss_scale.py): the unscale folded in, a non-finite step skipped whatever `nonfinite`
-        # says (the loss scale backs off), as the stock wrapper skips the inner step.
-        loss_scale = _step.loss_scale(self)
-        result = _step.run(grads, [group], self._clip_mode, self._clip, clip_obj=self._adaptive,
-                           nonfinite=self._nonfinite if loss_scale is None else "skip", lazy=self._lazy_sparse,
-                           grad_scale=loss_scale,
-                           rounding=None if rounding_step is None else (self._rounding_seed, rounding_step))
-        if loss_scale is not None:
-            _step.loss_scale_applied(self, result.applied)
-        return result
+        # says (the loss scale backs off), as the stock wrapper skips the inner step (`loss_scale_of`).
+        return _step.run(grads, [group], self._clip_mode, self._clip, clip_obj=self._adaptive,
+                         nonfinite=self._nonfinite, lazy=self._lazy_sparse, loss_scale_of=self,
+                         rounding=None if rounding_step is None else (self._rounding_seed, rounding_step))
 
     def _tfclip_hparam(self, name, var_list):  # (a Binding's source: the attribute)
         return getattr(self, name)

@@ -1,6 +1,6 @@
 """`tfclip.compat.v1.MixedPrecisionLossScaleOptimizer`: TF1's loss scaling with the unscale and
 the finite check folded into a tfclip.compat.v1 optimizer's two passes, as the Keras wrappers fold
-them (tfclip/_keras_loss_scale.py says why: two passes over the gradients fewer).
+them (tfclip/keras/_loss_scale.py says why: two passes over the gradients fewer).
 
 The stock wrapper (`tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`, which
 `enable_mixed_precision_graph_rewrite` puts around an optimizer): `compute_gradients` scales the
@@ -17,8 +17,6 @@ code in between expects. So do the cases the fold cannot take (`fold_refusal`).
 import tensorflow as tf
 from tensorflow.python.training.experimental import loss_scale as _loss_scale
 from tensorflow.python.training.experimental import loss_scale_optimizer as _lso
-
-from tfclip import _step
 from tfclip import clipping as _clipping
 from tfclip.compat._fused import _Fused
 
@@ -40,7 +38,7 @@ class MixedPrecisionLossScaleOptimizer(_lso.MixedPrecisionLossScaleOptimizer):
         if not isinstance(ls, _loss_scale.DynamicLossScale):
             return "a fixed loss scale (stock applies every step under the inner optimizer's own policy)"
         for what, value in (("initial_loss_scale", ls.initial_loss_scale), ("multiplier", ls.multiplier)):
-            if not _step.power_of_two(value):
+            if not _loss_scale.power_of_two(value):
                 return (f"{what} {value} is not a power of two (the fold's g * (1 / scale) is the stock "
                         "one only for one)")
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
@@ -74,14 +72,14 @@ class MixedPrecisionLossScaleOptimizer(_lso.MixedPrecisionLossScaleOptimizer):
         name = name if name is not None else self.get_name()
         grad_scale = 1.0 / tf.cast(self._loss_scale(), tf.float64)  # (exact for a power of two)
         ops = []
-        applied = _step.with_loss_scale(inner, grad_scale, lambda: ops.append(inner.apply_gradients(
+        applied = _loss_scale.with_loss_scale(inner, grad_scale, lambda: ops.append(inner.apply_gradients(
             grads_and_vars, global_step=None, name=name + "-wrapped")))
         deps = [o for o in ops if o is not None and not tf.executing_eagerly()]
         with tf.control_dependencies(deps):
             updates = [self._update_loss_scale(applied)]
             if global_step is not None:
-                updates.append(tf.cond(applied, lambda: _step.graph_op(tf.compat.v1.assign_add(global_step, 1)),
-                                       lambda: _step.graph_op(tf.no_op())))
+                updates.append(tf.cond(applied, lambda: _loss_scale.graph_op(tf.compat.v1.assign_add(global_step, 1)),
+                                       lambda: _loss_scale.graph_op(tf.no_op())))
         if tf.executing_eagerly():
             return None
         return tf.group(*deps, *[u for u in updates if u is not None], name=name)
@@ -89,5 +87,5 @@ class MixedPrecisionLossScaleOptimizer(_lso.MixedPrecisionLossScaleOptimizer):
     def _update_loss_scale(self, applied):
         """The stock `DynamicLossScale.update` by the folded step's outcome."""
         ls = self._loss_scale
-        return _step.update_dynamic_scale(ls._current_loss_scale, ls._num_good_steps, ls._increment_period,
+        return _loss_scale.update_dynamic_scale(ls._current_loss_scale, ls._num_good_steps, ls._increment_period,
                                           ls._multiplier, applied)

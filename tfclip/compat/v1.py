@@ -81,8 +81,8 @@ import numbers
 
 import tensorflow as tf
 
-from tfclip import _opcall
-from tfclip._step import Binding
+from tfclip._engine import opcall as _opcall
+from tfclip._engine.binding import Binding
 from tfclip.compat._fused import _f64, _Fused
 from tfclip.compat._loss_scale import MixedPrecisionLossScaleOptimizer  # noqa: F401  (the loss-scale fold)
 

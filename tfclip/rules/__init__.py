@@ -66,10 +66,12 @@ import numbers
 
 import tensorflow as tf
 
-from tfclip import _opcall, _shard, _step
-from tfclip._opcall import ClipApplyResult  # noqa: F401  (tfclip.rules.ClipApplyResult)
-from tfclip._rule import Rule
-from tfclip._step import STEP, Binding
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import shard as _shard
+from tfclip._engine import checks as _checks
+from tfclip._engine.opcall import ClipApplyResult  # noqa: F401  (tfclip.rules.ClipApplyResult)
+from tfclip.rules._base import Rule
+from tfclip._engine.binding import STEP, Binding
 
 
 def _check_range(name, v, lo, hi, lo_open=False, hi_open=False):
@@ -311,7 +313,7 @@ class Nadam(Rule):
     def _make_state(self, variables):
         super()._make_state(variables)
         if self.u_product is None:
-            with _opcall.state_lock(self), _step.state_scope():
+            with _opcall.state_lock(self), _checks.state_scope():
                 if self.u_product is None:
                     self.u_product = tf.Variable(
                         tf.ones([], variables[0].dtype), trainable=False, name=f"{self.name}/u_product",

@@ -30,7 +30,9 @@ tfclip.keras.Adam(...)))`.
 import keras
 import tensorflow as tf
 
-from tfclip import _keras_step, _step
+from tfclip.keras import _dropin
+from tfclip._engine import loss_scale as _loss_scale
+from tfclip._engine import xla as _xla
 from tfclip import clipping as _clipping
 
 
@@ -42,7 +44,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def fold_refusal(self, grads, trainable_variables=None):
         """Why a step over `grads` runs the stock wrapper's passes, or None where it folds."""
         inner = self.inner_optimizer
-        if not isinstance(inner, _keras_step._FusedMixin):
+        if not isinstance(inner, _dropin._FusedMixin):
             return f"the inner optimizer, {type(inner).__name__}, is not a tfclip.keras one"
         if inner.use_ema:
             return "the inner optimizer has use_ema"
@@ -52,7 +54,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return "the inner optimizer has a loss_scale_factor"
         if isinstance(inner.clip, _clipping.AGC):
             return "AGC's unit scales count the units they clip, from the unscaled gradients"
-        if not _step.power_of_two(self.initial_scale):
+        if not _loss_scale.power_of_two(self.initial_scale):
             return (f"initial_scale {self.initial_scale} is not a power of two (the fold's g * (1 / scale) "
                     "is the stock g / scale only for one)")
         tvars = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
@@ -60,9 +62,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return "a variable has overwrite_with_gradient (the stock wrapper does not unscale its gradient)"
         if any(getattr(v, "constraint", None) is not None for v in tvars):
             return "a variable has a constraint (stock skips it with the step; the folded step runs it)"
-        if _keras_step._in_xla_context():
-            why = _keras_step._xla_fallback_reason(inner, [g for g in grads if g is not None],
-                                                   [_keras_step._tf_var(v) for v in tvars])
+        if _xla.in_context():
+            why = _dropin._xla_fallback_reason(inner, [g for g in grads if g is not None],
+                                                   [_dropin._tf_var(v) for v in tvars])
             if why is not None:
                 return why
         return None
@@ -77,8 +79,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner = self.inner_optimizer
         # The scale before this step's update (stock divides by it); 1 / scale in float64 is
         # exact for a power of two.
-        grad_scale = 1.0 / tf.cast(_keras_step._tf_var(self.dynamic_scale), tf.float64)
-        applied = _step.with_loss_scale(inner, grad_scale,
+        grad_scale = 1.0 / tf.cast(_dropin._tf_var(self.dynamic_scale), tf.float64)
+        applied = _loss_scale.with_loss_scale(inner, grad_scale,
                                         lambda: inner.apply(grads, trainable_variables=trainable_variables))
         # Stock calls the inner step only for finite gradients: a skipped one does not count.
         inner.iterations.assign_add(tf.cast(applied, inner.iterations.dtype) - 1)
@@ -88,7 +90,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # A strategy whose replicas meet in merge_call (MirroredStrategy): stock checks the
         # gradients and steps every replica from the cross-replica context. Folded, each replica
         # runs the folded step on its own copies in its own thread (the unscale is per thread:
-        # _step.with_loss_scale); the gradients are all-reduced, so every replica decides alike,
+        # _loss_scale.with_loss_scale); the gradients are all-reduced, so every replica decides alike,
         # and the loss scale (mirrored) is updated once, in the cross-replica context, by the first
         # replica's outcome.
         if (tf.distribute.in_cross_replica_context() or tf.__internal__.distribute.strategy_supports_no_merge_call()
@@ -115,3 +117,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                            increment)
 
         keras.ops.cond(applied, finite, self._stateful_handle_non_finite_grads)
+
+
+LossScaleOptimizer.__module__ = "tfclip.keras"  # (where users find it; saved configs name it)

@@ -30,7 +30,7 @@ docs/low-precision-state.md).
 own variables, outside `optimizer.variables` and checkpoints. `LossScaleOptimizer` folds
 mixed_float16's unscale and finite check into `minimize`'s one fused step, for the new optimizers
 and (as tf_keras's own wrapper, by the inner optimizer's kind) the legacy ones
-(tfclip/_tf_keras_loss_scale.py).
+(tfclip/tf_keras/_loss_scale.py).
 
 `Nadam` follows stock tf_keras's eager trajectory also inside a `tf.function` (see its docstring:
 stock advances its momentum-cache product once per variable there).
@@ -47,10 +47,14 @@ tf_keras step there (which also clips after the all-reduce).
 """
 import tensorflow as tf
 
-from tfclip import _mixup, _opcall, _shard, _step
-from tfclip._step import STEP, Binding
-from tfclip._tf_keras_legacy import _LEGACY_CLASSES, legacy
-from tfclip._tf_keras_step import _FusedMixin, _tf_keras
+from tfclip._engine import mixup as _mixup
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import shard as _shard
+from tfclip._engine import step as _step
+from tfclip._engine import keras_bindings as _kb
+from tfclip._engine.binding import STEP, Binding
+from tfclip.tf_keras._legacy import _LEGACY_CLASSES, legacy
+from tfclip.tf_keras._dropin import _FusedMixin, _tf_keras
 
 __all__ = ["LossScaleOptimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl",
            "Adafactor", "legacy", "get"]
@@ -58,15 +62,7 @@ __all__ = ["LossScaleOptimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "
 _stock = _tf_keras.optimizers
 
 
-# -- the drop-ins: each class's rule binding is one data row (tfclip/_step.py, Binding) -------
-def _positive_momentum(opt):
-    return opt.momentum > 0
-
-
-def _general_ftrl(opt):  # (Ftrl's general rule takes the power as an input; the sqrt one, none)
-    return bool(_opcall.ftrl_variant(opt.learning_rate_power)[1])
-
-
+# -- the drop-ins: each class's rule binding is one data row (tfclip/_engine/step.py, Binding) -------
 def _adam_epsilon(opt, tvars):
     """Adam's epsilon; with `adaptive_epsilon`, stock's epsilon * sqrt(1 - beta_2^t), in the
     variables' dtype."""
@@ -77,9 +73,7 @@ def _adam_epsilon(opt, tvars):
     return opt.epsilon * tf.sqrt(1 - beta_2_power)
 
 
-_M_V = (("m", "_momentums"), ("v", "_velocities"))
-_BETAS_STEP = (("beta_1", "beta_1"), ("beta_2", "beta_2"), ("epsilon", "epsilon"), ("step", STEP))
-_ADAM = Binding("adam", slots=_M_V + (("vhat", "_velocity_hats", "amsgrad"),),
+_ADAM = Binding("adam", slots=_kb.M_V + (("vhat", "_velocity_hats", "amsgrad"),),
                 hparams=(("beta_1", "beta_1"), ("beta_2", "beta_2"), ("epsilon", _adam_epsilon), ("step", STEP)),
                 flags=(("amsgrad", "amsgrad"),))
 
@@ -113,34 +107,28 @@ class AdamW(_FusedMixin, _stock.AdamW):
 class RMSprop(_FusedMixin, _stock.RMSprop):
     """tf_keras.optimizers.RMSprop (rho, momentum, centered) as one fused op."""
 
-    _tfclip_binding = Binding("rmsprop", slots=(("velocity", "_velocities"),
-                                                ("momentum_slot", "_momentums", _positive_momentum),
-                                                ("average_gradient", "_average_gradients", "centered")),
-                              hparams=(("rho", "rho"), ("momentum", "momentum"), ("epsilon", "epsilon")),
-                              flags=(("centered", "centered"), ("has_momentum", _positive_momentum)))
+    _tfclip_binding = _kb.RMSPROP
     _checked = ("rho", "momentum", "epsilon")
 
 
 class Adagrad(_FusedMixin, _stock.Adagrad):
     """tf_keras.optimizers.Adagrad as one fused op."""
 
-    _tfclip_binding = Binding("adagrad", slots=(("accumulator", "_accumulators"),), hparams=(("epsilon", "epsilon"),))
+    _tfclip_binding = _kb.ADAGRAD
     _checked = ("epsilon", "initial_accumulator_value")
 
 
 class Adadelta(_FusedMixin, _stock.Adadelta):
     """tf_keras.optimizers.Adadelta as one fused op."""
 
-    _tfclip_binding = Binding("adadelta", slots=(("accumulated_grad", "_accumulated_grads"),
-                                                 ("accumulated_delta_var", "_accumulated_delta_vars")),
-                              hparams=(("rho", "rho"), ("epsilon", "epsilon")))
+    _tfclip_binding = _kb.ADADELTA
     _checked = ("rho", "epsilon")
 
 
 class Adamax(_FusedMixin, _stock.Adamax):
     """tf_keras.optimizers.Adamax as one fused op."""
 
-    _tfclip_binding = Binding("adamax", slots=(("m", "_m"), ("u", "_u")), hparams=_BETAS_STEP)
+    _tfclip_binding = _kb.ADAMAX
     _checked = ("beta_1", "beta_2", "epsilon")
 
 
@@ -153,8 +141,7 @@ class Nadam(_FusedMixin, _stock.Nadam):
     `tf.function` (model.fit) with more than one variable it advances once per variable from the
     second step on, which this class does not copy (its trajectory is the eager one)."""
 
-    _tfclip_binding = Binding("nadam", slots=_M_V,
-                              hparams=_BETAS_STEP + (("u_product", lambda o, _: o._u_next),))
+    _tfclip_binding = _kb.NADAM
     _checked = ("beta_1", "beta_2", "epsilon")
 
     def _fused_step(self, grads, tvars):
@@ -182,11 +169,7 @@ class Ftrl(_FusedMixin, _stock.Ftrl):
 
     low_precision_state = False  # (its linear slot is a weight: tfclip.rules says why)
 
-    _tfclip_binding = Binding(("ftrl", "ftrl_sqrt"), pick=lambda o: _opcall.ftrl_variant(o.learning_rate_power)[0],
-                              slots=(("accumulator", "_accumulators"), ("linear", "_linears")),
-                              hparams=(("lr_power", "learning_rate_power", _general_ftrl),
-                                       ("l1", "l1_regularization_strength"), ("l2", "l2_regularization_strength"),
-                                       ("l2_shrinkage", "l2_shrinkage_regularization_strength"), ("beta", "beta")))
+    _tfclip_binding = _kb.FTRL
     _checked = ("learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
                 "l2_shrinkage_regularization_strength", "beta", "initial_accumulator_value")
 
@@ -198,7 +181,7 @@ class Adafactor(_FusedMixin, _stock.Adafactor):
     which stock writes every step and never reads back). `clip_threshold` is Adafactor's bound
     on rms(u); an adaptive `clip=`'s threshold is `adaptive_threshold`."""
 
-    _tfclip_binding = _step.ADAFACTOR
+    _tfclip_binding = _kb.ADAFACTOR
     _checked = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold")
     low_precision_state = False
     int8_state = False
@@ -215,7 +198,7 @@ class Adafactor(_FusedMixin, _stock.Adafactor):
     def _tfclip_build_slots(self, var_list):
         if self._tfclip_owner is None or getattr(self, "_built", False):
             return super()._tfclip_build_slots(var_list)
-        # shard_state (tfclip/_shard.py): tf_keras's Adafactor makes r and c with add_variable (a
+        # shard_state (tfclip/_engine/shard.py): tf_keras's Adafactor makes r and c with add_variable (a
         # rank < 2 variable's with tf.Variable), not from the reference variable; the same
         # variables, names and order here, each variable's three on its owner's device.
         _tf_keras.optimizers.Optimizer.build(self, var_list)
@@ -254,7 +237,7 @@ def get(identifier):
 
 
 # (tfclip.tf_keras.LossScaleOptimizer; given a legacy optimizer it makes the legacy wrapper)
-from tfclip._tf_keras_loss_scale import LegacyLossScaleOptimizer, LossScaleOptimizer  # noqa: E402
+from tfclip.tf_keras._loss_scale import LegacyLossScaleOptimizer, LossScaleOptimizer  # noqa: E402
 
 # Registered so tf_keras's load_model finds them without custom_objects.
 for _cls in _CLASSES + (LossScaleOptimizer, LegacyLossScaleOptimizer):

@@ -1,13 +1,20 @@
-"""tfclip's own optimizer state, shared by the Keras 3 drop-ins (tfclip.keras) and the Keras 2
-ones (tfclip.tf_keras): the variables' names and dtypes, their read-only properties, and the
-recording of a fused step's norms and clip counts into them.
+"""What the Keras 3 drop-ins (tfclip.keras) and the Keras 2 ones (tfclip.tf_keras) share, `Dropin`:
+their one fused step (`_tfclip_fused_step`, around tfclip._engine.step.run: int8's dense
+gradients, shard_state's share, the variable groups, the loss scale, the norms recorded), and
+tfclip's own optimizer state: the variables' names and dtypes, their read-only properties, and
+the recording of a step's norms and clip counts into them.
 
 Each library makes the variables with its own factory (keras.Variable / tf.Variable, outside
-what the stock optimizer lists and checkpoints) and says where a step's variables sit in
+what the stock optimizer lists and checkpoints), and gives the hooks the step reads: where a
+variable sits (`_tfclip_position`), its op handle and TF variable, whether weight decay applies,
+what else splits a step into groups, `lazy_sparse`, and where a step's variables sit in
 `tensor_norms` (`_norm_positions`)."""
 import tensorflow as tf
 
-from tfclip import _step, clipping
+from tfclip import clipping
+from tfclip._engine import checks as _checks
+from tfclip._engine import shard as _shard
+from tfclip._engine import step as _step
 
 # (attribute, variable name, initial value, dtype): made at construction.
 STATE_VARIABLES = (("_global_norm", "global_norm", 0.0, "float32"),
@@ -17,9 +24,89 @@ STATE_VARIABLES = (("_global_norm", "global_norm", 0.0, "float32"),
                    ("_clip_threshold", "clip_threshold", float("nan"), "float64"))
 
 
-class NormState:
-    """The properties of tfclip's own state and `_record_norms`, for the drop-in mixins; and
-    `_tfclip_config`, their get_config's part."""
+class Dropin:
+    """The fused step, tfclip's own state (its properties, `_record_norms`) and `_tfclip_config`
+    (get_config's part), for both libraries' drop-in mixins."""
+
+    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip._engine.binding)
+    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules), and
+    # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
+    low_precision_state = True
+    int8_state = True
+
+    def _tfclip_fused_step(self, grads, variables, lr, keras_sparse_squares=False):
+        """The one fused step (tfclip._engine.step.run) over `variables`, one op per group of
+        variables (the weight decay applying or not, `_tfclip_group`), at the learning rate `lr`
+        (a tensor, or a function of a group's variables); returns whether it was applied.
+        keras_sparse_squares: Keras 3's stock update of a repeated IndexedSlices row
+        (`run`). Stock tf_keras instead clips each raw slice, then sums an IndexedSlices'
+        duplicate rows (_deduplicate_sparse_grad) before the update: the op's duplicate sum,
+        clipped slices summed, the rule fed the sum."""
+        decay = self._tfclip_decay()
+        int8 = getattr(self, "_tfclip_absmax", None)
+        if int8:  # int8 state: dense gradients (an IndexedSlices' duplicate rows summed, as TF's
+            # conversion; the core requantizes whole blocks of 256)
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
+                     and tf.as_dtype(v.dtype).base_dtype == tf.float32 else g for g, v in zip(grads, variables)]
+        # shard_state (tfclip._engine.shard): the norm of every gradient, then this replica's variables.
+        share = _shard.begin(grads, self._tfclip_owners_of(variables))
+        own = range(len(variables)) if share is None else share.own
+        step_vars = [variables[i] for i in own]
+        keys = [(bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)) for v in step_vars]
+        groups = _step.optimizer_groups(self, step_vars, keys, self._tfclip_handle, lr, self.weight_decay,
+                                        absmax=self._tfclip_absmax_handles if int8 else None)
+        mode, clip = self._clip_mode()
+        result = _step.run([grads[i] for i in own], groups, mode, clip, clip_obj=self.clip,
+                           use_norm=None if share is None else share.use_norm, nonfinite=self.nonfinite,
+                           lazy=self._tfclip_lazy(), keras_sparse_squares=keras_sparse_squares,
+                           loss_scale_of=self, rounding=self._tfclip_rounding())
+        self._tfclip_record(result, variables, share)
+        return result.applied
+
+    def _tfclip_record(self, result, variables, share=None):
+        """A step's result into tfclip's state (shard_state: the updated variables gathered
+        first, every gradient's norm from the share's norm pass)."""
+        tensor_norms, clipped_units = result.tensor_norms, result.clipped_units
+        if share is not None:
+            tensor_norms, clipped_units = _shard.finish(
+                share, [self._tfclip_tf_var(v) for v in variables], result, result.grad_scale,
+                agc=isinstance(self.clip, clipping.AGC))
+        self._record_norms(result.global_norm, result.applied, tensor_norms, variables, result.clip_mode,
+                           result.clip, None if result.adaptive is None else result.adaptive.threshold,
+                           clipped_units)
+
+    def _tfclip_owners_of(self, variables):
+        """The owners of `variables` with shard_state (tfclip._engine.shard), else None."""
+        if getattr(self, "_tfclip_owner", None) is None:
+            return None
+        return [self._tfclip_owner[self._tfclip_position(v)] for v in variables]
+
+    def _tfclip_group(self, v):
+        """What else, beside the weight decay, splits a step into several ops sharing one norm
+        pass ("": nothing; legacy Nadam: the dtype, whose constants stock computes per dtype)."""
+        return ""
+
+    def _tfclip_tf_var(self, v):
+        """The TF variable of a step variable (Keras 3's keras.Variable holds one)."""
+        return v
+
+    def _tfclip_handle(self, v):
+        return self._tfclip_tf_var(v).handle
+
+    def _tfclip_lazy(self):
+        return self.lazy_sparse
+
+    def _tfclip_step(self):
+        return tf.cast(self.iterations + 1, tf.float64)
+
+    def tfclip_absmax(self, slot):
+        """The absmax variable of an int8-state slot variable (state_dtype="int8"), or None."""
+        return (getattr(self, "_tfclip_absmax", None) or {}).get(id(slot))
+
+    def tfclip_int8_slots(self):
+        """int8 state's slots (state_dtype="int8"): `tfclip._engine.narrow_state.Int8Slot`s
+        (tfclip.convert_checkpoint)."""
+        return list(getattr(self, "_tfclip_int8_slots", ()))
 
     def _tfclip_config(self, config, lazy_default=False):
         """config with tfclip's own arguments where they differ from their defaults: a default
@@ -38,18 +125,18 @@ class NormState:
         if getattr(self, "stochastic_rounding", False):
             config["stochastic_rounding"] = True
             config["rounding_seed"] = self.rounding_seed
-        if getattr(self, "shard_state", False):  # (tfclip/_shard.py)
+        if getattr(self, "shard_state", False):  # (tfclip/_engine/shard.py)
             config["shard_state"] = True
         return config
 
     def _tfclip_rounding_init(self, stochastic_rounding, rounding_seed):
         """`stochastic_rounding` and `rounding_seed`, checked, as plain attributes (not tracked)."""
-        sr, seed = _step.check_rounding(stochastic_rounding, rounding_seed)
+        sr, seed = _checks.check_rounding(stochastic_rounding, rounding_seed)
         object.__setattr__(self, "stochastic_rounding", sr)
         object.__setattr__(self, "rounding_seed", seed)
 
     def _tfclip_rounding(self):
-        """The fused step's `rounding` (tfclip/_step.py, run): (seed, iterations + 1) with
+        """The fused step's `rounding` (tfclip/_engine/step.py, run): (seed, iterations + 1) with
         stochastic rounding on, else None."""
         if not getattr(self, "stochastic_rounding", False):
             return None

@@ -1,18 +1,22 @@
 """The tf_keras.optimizers.legacy (OptimizerV2) drop-ins, `tfclip.tf_keras.legacy.*`: the stock
-classes' apply_gradients around one fused op (tfclip/_tf_keras_step.py), on the core rules that
-compute TF's training ops. Documented with the rest in tfclip/tf_keras.py, whose `legacy`
+classes' apply_gradients around one fused op (tfclip/tf_keras/_dropin.py), on the core rules that
+compute TF's training ops. Documented with the rest in tfclip/tf_keras/__init__.py, whose `legacy`
 namespace this module's classes are (their __module__ says tfclip.tf_keras, as they are named)."""
 import threading
 import warnings
 
 import tensorflow as tf
 
-from tfclip import _opcall, _rule, _step
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import narrow_state as _narrow
+from tfclip._engine import step as _step
+from tfclip._engine import checks as _checks
+from tfclip._engine import loss_scale as _loss_scale
+from tfclip._engine import xla as _xla
 from tfclip import clipping as _clipping
-from tfclip._step import Binding
-from tfclip._tf_keras_step import (_UNSIGNED_SLOTS, _FusedMixin, _in_xla_context, _optimizer_utils,
-                                   _outer_graph, _refuse_stock_step, _slots_as, _state_variable, _tf_keras,
-                                   _xla_kernels)
+from tfclip._engine.binding import Binding
+from tfclip.tf_keras._dropin import (_FusedMixin, _optimizer_utils, _outer_graph,
+                                   _refuse_stock_step, _slots_as, _state_variable, _tf_keras)
 
 _legacy_stock = _tf_keras.optimizers.legacy
 _LEGACY_WARNED = set()
@@ -57,21 +61,22 @@ class _LegacyFusedMixin(_FusedMixin):
         # `<slot_name>_absmax` beside it (made here; when a checkpoint restores them as they are
         # made, each is restored on its own).
         true = tf.as_dtype(getattr(var, "true_dtype", var.dtype)).base_dtype
-        dtype = _rule.state_slot_dtype(self.state_dtype, true)
+        dtype = _narrow.state_slot_dtype(self.state_dtype, true)
         if dtype == true or (dtype == tf.uint8 and slot_name.endswith("_absmax")):
             return super().add_slot(var, slot_name, initializer, shape)
         if dtype != tf.uint8:
             with _slots_as(dtype):
                 return super().add_slot(var, slot_name, initializer, shape)
         absmax = 0.0  # (restored with the codes)
+        signed = _narrow.made_signed(self._tfclip_binding, self, slot_name)
         if not isinstance(initializer, tf.__internal__.tracking.CheckpointInitialValueCallable):
-            index, absmax = _rule.int8_start(_rule.initial_number(initializer), slot_name not in _UNSIGNED_SLOTS)
+            index, absmax = _narrow.int8_start(_narrow.initial_number(initializer), signed)
             initializer = _tf_keras.initializers.Constant(index)
         with _slots_as(dtype):
             slot = super().add_slot(var, slot_name, initializer, shape)
         a = super().add_slot(var, f"{slot_name}_absmax", _tf_keras.initializers.Constant(absmax),
-                             [_rule.int8_blocks(var.shape)])
-        _rule.keep_int8_slot(self, slot, a, slot_name not in _UNSIGNED_SLOTS, (var, slot_name))
+                             [_narrow.int8_blocks(var.shape)])
+        _narrow.keep_int8_slot(self, slot, a, signed, (var, slot_name))
         return slot
 
     def _clip_mode(self):
@@ -102,7 +107,7 @@ class _LegacyFusedMixin(_FusedMixin):
             return "gradient_transformers are set (stock runs them after the clip)"
         if len([k for k in _opcall.CLIP_ARGS if getattr(self, k) is not None]) > 1:
             return "more than one of clipvalue, clipnorm and global_clipnorm is set"
-        if _in_xla_context() and not _xla_kernels():
+        if _xla.in_context() and not _xla.kernels():
             return "this build of tfclip has no XLA kernels and the step is jit-compiled"
         return None
 
@@ -133,7 +138,7 @@ class _LegacyFusedMixin(_FusedMixin):
     def _index(self, v):
         return getattr(self, "_tfclip_index", {}).get(_legacy_var_key(v))
 
-    # The binding's sources (tfclip/_step.py, Binding): a slot by its name; a hyper-parameter
+    # The binding's sources (tfclip/_engine/step.py, Binding): a slot by its name; a hyper-parameter
     # from `_hyper` in the variables' dtype, as stock reads it (`_get_hyper`), else the attribute.
     def _tfclip_slot_var(self, slot_name, v):
         return self.get_slot(v, slot_name)
@@ -158,7 +163,7 @@ class _LegacyFusedMixin(_FusedMixin):
         reason = self._stock_reason(grads_and_vars)
         if reason is not None:
             _refuse_stock_step(self, reason)
-            if _step.loss_scale(self) is not None:  # (its wrapper checks first: a bug if reached)
+            if _loss_scale.loss_scale(self) is not None:  # (its wrapper checks first: a bug if reached)
                 raise RuntimeError(f"tfclip.tf_keras.LossScaleOptimizer folded its unscale into a step that "
                                    f"runs the stock ops: {reason}")
             if (type(self).__name__, reason) not in _LEGACY_WARNED:
@@ -214,7 +219,7 @@ def _legacy_var_key(v):
     return optimizer_v2._var_key(v)
 
 
-# -- the drop-ins: each class's rule binding is one data row (tfclip/_step.py, Binding); the
+# -- the drop-ins: each class's rule binding is one data row (tfclip/_engine/step.py, Binding); the
 # stock legacy classes compute their constants in the variables' dtype, so these do too.
 def _step_in_f64(opt, tvars):
     """iterations + 1 in the variables' dtype, as stock's local_step, given as float64."""
@@ -411,7 +416,7 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if isinstance(self._initial_decay, (int, float)) and not isinstance(self._initial_decay, bool):
-            _step.check_number("schedule_decay", float(self._initial_decay))
+            _checks.check_number("schedule_decay", float(self._initial_decay))
 
     def _stock_reason(self, grads_and_vars):
         reason = super()._stock_reason(grads_and_vars)
@@ -446,7 +451,7 @@ class _LegacyNadam(_LegacyFusedMixin, _legacy_stock.Nadam):
         # for it (a TF1 train op runs it). A skipped step advances it with `iterations` (the
         # schedule follows them), but under a loss scale's fold, whose skip is the stock
         # wrapper's: stock never reaches the inner step there, and the product stays.
-        if _step.loss_scale(self) is not None:
+        if _loss_scale.loss_scale(self) is not None:
             new = tf.where(applied, new, read)
         with tf.control_dependencies([applied]):
             stored = self._m_cache.assign(new)

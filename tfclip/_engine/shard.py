@@ -1,5 +1,5 @@
 """Optimizer state sharded across replicas (ZeRO stage 1): `shard_state=True` on the Keras 3
-drop-ins (tfclip/_keras_step.py) under a `tf.distribute` strategy with more than one replica.
+drop-ins (tfclip/keras/_dropin.py) under a `tf.distribute` strategy with more than one replica.
 
 - **Owners.** At build each trainable variable gets one owning replica (`owners`: the largest
   first, each to the replica holding the fewest bytes so far). Its slots are made on the owner's
@@ -16,15 +16,15 @@ drop-ins (tfclip/_keras_step.py) under a `tf.distribute` strategy with more than
   number of replicas. Across worker processes a slot owned elsewhere is a `RemoteSlot`, and the
   checkpoint gathers it from its owner (`SlotExchange`).
 
-The drop-ins' part is small (tfclip/_keras_step.py, tfclip/_tf_keras_step.py): `plan` at build;
+The drop-ins' part is small (tfclip/keras/_dropin.py, tfclip/tf_keras/_dropin.py): `plan` at build;
 each slot made on its owner's device (`on_device`; tf_keras: `making_slots`) or as a `RemoteSlot`;
 `begin` / `finish` around the fused step of the replica's share; `trackable_children` for
 checkpoints. `tfclip.rules` (`fused_clip_apply`): `Rule.state_owners` (`owners`, as variables are
 first seen), `on_device` or a `RemoteSlot` per slot, and `rule.variables` listing each slot's proxy
-where an exchange exists, in tfclip/_rule.py; `begin` / `finish` in tfclip/ops.py's `_sharded_step`.
+where an exchange exists, in tfclip/rules/_base.py; `begin` / `finish` in tfclip/ops.py's `_sharded_step`.
 
-Imports flow one way: the drop-ins, tfclip/_rule.py and tfclip/ops.py import this module; it imports
-tfclip/_step.py.
+Imports flow one way: the drop-ins, tfclip/rules/_base.py and tfclip/ops.py import this module; it imports
+tfclip/_engine/step.py.
 """
 import collections
 import contextlib
@@ -34,7 +34,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import numpy_dataset
 
-from tfclip import _opcall, _step
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import step as _step
 
 # A bit pattern of each width as int32 (the all-gather's and the broadcast's one dtype); one-byte
 # values (int8 state's codes) widened.

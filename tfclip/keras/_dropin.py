@@ -1,48 +1,30 @@
-"""What the Keras 3 drop-ins (tfclip/keras.py) share: `_FusedMixin`, the stock optimizer with its
-update replaced by the one fused step (tfclip/_step.py), tfclip's own state variables, the
-bfloat16 slots of state_dtype, the XLA fallback, and the sources a class's binding reads. The
-public classes and their docs: tfclip/keras.py."""
+"""What the Keras 3 drop-ins (tfclip/keras/__init__.py) share: `_FusedMixin`, the stock optimizer
+with its update replaced by the one fused step (tfclip._engine.dropin, around
+tfclip._engine.step.run), tfclip's own state variables, the narrow slots of state_dtype, the
+steps that run stock ops (`_stock_update_step`), the sources a class's binding reads, and
+`_Generic`, the base of the classes whose constructor is the stock one verbatim."""
 import contextlib
 import threading
 import warnings
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
-from tfclip import _loader, _mixup, _opcall, _optstate, _rule, _shard, _step
 from tfclip import clipping as _clipping
-
-
-def _in_xla_context():
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-def _xla_kernels():
-    """Whether this build of tfclip has its XLA kernels (tfclip._loader.xla_kernels); a module
-    attribute so that tests can take them away."""
-    return _loader.xla_kernels() if _XLA_KERNELS is None else _XLA_KERNELS
-
-
-_XLA_KERNELS = None  # None: ask the build
-
-
-_XLA_FALLBACK_WARNED = False
-
-
-def _warn_xla_fallback(why):
-    global _XLA_FALLBACK_WARNED
-    if not _XLA_FALLBACK_WARNED:
-        _XLA_FALLBACK_WARNED = True
-        warnings.warn(
-            f"tfclip.keras: {why}, so inside jit_compile=True the optimizer step runs stock Keras ops "
-            "(clipping after the all-reduce, the same results). Compile the model with "
-            "jit_compile=False for tfclip's fused kernels.", stacklevel=2)
+from tfclip._engine import checks as _checks
+from tfclip._engine import dropin as _dropin
+from tfclip._engine import loss_scale as _loss_scale
+from tfclip._engine import mixup as _mixup
+from tfclip._engine import narrow_state as _narrow
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import shard as _shard
+from tfclip._engine import step as _step
+from tfclip._engine import xla as _xla
 
 
 def _xla_fallback_reason(opt, grads, tvars):
     """Why this XLA-compiled step cannot run tfclip's kernels, or None."""
-    if not _xla_kernels():
+    if not _xla.kernels():
         import tfclip._build_info as _build_info
 
         return (f"this build of tfclip has no XLA kernels (built against TensorFlow "
@@ -50,7 +32,7 @@ def _xla_fallback_reason(opt, grads, tvars):
                 f"docs/xla.md, Versions)")
     # On GPU the XLA kernel densifies IndexedSlices (XLA keeps their indices on the device), which
     # cannot give lazy_sparse's rows or stock Keras's sum of a repeated row's squares.
-    # (Adafactor with factored_state takes them densified anyway: tfclip/_step.py, run.)
+    # (Adafactor with factored_state takes them densified anyway: tfclip._engine.step, run.)
     if (any(isinstance(g, tf.IndexedSlices) for g in grads) and any("GPU" in v.device for v in tvars)
             and not getattr(opt, "factored_state", False)
             and (opt.lazy_sparse or (opt._clip_mode()[0] != "global_norm" and opt.clip is None))):
@@ -100,29 +82,23 @@ def _check_betas(opt, names=("beta_1", "beta_2", "epsilon")):
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{name} must be a number or a callable, got {v!r}")
-        _step.check_number(name, float(v))
+        _checks.check_number(name, float(v))
 
 
-# The stock Keras slot names (add_variable_from_reference's `name`) of the slots a rule keeps >= 0:
-# int8 state quantizes them with the unsigned code. tests/test_int8_state.py checks this set
-# against the rule table's unsigned_slots for every class.
-_KERAS_UNSIGNED_SLOTS = frozenset({"velocity", "velocity_hat", "accumulator", "accumulated_grad",
-                                   "accumulated_delta_var", "u", "norm"})  # (Adamax: "norm")
+# Keras 3's own names for the slots it makes (add_variable_from_reference's `name`) where they are
+# not the rule table's: int8 state's code (signed or not) is the table's slot's
+# (tfclip._engine.narrow_state.made_signed).
+_KERAS_SLOT_NAMES = {"momentum": "m", "velocity": "v", "velocity_hat": "vhat", "norm": "u"}
 
 
-class _FusedMixin(_optstate.NormState):
+class _FusedMixin(_dropin.Dropin):
     """The fused update every drop-in shares (see the module docstring)."""
 
-    _tfclip_library = "keras"  # (tfclip/_mixup.py)
-    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
-    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules), and
-    # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
-    low_precision_state = True
-    int8_state = True
+    _tfclip_library = "keras"  # (tfclip._engine.mixup)
 
     def __init__(self, *args, clip=None, stochastic_rounding=False, rounding_seed=0, shard_state=False, **kwargs):
         # `clip`: an adaptive clip (tfclip.clipping), bfloat16 variables' stochastic rounding
-        # (csrc/core/rounding.h) and `shard_state` (tfclip/_shard.py), taken here for every class;
+        # (csrc/core/rounding.h) and `shard_state` (tfclip/_engine/shard.py), taken here for every class;
         # the stock class gets the rest.
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
@@ -139,19 +115,19 @@ class _FusedMixin(_optstate.NormState):
 
     def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype=None):
         # A tf_keras (Keras 2) program handing this optimizer to its model: the error names
-        # tfclip.tf_keras.<Class> (tfclip/_mixup.py; only where tf_keras is loaded already).
+        # tfclip.tf_keras.<Class> (tfclip/_engine/mixup.py; only where tf_keras is loaded already).
         _mixup.install()
         _opcall.check_policy(nonfinite)
         # Before the stock build makes any slot (object.__setattr__: not a tracked attribute).
-        object.__setattr__(self, "state_dtype", _rule.check_state_dtype(state_dtype, type(self)))
+        object.__setattr__(self, "state_dtype", _narrow.check_state_dtype(state_dtype, type(self)))
         # The learning rate and weight decay as numbers (a schedule or callable: per step, by
         # the op): finite, the one refusal of tfclip's own (docs/differences.md).
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, keras.Variable) and tf.executing_eagerly():
-            _step.check_number("learning_rate", float(lr.numpy()))
+            _checks.check_number("learning_rate", float(lr.numpy()))
         wd = self.weight_decay
         if isinstance(wd, (int, float)) and not isinstance(wd, bool):
-            _step.check_number("weight_decay", float(wd))
+            _checks.check_number("weight_decay", float(wd))
         # Keras allows one of the three (it raises first otherwise); each None or 0 is no clip.
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
@@ -166,7 +142,7 @@ class _FusedMixin(_optstate.NormState):
         # object.__setattr__: neither Keras's variable tracker nor TF's checkpoint dependencies
         # (both hook the optimizer's __setattr__) see them.
         with keras.name_scope(self.name):
-            for attr, name, value, dtype in _optstate.STATE_VARIABLES:
+            for attr, name, value, dtype in _dropin.STATE_VARIABLES:
                 object.__setattr__(self, attr, _state_variable(value, name, dtype))
         object.__setattr__(self, "_tensor_norms", None)  # made by build (one per variable)
         object.__setattr__(self, "_clipped_units", None)  # made by build with an AGC clip
@@ -184,7 +160,7 @@ class _FusedMixin(_optstate.NormState):
     @contextlib.contextmanager
     def _tfclip_slot_scope(self, reference_variable):
         """Where a slot of `reference_variable` is made: on its owning replica's device alone with
-        shard_state (tfclip/_shard.py), a `_shard.RemoteSlot` where that replica is in another
+        shard_state (tfclip/_engine/shard.py), a `_shard.RemoteSlot` where that replica is in another
         worker process (`add_variable`), else where the stock class makes it."""
         if self._tfclip_owner is None:
             yield
@@ -215,12 +191,13 @@ class _FusedMixin(_optstate.NormState):
                                          super()._trackable_children(save_type, **kwargs), save_type)
 
     def _tfclip_add_slot(self, reference_variable, name, initializer):
-        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype,
+        dtype = _narrow.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype,
                                        sharded=self._tfclip_owner is not None)
         if dtype == tf.as_dtype(reference_variable.dtype):
             return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
         if dtype == tf.uint8:  # int8 state: the codes, and their absmax beside them
-            index, absmax = _rule.int8_start(_rule.initial_number(initializer), name not in _KERAS_UNSIGNED_SLOTS)
+            signed = _narrow.made_signed(self._tfclip_binding, self, name, _KERAS_SLOT_NAMES)
+            index, absmax = _narrow.int8_start(_narrow.initial_number(initializer), signed)
             initializer = keras.initializers.Constant(index)
         object.__setattr__(self, "_tfclip_slot_dtype", dtype.name)
         try:
@@ -228,10 +205,10 @@ class _FusedMixin(_optstate.NormState):
         finally:
             object.__setattr__(self, "_tfclip_slot_dtype", None)
         if dtype == tf.uint8:
-            a = self.add_variable((_rule.int8_blocks(reference_variable.shape),),
+            a = self.add_variable((_narrow.int8_blocks(reference_variable.shape),),
                                   initializer=keras.initializers.Constant(absmax), dtype="float32",
                                   name=f"{slot.name}_absmax")
-            _rule.keep_int8_slot(self, slot, a, name not in _KERAS_UNSIGNED_SLOTS)
+            _narrow.keep_int8_slot(self, slot, a, signed)
         return slot
 
     def add_variable(self, *args, **kwargs):
@@ -336,18 +313,20 @@ class _FusedMixin(_optstate.NormState):
         # Sum across replicas first (a no-op without a strategy), then clip the sum.
         reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
         grads = [g for g, _ in reduced]
-        # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); only a
-        # build without them takes the stock ops there, and says so once.
-        why = _xla_fallback_reason(self, grads, tvars) if _in_xla_context() else None
+        # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); a step
+        # they cannot take (IndexedSlices on a GPU; a build without them) runs stock ops, said once.
+        why = _xla_fallback_reason(self, grads, tvars) if _xla.in_context() else None
         if why is not None:
-            if _step.loss_scale(self) is not None:  # (its wrapper checked first)
+            if _loss_scale.loss_scale(self) is not None:  # (its wrapper checked first)
                 raise RuntimeError(f"tfclip.keras.LossScaleOptimizer folded its unscale into a step that "
                                    f"cannot run tfclip's kernels: {why}")
-            _warn_xla_fallback(why)
+            _xla.warn_once("keras", f"tfclip.keras: {why}, so inside jit_compile=True the optimizer step runs "
+                           "stock Keras ops (clipping after the all-reduce, the same results). Compile the model "
+                           "with jit_compile=False for tfclip's fused kernels.")
             return self._stock_update_step(grads, trainable_variables, tvars, learning_rate)
         why = self._tfclip_stock_semantics(grads)
         if why is not None:
-            if _step.loss_scale(self) is not None:
+            if _loss_scale.loss_scale(self) is not None:
                 raise RuntimeError(f"tfclip.keras.LossScaleOptimizer folded its unscale into a step that "
                                    f"runs stock ops: {why}")
             return self._stock_update_step(grads, trainable_variables, tvars, learning_rate, cannot=why)
@@ -360,53 +339,24 @@ class _FusedMixin(_optstate.NormState):
 
     # -- the fused op -------------------------------------------------------------------
     def _fused_update_step(self, grads, keras_vars, learning_rate):
-        # The one fused step (tfclip/_step.py). Keras applies weight decay per variable
+        # The one fused step (tfclip._engine.dropin). Keras applies weight decay per variable
         # (exclude_from_weight_decay): one op per group, the global norm computed once for both.
         # IndexedSlices (embeddings) go to the op as they are: their norm is the norm of
         # `.values` (as tf.linalg.global_norm and Keras count it), and they are applied without
         # densifying, with stock Keras's results (or only their rows, with lazy_sparse). Stock
         # Keras's Adam feeds v the sum of a duplicated row's squared slices, except after
         # global_clipnorm, whose `g * scale` densifies (summing the duplicates) first.
-        decay = self.weight_decay is not None and self.weight_decay != 0
-        lr = _opcall.scalar(learning_rate, "learning_rate")
-        absmax = getattr(self, "_tfclip_absmax", None)
-        if absmax:  # int8 state: dense gradients (an IndexedSlices' duplicate rows summed, as TF's
-            # conversion; the core requantizes whole blocks of 256)
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and v.dtype == "float32" else g
-                     for g, v in zip(grads, keras_vars)]
-        # shard_state (tfclip/_shard.py): the norm of every gradient, then this replica's variables.
-        share = _shard.begin(grads, self._tfclip_owners_of(keras_vars))
-        own = range(len(keras_vars)) if share is None else share.own
-        step_vars = [keras_vars[i] for i in own]
-        groups = _step.optimizer_groups(self, step_vars, [bool(decay and self._use_weight_decay(v)) for v in step_vars],
-                                        lambda v: _tf_var(v).handle, lr, self.weight_decay,
-                                        absmax=self._tfclip_absmax_handles if absmax else None)
-        mode, clip = self._clip_mode()
-        # Inside tfclip.keras.LossScaleOptimizer (tfclip/_keras_loss_scale.py): the unscale is
-        # folded in, and a non-finite step is skipped (the loss scale backs off), whatever
-        # `nonfinite` says, as the stock wrapper skips the inner step.
-        loss_scale = _step.loss_scale(self)
-        result = _step.run([grads[i] for i in own], groups, mode, clip, clip_obj=self.clip,
-                           use_norm=None if share is None else share.use_norm,
-                           nonfinite=self.nonfinite if loss_scale is None else "skip",
-                           lazy=self.lazy_sparse, keras_sparse_squares=True, grad_scale=loss_scale,
-                           rounding=self._tfclip_rounding())
-        tensor_norms, clipped_units = result.tensor_norms, result.clipped_units
-        if share is not None:
-            tensor_norms, clipped_units = _shard.finish(share, [_tf_var(v) for v in keras_vars], result, loss_scale,
-                                                        agc=isinstance(self.clip, _clipping.AGC))
-        if loss_scale is not None:
-            _step.loss_scale_applied(self, result.applied)
-        self._record_norms(result.global_norm, result.applied, tensor_norms, keras_vars,
-                           result.clip_mode, result.clip,
-                           None if result.adaptive is None else result.adaptive.threshold, clipped_units)
-        return result.applied
+        return self._tfclip_fused_step(grads, keras_vars, _opcall.scalar(learning_rate, "learning_rate"),
+                                       keras_sparse_squares=True)
 
-    def _tfclip_owners_of(self, keras_vars):
-        """The owners of `keras_vars` with shard_state (tfclip/_shard.py), else None."""
-        if self._tfclip_owner is None:
-            return None
-        return [self._tfclip_owner[self._get_variable_index(v)] for v in keras_vars]
+    def _tfclip_decay(self):
+        return self.weight_decay is not None and self.weight_decay != 0
+
+    def _tfclip_position(self, v):
+        return self._get_variable_index(v)
+
+    def _tfclip_tf_var(self, v):
+        return _tf_var(v)
 
     def _tfclip_absmax_handles(self, keras_vars):
         """int8 state's absmax handles of `keras_vars`, slot-major (the op's `absmax` input)."""
@@ -419,15 +369,7 @@ class _FusedMixin(_optstate.NormState):
                     out.append(_tf_var(a).handle)
         return out
 
-    def tfclip_absmax(self, slot):
-        """The absmax variable of an int8-state slot variable (state_dtype="int8"), or None."""
-        return (getattr(self, "_tfclip_absmax", None) or {}).get(id(slot))
-
-    def tfclip_int8_slots(self):
-        """int8 state's slots (state_dtype="int8"): `_rule.Int8Slot`s (tfclip.convert_checkpoint)."""
-        return list(getattr(self, "_tfclip_int8_slots", ()))
-
-    # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
+    # The binding's sources (tfclip/_engine/step.py, Binding): a slot list by its attribute, a
     # hyper-parameter by its attribute (a callable one called, as Keras does), the step.
     def _tfclip_slot(self, attr, keras_vars):
         slot_list = getattr(self, attr)
@@ -437,10 +379,7 @@ class _FusedMixin(_optstate.NormState):
         v = getattr(self, name)
         return v() if callable(v) else v
 
-    def _tfclip_step(self):
-        return tf.cast(self.iterations + 1, tf.float64)
-
-    # -- the XLA fallback: stock Keras ops, clipping after the all-reduce -------------------
+    # -- a step in stock Keras ops (clipping after the all-reduce) ---------------------------
     def _stock_update_step(self, grads, keras_vars, tvars, learning_rate, cannot=None):
         # cannot: why the fused op cannot take this step (default: XLA's fallback).
         cannot = cannot or ("this build cannot compile inside an XLA-compiled function (jit_compile=True); "
@@ -454,46 +393,28 @@ class _FusedMixin(_optstate.NormState):
         if self.nonfinite == "raise":
             raise ValueError(f"nonfinite='raise' needs tfclip's fused op, and this step runs stock Keras ops: "
                              f"{cannot}; use 'skip' or 'propagate'")
-        # One reduction per gradient gives both its norm and the global one (as the fused pass).
-        sumsq = tf.stack([tf.reduce_sum(tf.square(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
-                                                          tf.float32))) for g in grads])
-        tensor_norms = tf.sqrt(sumsq)
-        norm = tf.sqrt(tf.reduce_sum(sumsq))
         base = super(_FusedMixin, self)
-        adaptive = self.clip.step(norm) if isinstance(self.clip, _clipping.AdaptiveClip) else None
 
-        agc_clipped = counts = None
-        if isinstance(self.clip, _clipping.AGC):  # the counts also for a skipped step, as the op's
-            agc_clipped, counts = self.clip.unfused(grads, tvars, counts=True)
-
-        def update():
-            if agc_clipped is not None:
-                clipped = agc_clipped
-            elif adaptive is None:
-                clipped = base._clip_gradients(grads)
-            else:  # TF's clip_by_global_norm scale, to the adaptive threshold when it clips
-                scale = tf.where(adaptive.clipped, adaptive.clip / tf.cast(norm, tf.float64), 1.0)
-                clipped = [_scaled(g, scale) for g in grads]
+        def update(clipped):
             base._apply_weight_decay(keras_vars)
             tf.__internal__.distribute.interim.maybe_merge_call(
                 self._distributed_tf_update_step, self._distribution_strategy,
                 list(zip(clipped, tvars)), learning_rate)
 
-        finite = tf.math.is_finite(norm)
-        if self.nonfinite == "skip" and not tf.distribute.has_strategy():
-            tf.cond(finite, update, lambda: None)
-            applied = finite
-        else:
-            update()
-            applied = tf.constant(True)
-        mode, clip = self._clip_mode() if adaptive is None else ("global_norm", adaptive.clip)
-        if adaptive is not None:
-            _clipping.assign_updates(adaptive, after=[applied])
-        self._record_norms(norm, applied, tensor_norms, keras_vars, mode, clip,
-                           None if adaptive is None else adaptive.threshold, counts)
+        mode, clip = self._clip_mode()
+        result = _step.run(grads, [], mode, clip, clip_obj=self.clip, nonfinite=self.nonfinite,
+                           stock=_step.Stock(tvars, base._clip_gradients, update))
+        self._tfclip_record(result, keras_vars)
 
 
-def _scaled(g, scale):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values * tf.cast(scale, g.dtype), g.indices, g.dense_shape)
-    return g * tf.cast(scale, g.dtype)
+class _Generic(_FusedMixin):
+    """A drop-in whose constructor is the stock one verbatim (every argument passed through),
+    plus tfclip's keyword-only `nonfinite` and `lazy_sparse`. `_checked`: the attributes checked
+    against the op's ranges at construction."""
+
+    _checked = ()
+
+    def __init__(self, *args, nonfinite="skip", lazy_sparse=False, state_dtype=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_betas(self, self._checked)
+        self._tfclip_init(nonfinite, lazy_sparse, state_dtype)

@@ -1,11 +1,10 @@
 """What the tf_keras (Keras 2) drop-ins share: `_FusedMixin` (tfclip.tf_keras's optimizers) and
-what `_LegacyFusedMixin` (tfclip/_tf_keras_legacy.py, the OptimizerV2 ones) builds on: tfclip's
+what `_LegacyFusedMixin` (tfclip/tf_keras/_legacy.py, the OptimizerV2 ones) builds on: tfclip's
 own state variables, the stock apply_gradients with its update replaced by the one fused step
-(tfclip/_step.py, one op per group of variables), and the sources a class's binding reads. The
-public classes and their docs: tfclip/tf_keras.py."""
+(tfclip._engine.dropin, around tfclip._engine.step.run; one op per group of variables), and the
+sources a class's binding reads. The public classes and their docs: tfclip/tf_keras/__init__.py."""
 import contextlib
 import functools
-import warnings
 
 import tensorflow as tf
 
@@ -16,43 +15,15 @@ except ImportError as _e:  # pragma: no cover - the optional dependency is absen
                       f"which is not installed ({_e}): pip install \"tfclip[tf-keras]\" (or "
                       "pip install tf-keras matching your TensorFlow). For Keras 3 use tfclip.keras.") from None
 
-from tensorflow.python.ops import control_flow_util
 from tf_keras.src.optimizers import utils as _optimizer_utils
 
-from tfclip import _loader, _opcall, _optstate, _rule, _shard, _step
 from tfclip import clipping as _clipping
-
-def _in_xla_context():
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-_XLA_KERNELS = None
-
-
-def _xla_kernels():
-    """Whether this build of tfclip has its XLA kernels (asked once of TF's kernel registry)."""
-    global _XLA_KERNELS
-    if _XLA_KERNELS is None:
-        from tensorflow.python.framework import kernels
-
-        _loader.ops()
-        found = {k.device_type for k in kernels.get_registered_kernels_for_op("TfclipGlobalNorm").kernel}
-        _XLA_KERNELS = "XLA_CPU_JIT" in found
-    return _XLA_KERNELS
-
-
-_XLA_FALLBACK_WARNED = False
-
-
-def _warn_xla_fallback():
-    global _XLA_FALLBACK_WARNED
-    if not _XLA_FALLBACK_WARNED:
-        _XLA_FALLBACK_WARNED = True
-        warnings.warn("tfclip.tf_keras: this build of tfclip has no XLA kernels, so inside "
-                      "jit_compile=True the optimizer step runs the stock tf_keras ops (which clip "
-                      "after the all-reduce too; nonfinite is not honoured there). Compile with "
-                      "jit_compile=False for tfclip's fused kernels.", stacklevel=3)
-
+from tfclip._engine import checks as _checks
+from tfclip._engine import dropin as _dropin
+from tfclip._engine import narrow_state as _narrow
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import shard as _shard
+from tfclip._engine import xla as _xla
 
 @contextlib.contextmanager
 def _slots_as(dtype):
@@ -76,6 +47,13 @@ def _slots_as(dtype):
         yield
 
 
+def _warn_xla_fallback():
+    _xla.warn_once("tf_keras", "tfclip.tf_keras: this build of tfclip has no XLA kernels, so inside "
+                   "jit_compile=True the optimizer step runs the stock tf_keras ops (which clip "
+                   "after the all-reduce too; nonfinite is not honoured there). Compile with "
+                   "jit_compile=False for tfclip's fused kernels.", stacklevel=4)
+
+
 def _refuse_stock_step(opt, reason):
     """A stock step cannot run on state_dtype's slots (the stock ops take slots of their
     variable's dtype): the error, naming why the fused op is not used here."""
@@ -88,15 +66,6 @@ def _refuse_stock_step(opt, reason):
     if getattr(opt, "stochastic_rounding", False):
         raise ValueError(f"{type(opt).__name__}(stochastic_rounding=True) needs tfclip's fused op, which "
                          f"cannot run this step ({reason}); leave stochastic_rounding off for it")
-
-
-# The stock slot names (tf_keras's add_variable_from_reference `variable_name`, OptimizerV2's
-# add_slot `slot_name`) of the slots a rule keeps >= 0: int8 state quantizes them with the
-# unsigned code. tests/test_tf_keras_int8_state.py checks the set against the rule table's
-# unsigned_slots for every class.
-_UNSIGNED_SLOTS = frozenset({"v", "vhat", "u", "accumulator", "velocity", "accumulated_grad",
-                             "accumulated_delta_var",  # tf_keras.optimizers
-                             "rms", "accum_grad", "accum_var"})  # the legacy ones beside them
 
 
 def _state_variable(value, name, dtype):
@@ -119,21 +88,16 @@ def _check_numbers(opt, names):
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{name} must be a number, got {v!r}")
-        _step.check_number(name, float(v))
+        _checks.check_number(name, float(v))
 
 
-class _FusedMixin(_optstate.NormState):
+class _FusedMixin(_dropin.Dropin):
     """The fused update every tf_keras drop-in shares (see the module docstring)."""
 
-    _tfclip_library = "tf_keras"  # (tfclip/_mixup.py)
-    _tfclip_binding = None  # per class: its rule-table row, as data (tfclip/_step.py, Binding)
+    _tfclip_library = "tf_keras"  # (tfclip._engine.mixup)
     _checked = ()
-    # Whether state_dtype="bfloat16" may store this class's slots as bfloat16 (tfclip.rules), and
-    # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
-    low_precision_state = True
-    int8_state = True
-    # shard_state (tfclip/_shard.py): off, and no owners, unless the constructor says so (the
-    # legacy classes, tfclip/_tf_keras_legacy.py, do not take it).
+    # shard_state (tfclip/_engine/shard.py): off, and no owners, unless the constructor says so (the
+    # legacy classes, tfclip/tf_keras/_legacy.py, do not take it).
     shard_state = False
     _tfclip_owner = None
     _tfclip_exchange = None
@@ -144,15 +108,15 @@ class _FusedMixin(_optstate.NormState):
         self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
         if not isinstance(shard_state, bool):
             raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
-        object.__setattr__(self, "shard_state", shard_state)  # (tfclip/_shard.py)
+        object.__setattr__(self, "shard_state", shard_state)  # (tfclip/_engine/shard.py)
         object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
         super().__init__(*args, **kwargs)
         lr = getattr(self, "_learning_rate", None)
         if isinstance(lr, tf.Variable) and tf.executing_eagerly():
-            _step.check_number("learning_rate", float(lr.numpy()))
+            _checks.check_number("learning_rate", float(lr.numpy()))
         wd = self.weight_decay
         if isinstance(wd, (int, float)) and not isinstance(wd, bool):
-            _step.check_number("weight_decay", float(wd))
+            _checks.check_number("weight_decay", float(wd))
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
@@ -162,7 +126,7 @@ class _FusedMixin(_optstate.NormState):
         return self._tfclip_clip
 
     def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype):
-        object.__setattr__(self, "state_dtype", _rule.check_state_dtype(state_dtype, type(self)))
+        object.__setattr__(self, "state_dtype", _narrow.check_state_dtype(state_dtype, type(self)))
         _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
                                   clipnorm=self.clipnorm, clipvalue=self.clipvalue)
         _opcall.check_policy(nonfinite)
@@ -176,7 +140,7 @@ class _FusedMixin(_optstate.NormState):
     def _tfclip_make_state(self):
         # Outside the tracked attributes (object.__setattr__): not in optimizer.variables nor in
         # checkpoints, so both stay the stock class's.
-        for attr, name, value, dtype in _optstate.STATE_VARIABLES:
+        for attr, name, value, dtype in _dropin.STATE_VARIABLES:
             object.__setattr__(self, attr, _state_variable(value, f"{self._tfclip_scope()}/{name}", dtype))
         object.__setattr__(self, "_tensor_norms", None)
         object.__setattr__(self, "_clipped_units", None)  # with an AGC clip, made with tensor_norms
@@ -210,7 +174,7 @@ class _FusedMixin(_optstate.NormState):
 
     def _tfclip_slot_scope(self, model_variable):
         """Where `model_variable`'s slots are made: its owner's device alone with shard_state, a
-        `_shard.RemoteSlot` where the owner is in another worker process (tfclip/_shard.py)."""
+        `_shard.RemoteSlot` where the owner is in another worker process (tfclip/_engine/shard.py)."""
         if self._tfclip_owner is None:
             return contextlib.nullcontext()
         owner = self._tfclip_owner[self._index(model_variable)]
@@ -232,18 +196,18 @@ class _FusedMixin(_optstate.NormState):
         # variable's true one); with state_dtype="bfloat16" a float32 variable's slots are
         # bfloat16. use_ema's "average" stays in the variable's dtype (stock code updates it).
         true = tf.as_dtype(getattr(model_variable, "true_dtype", model_variable.dtype))
-        dtype = _rule.state_slot_dtype(getattr(self, "state_dtype", None), true, sharded=self._tfclip_owner is not None)
+        dtype = _narrow.state_slot_dtype(getattr(self, "state_dtype", None), true, sharded=self._tfclip_owner is not None)
         if dtype == true or variable_name == "average":
             return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
         if dtype == tf.uint8:  # int8 state: the codes (an index into the code), then their absmax
-            index, absmax = _rule.int8_start(_rule.initial_number(initial_value), variable_name not in _UNSIGNED_SLOTS)
+            signed = _narrow.made_signed(self._tfclip_binding, self, variable_name)
+            index, absmax = _narrow.int8_start(_narrow.initial_number(initial_value), signed)
             with _slots_as(dtype):
                 slot = super().add_variable_from_reference(
                     model_variable, variable_name, None, tf.fill(model_variable.shape, float(index)))
-            blocks = _rule.int8_blocks(model_variable.shape)
-            _rule.keep_int8_slot(self, slot, super().add_variable_from_reference(
-                model_variable, f"{variable_name}_absmax", [blocks], tf.fill([blocks], absmax)),
-                variable_name not in _UNSIGNED_SLOTS)
+            blocks = _narrow.int8_blocks(model_variable.shape)
+            _narrow.keep_int8_slot(self, slot, super().add_variable_from_reference(
+                model_variable, f"{variable_name}_absmax", [blocks], tf.fill([blocks], absmax)), signed)
             return slot
         with _slots_as(dtype):
             return super().add_variable_from_reference(model_variable, variable_name, shape, initial_value)
@@ -253,7 +217,7 @@ class _FusedMixin(_optstate.NormState):
         return (getattr(self, "_tfclip_absmax", None) or {}).get(id(slot))
 
     def tfclip_int8_slots(self):
-        """int8 state's slots (state_dtype="int8"): `_rule.Int8Slot`s (tfclip.convert_checkpoint)."""
+        """int8 state's slots (state_dtype="int8"): `_narrow.Int8Slot`s (tfclip.convert_checkpoint)."""
         return list(getattr(self, "_tfclip_int8_slots", ()))
 
     def _tfclip_absmax_handles(self, tvars):
@@ -281,7 +245,7 @@ class _FusedMixin(_optstate.NormState):
         if not isinstance(clip, _clipping.AdaptiveClip) or clip.state is not None:
             return
         clip.bind(self)
-        with _step.state_scope():
+        with _checks.state_scope():
             clip.build(lambda name, shape, dtype: add(f"{clip.mode}_{name}", shape, dtype))
 
     def _tfclip_value(self, name):
@@ -291,7 +255,7 @@ class _FusedMixin(_optstate.NormState):
     def _tfclip_scope(self):
         return getattr(self, "_name", None) or self.name
 
-    # -- tfclip's own state (the properties and _record_norms: tfclip/_optstate.py) --------
+    # -- tfclip's own state (the properties and _record_norms: tfclip/_engine/dropin.py) --------
     @property
     def tensor_norm_names(self):
         """The variables' names, in the order of `tensor_norms`."""
@@ -308,7 +272,7 @@ class _FusedMixin(_optstate.NormState):
         if self._mesh or self._run_with_dtensor:
             raise NotImplementedError("tfclip.tf_keras optimizers do not run under DTensor; use the "
                                       f"stock tf_keras.optimizers.{type(self).__name__}")
-        if _in_xla_context() and not _xla_kernels():
+        if _xla.in_context() and not _xla.kernels():
             _refuse_stock_step(self, "this build of tfclip has no XLA kernels and the step is jit-compiled")
             _warn_xla_fallback()
             return super().apply_gradients(grads_and_vars, name=name,
@@ -361,6 +325,9 @@ class _FusedMixin(_optstate.NormState):
     def _index(self, v):
         return self._index_dict[self._var_key(v)]
 
+    def _tfclip_position(self, v):
+        return self._index(v)
+
     def _tfclip_lr(self, tvars):
         return self.learning_rate
 
@@ -368,10 +335,7 @@ class _FusedMixin(_optstate.NormState):
         return self.weight_decay is not None and not (
             isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0)
 
-    def _tfclip_lazy(self):
-        return self.lazy_sparse
-
-    # The binding's sources (tfclip/_step.py, Binding): a slot list by its attribute, a
+    # The binding's sources (tfclip/_engine/step.py, Binding): a slot list by its attribute, a
     # hyper-parameter by its attribute, the step.
     def _tfclip_slot(self, src, tvars):
         return [self._tfclip_slot_var(src, v).handle for v in tvars]
@@ -382,53 +346,10 @@ class _FusedMixin(_optstate.NormState):
     def _tfclip_hparam(self, name, tvars):
         return getattr(self, name)
 
-    def _tfclip_step(self):
-        return tf.cast(self.iterations + 1, tf.float64)
-
     def _fused_step(self, grads, tvars):
-        """The one fused step (tfclip/_step.py), one op per group of variables (weight decay,
-        `_tfclip_group`)."""
-        decay = self._tfclip_decay()
-        int8 = getattr(self, "_tfclip_absmax", None)
-        if int8:  # int8 state: dense gradients (an IndexedSlices' duplicate rows summed, as TF's
-            # conversion; the core requantizes whole blocks of 256)
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and v.dtype.base_dtype == tf.float32
-                     else g for g, v in zip(grads, tvars)]
-        # shard_state (tfclip/_shard.py): the norm of every gradient, then this replica's variables.
-        share = _shard.begin(grads, None if self._tfclip_owner is None else
-                             [self._tfclip_owner[self._index(v)] for v in tvars])
-        own = range(len(tvars)) if share is None else share.own
-        step_vars = [tvars[i] for i in own]
-        keys = [(bool(decay and self._use_weight_decay(v)), self._tfclip_group(v)) for v in step_vars]
-        groups = _step.optimizer_groups(self, step_vars, keys, lambda v: v.handle,
-                                        lambda group: _opcall.scalar(self._tfclip_lr(group), "learning_rate"),
-                                        self.weight_decay, absmax=self._tfclip_absmax_handles if int8 else None)
-        # Stock tf_keras clips each raw slice, then sums an IndexedSlices' duplicate rows
-        # (_deduplicate_sparse_grad) before the update: the op's duplicate sum, clipped slices
-        # summed, the rule fed the sum (not the sum of the slices' squares).
-        mode, clip = self._clip_mode()
-        # Inside tfclip.tf_keras.LossScaleOptimizer (tfclip/_tf_keras_loss_scale.py): the unscale
-        # folded in, a non-finite step skipped (the loss scale backs off) whatever `nonfinite` says.
-        loss_scale = _step.loss_scale(self)
-        result = _step.run([grads[i] for i in own], groups, mode, clip, clip_obj=self.clip,
-                           use_norm=None if share is None else share.use_norm,
-                           nonfinite=self.nonfinite if loss_scale is None else "skip",
-                           lazy=self._tfclip_lazy(), grad_scale=loss_scale, rounding=self._tfclip_rounding())
-        tensor_norms, clipped_units = result.tensor_norms, result.clipped_units
-        if share is not None:
-            tensor_norms, clipped_units = _shard.finish(share, tvars, result, loss_scale,
-                                                        agc=isinstance(self.clip, _clipping.AGC))
-        if loss_scale is not None:
-            _step.loss_scale_applied(self, result.applied)
-        self._record_norms(result.global_norm, result.applied, tensor_norms, tvars, result.clip_mode,
-                           result.clip, None if result.adaptive is None else result.adaptive.threshold,
-                           clipped_units)
-        return result.applied
-
-    def _tfclip_group(self, v):
-        """What else, beside the weight decay, splits a step into several ops sharing one norm
-        pass ("": nothing; legacy Nadam: the dtype, whose constants stock computes per dtype)."""
-        return ""
+        """The one fused step (tfclip._engine.dropin), one op per group of variables (weight
+        decay, `_tfclip_group`), each group at its learning rate (`_tfclip_lr`)."""
+        return self._tfclip_fused_step(grads, tvars, lambda group: _opcall.scalar(self._tfclip_lr(group), "learning_rate"))
 
     def _norm_positions(self, tvars):
         idx = [self._index(v) for v in tvars]

@@ -1,19 +1,21 @@
 """`tfclip.rules.Rule`, what every rule object is: its state (the step counter, each variable's
 slots, made once under a lock, mirrored under tf.distribute), the op's resource inputs (kept for
-a repeated eager step), and its step through the one fused step (tfclip/_step.py). The rules
-themselves, each a constructor and a binding row: tfclip/rules.py."""
+a repeated eager step), and its step through the one fused step (tfclip/_engine/step.py). The rules
+themselves, each a constructor and a binding row: tfclip/rules/__init__.py."""
 import collections
 import contextlib
 import numbers
 
 import tensorflow as tf
-from tensorflow.python.distribute.collective_all_reduce_strategy import \
-    CollectiveAllReduceExtended as _CollectiveExtended
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as _BaseResourceVariable
 
-from tfclip import _opcall, _shard, _step
+from tfclip._engine import narrow_state as _narrow
+from tfclip._engine import opcall as _opcall
+from tfclip._engine import shard as _shard
+from tfclip._engine import step as _step
+from tfclip._engine import checks as _checks
 from tfclip import clipping as _clipping
-from tfclip._opcall import ClipApplyResult
+from tfclip._engine.opcall import ClipApplyResult
 
 
 def _on_host(t):
@@ -25,144 +27,14 @@ def _pack_handles(handles):
     return tf.raw_ops.Pack(values=handles, axis=0)
 
 
-STATE_DTYPES = (None, "bfloat16", "int8")
-QUANT_BLOCK = 256  # int8 state: elements per absmax (csrc/core/quant8.h, kQuantBlock)
-
-
-def check_state_dtype(state_dtype, owner):
-    """`state_dtype` as a name (None: the stock layout), or a ValueError naming what is wrong.
-    owner: the rule or optimizer class (its `low_precision_state` says whether it takes one, its
-    `int8_state` whether int8 too)."""
-    if state_dtype is not None:
-        try:
-            name = tf.as_dtype(state_dtype).name
-        except TypeError:
-            name = state_dtype
-        if name == "float32":  # the stock layout, said explicitly
-            return None
-        if name not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be None (the stock layout), 'bfloat16' or 'int8', "
-                             f"got {state_dtype!r}")
-        if not getattr(owner, "low_precision_state", False):
-            raise ValueError(f"{owner.__name__} keeps its state as the stock class does: state_dtype="
-                             f"{state_dtype!r} is for the moment-keeping rules (tfclip.rules says which)")
-        if name == "int8" and not getattr(owner, "int8_state", False):
-            raise ValueError(f"{owner.__name__} does not take state_dtype='int8': "
-                             f"{getattr(owner, 'int8_state_why', 'not available here yet')}; "
-                             f"state_dtype='bfloat16' is")
-        return name
-    return None
-
-
-def state_slot_dtype(state_dtype, var_dtype, sharded=False):
-    """A slot's dtype for a variable of var_dtype: bfloat16 for a float32 variable under
-    state_dtype 'bfloat16', uint8 (the codes; tfclip.rules keeps an absmax beside each) under
-    'int8', else the variable's (the core stores no other pair). A narrow slot about to be made
-    mirrored (not `sharded`: on one device by tfclip/_shard.py) across worker processes is
-    refused, naming why (`_refuse_mirrored_across_processes`)."""
-    var_dtype = tf.as_dtype(var_dtype)
-    narrow = None
-    if state_dtype == "bfloat16" and var_dtype == tf.float32:
-        narrow = tf.bfloat16
-    if state_dtype == "int8" and var_dtype == tf.float32:
-        narrow = tf.uint8
-    if narrow is None:
-        return var_dtype
-    if not sharded:
-        _refuse_mirrored_across_processes(state_dtype)
-    return narrow
-
-
-def _refuse_mirrored_across_processes(state_dtype):
-    """MultiWorkerMirroredStrategy makes each mirrored variable with its initial value broadcast
-    from the chief by CollectiveBcastSend, whose kernels take bool, half, float, double, int32
-    and int64 only: a uint8 or bfloat16 slot fails there with TF's "Value for attr 'T' ... is not
-    in the list of allowed values". Sharded slots sit on one device each, with no broadcast, so
-    shard_state=True keeps narrow state across processes (tested in tests/test_shard.py)."""
-    if not tf.distribute.has_strategy():
-        return
-    extended = tf.distribute.get_strategy().extended
-    # (MultiWorkerMirroredStrategy's alone: ParameterServerStrategy also counts _num_workers, but
-    # its variables live on the parameter servers and are never broadcast)
-    workers = extended._num_workers if isinstance(extended, _CollectiveExtended) else 1
-    if workers > 1:
-        raise ValueError(
-            f"state_dtype={state_dtype!r} under MultiWorkerMirroredStrategy ({workers} worker processes) needs "
-            f"shard_state=True (tfclip.keras, tfclip.tf_keras, tfclip.rules): TensorFlow broadcasts each "
-            f"mirrored variable's initial value between processes with a collective that has no "
-            f"{'uint8' if state_dtype == 'int8' else 'bfloat16'} kernel, while a sharded slot lives on one device "
-            f"and is never broadcast. Or keep state_dtype='float32'.")
-
-
-def int8_start(value, is_signed):
-    """int8 state's (code index, absmax) for a slot that starts at the number `value` everywhere:
-    csrc/core/quant8.h's quantization of a constant block (absmax |value|; the code of 0, or of
-    +-1 at either end of the code: exact for 0 and for value > 0)."""
-    value = float(value)
-    if value == 0.0:
-        return (127 if is_signed else 0), 0.0  # QuantZeroIndex
-    if value > 0:
-        return 255, value  # 1.0, the top of both codes
-    if is_signed:
-        return 0, -value  # the signed code's lowest value, -0.99...
-    raise ValueError(f"a slot kept >= 0 cannot start at {value}")
-
-
-def initial_number(initial):
-    """A slot's constant start, which int8 state starts from, as the stock slot makers give it:
-    None or "zeros" (0), a number, a constant tensor of one value, or an initializer holding a
-    number (`.value`: Keras's and TF's Constant)."""
-    if initial is None or (isinstance(initial, str) and initial == "zeros"):
-        return 0.0
-    value = getattr(initial, "value", initial)  # (an initializer's constant)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, tf.Tensor):
-        a = tf.get_static_value(value)
-        if a is not None and a.size and (a == a.flat[0]).all():
-            return float(a.flat[0])
-    raise ValueError(f"int8 optimizer state starts from a constant; got the initial value {initial!r}")
-
-
-def int8_blocks(shape):
-    """The absmax count of int8 state for a variable of `shape`: one per QUANT_BLOCK elements."""
-    return -(-tf.TensorShape(shape).num_elements() // QUANT_BLOCK)
-
-
-Int8Slot = collections.namedtuple("Int8Slot", ["codes", "absmax", "signed", "slot_of"])
-Int8Slot.__doc__ = """One int8-state slot of an optimizer: its codes and absmax variables, whether its
-code is the signed one, and `slot_of`: (the model variable, the slot name) where the optimizer
-keeps it as a slot of that variable (OptimizerV2, TF1: checkpoints key it under the variable's
-`.OPTIMIZER_SLOT`), else None (an optimizer variable of its own). tfclip.convert_checkpoint reads
-them to (de)quantize a checkpoint."""
-
-
-def keep_int8_slot(opt, codes, absmax, signed, slot_of=None):
-    """Records an int8-state slot the optimizer `opt` made (`tfclip_int8_slots()`, `tfclip_absmax`),
-    outside its tracked attributes: the variables are saved through the stock lists or slots."""
-    if getattr(opt, "_tfclip_int8_slots", None) is None:
-        object.__setattr__(opt, "_tfclip_int8_slots", [])
-        object.__setattr__(opt, "_tfclip_absmax", {})
-    if id(codes) not in opt._tfclip_absmax:  # (a slot asked for again: the one made)
-        opt._tfclip_int8_slots.append(Int8Slot(codes, absmax, signed, slot_of))
-        opt._tfclip_absmax[id(codes)] = absmax
-
-
-def int8_initial(value, shape, is_signed):
-    """int8 state's initial (codes, absmax) tensors for a slot starting at `value` (int8_start)."""
-    index, absmax = int8_start(value, is_signed)
-    return (tf.fill(shape, tf.constant(index, tf.uint8)),
-            tf.fill([int8_blocks(shape)], tf.constant(absmax, tf.float32)))
-
-
 class Rule:
     """Base class: see the module docstring. A rule is declared by its `binding` (data,
-    tfclip/_step.py's `Binding`): its row of the core's rule table (`tfclip._core.rule_table()`),
+    tfclip/_engine/step.py's `Binding`): its row of the core's rule table (`tfclip._core.rule_table()`),
     its slots by name and its hyper-parameters and flags by the attributes that hold them."""
 
     binding = None
     # Whether `state_dtype="bfloat16"` may keep this rule's slots in bfloat16 (the moment-keeping
-    # element-wise rules; tfclip/rules.py says which and why), and `state_dtype="int8"`.
+    # element-wise rules; tfclip/rules/__init__.py says which and why), and `state_dtype="int8"`.
     low_precision_state = False
     int8_state = True
 
@@ -180,11 +52,11 @@ class Rule:
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.name = name or type(self).__name__
-        self.state_dtype = check_state_dtype(state_dtype, type(self))
+        self.state_dtype = _narrow.check_state_dtype(state_dtype, type(self))
         if not isinstance(shard_state, bool):
             raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
         self.shard_state = shard_state
-        # shard_state under a strategy of more than one replica (tfclip/_shard.py): var.ref() ->
+        # shard_state under a strategy of more than one replica (tfclip/_engine/shard.py): var.ref() ->
         # its owning replica, and the bytes each replica owns so far (`state_owners`).
         # Across worker processes, the checkpoint side (`_shard.SlotExchange`; None within one).
         self._owner, self._owner_load, self._exchange = {}, None, None
@@ -195,7 +67,7 @@ class Rule:
         self._pairs_cache = None  # see tfclip.ops._repeated_eager_split
         for k, v in self._config_numbers().items():
             if isinstance(v, numbers.Real) and not isinstance(v, bool):
-                _step.check_number(k, v)
+                _checks.check_number(k, v)
         self._check_stock_ranges()
 
     def _check_stock_ranges(self):
@@ -211,7 +83,7 @@ class Rule:
     def iterations(self):
         it = self._iterations
         if it is None:
-            with _opcall.state_lock(self), _step.state_scope():
+            with _opcall.state_lock(self), _checks.state_scope():
                 if self._iterations is None:
                     self._iterations = tf.Variable(
                         0, dtype=tf.int64, trainable=False, name=f"{self.name}/iterations",
@@ -225,7 +97,7 @@ class Rule:
         got = self._slots.get(key)
         if got is None:
             self.state_owners([var])  # shard_state: its owner, if not given yet
-            with _opcall.state_lock(self), _step.state_scope():
+            with _opcall.state_lock(self), _checks.state_scope():
                 got = self._slots.get(key)
                 if got is None:
                     base = var.name.split(":")[0]
@@ -252,7 +124,7 @@ class Rule:
                         unsigned = self._unsigned_slots()
                         got, absmax = {}, {}
                         for s in self.slot_names:
-                            codes, am = int8_initial(self._slot_initial(s), var.shape, s not in unsigned)
+                            codes, am = _narrow.int8_initial(self._slot_initial(s), var.shape, s not in unsigned)
                             got[s], absmax[s] = make(codes, s), make(am, f"{s}_absmax")
                         self._absmax[key] = absmax
                     else:
@@ -272,8 +144,7 @@ class Rule:
 
     def _unsigned_slots(self):
         """The stock names of the slots the rule keeps >= 0 (int8 state's unsigned code)."""
-        table = set(_opcall.RULES[self.kind]["unsigned_slots"])
-        return {stock for t, stock in self.binding.slot_names(self) if t in table}
+        return _narrow.unsigned_slots(self.binding, self)
 
     def absmax(self, var):
         """int8 state's absmax variables of `var`, by slot name (float32, one value per 256
@@ -334,12 +205,12 @@ class Rule:
     def slot_dtype(self, var):
         """The dtype of `var`'s slots: bfloat16 for a float32 variable under
         `state_dtype="bfloat16"`, else the variable's."""
-        return state_slot_dtype(self.state_dtype, var.dtype, sharded=var.ref() in self._owner)
+        return _narrow.state_slot_dtype(self.state_dtype, var.dtype, sharded=var.ref() in self._owner)
 
     def state_owners(self, variables):
         """With shard_state=True under a strategy of more than one replica: the replica that keeps
         each of `variables`' slots (ids in the sync group), each variable given one the first
-        time it is seen (tfclip/_shard.py's `owners`: the largest first, each to the replica
+        time it is seen (tfclip/_engine/shard.py's `owners`: the largest first, each to the replica
         owning the fewest bytes so far; the same on every replica and worker for the same
         variables in the same order). None without sharding."""
         n = _shard.replicas()
@@ -444,15 +315,15 @@ class Rule:
 
     def _clip_and_step(self, grads, variables, clip_mode, clip, use_norm, nonfinite, lazy_sparse=False,
                        all_dense=False, grad_scale=None, rounding_seed=None):
-        """The rule's step through the one fused step (tfclip/_step.py): the rule's own part is its
+        """The rule's step through the one fused step (tfclip/_engine/step.py): the rule's own part is its
         state (slots, counter, Nadam's product) and its hyper-parameters."""
         clip_obj = None
         if clip_mode == "adaptive":  # a tfclip.clipping object: AGC, or a clip with state
             clip_obj, clip_mode, clip = clip, "none", 0.0
             if not isinstance(clip_obj, _clipping.AGC):
-                with _opcall.state_lock(self), _step.state_scope():
+                with _opcall.state_lock(self), _checks.state_scope():
                     clip_obj.build()
-                _step.check_clip_state(clip_obj, self)
+                _checks.check_clip_state(clip_obj, self)
         self._before_step(variables)
         # The step counter advances only for an applied step. With host variables and a host
         # counter the op reads it (Adam's step) and advances it under the step's locks: the
@@ -522,7 +393,7 @@ class Rule:
         """The slot handle lists for the op, by the table's names."""
         return {table: slot_lists[stock] for table, stock in self.binding.slot_names(self)}
 
-    # The binding's sources (tfclip/_step.py, Binding): an attribute, the step.
+    # The binding's sources (tfclip/_engine/step.py, Binding): an attribute, the step.
     def _tfclip_hparam(self, name, variables):
         return getattr(self, name)
 
