@@ -570,7 +570,7 @@ def state_dtype_table(args, rng):
 
 
 def state_tiles_table(args, rng):
-    """Narrow state's tiles in each CPU variant this machine runs (csrc/core/cpu_state_tiles.inc:
+    """Narrow state's tiles in each CPU variant this machine runs (csrc/core/cpu/pass_state_tiles.cc:
     AVX-512 converts 16 lanes from registers, AVX2 8 lanes (int8: with gathers), the baseline
     element by element), interleaved in one loop: the core's step (tfclip._core.clip_apply on NumPy
     arrays, no TensorFlow: set_cpu_isa reaches only the _core module, not the TF op's library) over

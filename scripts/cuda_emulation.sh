@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the CUDA code without a GPU: builds tfclip._core from the production csrc/core/*.cu against the
+# Runs the CUDA code without a GPU: builds tfclip._core from the production csrc/core/cuda/*.cu against the
 # CPU emulation of CUDA (cuda/emulation/, -DTFCLIP_CUDA_EMULATION=ON) and runs the CUDA-vs-CPU
 # parity suite (tests/gpu) on it with TFCLIP_REQUIRE_GPU=1, so any skip is a failure (but the
 # GPU-only >2^31-element case). Every kernel meets every schedule of the emulation in one run (the
@@ -44,7 +44,7 @@ mkdir -p "$STATS"
 
 # kernel_stats REQUIRE: names the kernels the run launched (the emulation's TFCLIP_EMU_STATS files,
 # symbolized with nm) with their launches per schedule; with REQUIRE=1, fails unless every kernel
-# of csrc/core/cuda_*.cu and every instantiation of the trust-ratio rule (Lamb: the kernels
+# of csrc/core/cuda/*.cu and every instantiation of the trust-ratio rule (Lamb: the kernels
 # with two consecutive BlockSums) was launched.
 kernel_stats() {
   "$PY" - "$CORE" "$1" "$STATS"/*.txt <<'EOF'

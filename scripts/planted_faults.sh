@@ -2,7 +2,7 @@
 # Proof of power of the emulated CUDA suite (issue 34): runs the tests of the normal suite
 # (tests/gpu) that reach each planted fault, one fault at a time, on the emulated build of
 # scripts/cuda_emulation.sh (BUILD_DIR, default build-emu; built here if absent). That build
-# compiles in every fault's switch (TFCLIP_PLANTED(NAME) in csrc/core/cuda_*.cu and
+# compiles in every fault's switch (TFCLIP_PLANTED(NAME) in csrc/core/cuda/*.cu and
 # cuda_kernels.cuh), off unless the environment's TFCLIP_PLANT names it; the product build
 # compiles each to `false`. Every planted run must FAIL; the script exits 1 if one passes (a hole:
 # close it with a schedule, the race detector or a test, never by dropping the fault).
@@ -13,7 +13,7 @@
 #   scripts/planted_faults.sh --matrix [fault...]    # also each policy alone with the detector off, and
 #                                                    # the detector alone (random order): cuda/README.md's table
 #   scripts/planted_faults.sh reuse_barrier chunk_end   # only these faults
-# (Until 2026-11-29 each fault was a compile-time #ifdef and a rebuild of the csrc/core/cuda_*.cu
+# (Until 2026-11-29 each fault was a compile-time #ifdef and a rebuild of the csrc/core/cuda/*.cu
 # files: 13 rebuilds, most of this step's 387 s in CI.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ FAULTS=(
   "factored_barrier|FACTORED_BARRIER|adafactor"
   "bf16_slot_store|BF16_SLOT_STORE|test_bf16_state_parity"
 )
-# What each fault is (csrc/core/cuda_*.cu have the same words where it acts).
+# What each fault is (csrc/core/cuda/*.cu have the same words where it acts).
 declare -A WHAT=(
   [reuse_barrier]="no __syncthreads() before the second of two consecutive block reductions (BlockSum's first barrier)"
   [publish_barrier]="no __syncthreads() between a block reduction's warp_sums writes and warp 0's reads"

@@ -132,7 +132,7 @@ def test_every_cpu_variant_gives_the_same_bits():
                     out.append(_core.clip_apply(rule, vs, gs, sl, hp, "agc", 0.05, tensor_norms_out=tn,
                                                 agc_clipped_out=cu))
                     out += [tn.tobytes(), cu.tobytes()] + [a.tobytes() for a in vs + [x for s in sl for x in s]]
-            # Adafactor's factored passes (csrc/core/cpu_factored.inc): matrices of several tiles,
+            # Adafactor's factored passes (csrc/core/cpu/pass_factored.cc): matrices of several tiles,
             # a batch of matrices, unfactored vectors; its r and c slots of their own shapes.
             for gdt in (np.float32, np.float16):
                 r = np.random.default_rng(6)

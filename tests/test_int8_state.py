@@ -177,7 +177,7 @@ def test_int8_state_mixed_with_float32_state(rng):
 def test_int8_state_same_bits_for_any_thread_count_and_instruction_set(rng):
     """1, 2 or 4 threads, and each instruction-set variant of the CPU passes this machine runs
     (AVX-512 converts 16 lanes at a time from registers, AVX2 8 with gathers, the baseline element
-    by element: csrc/core/cpu_state_tiles.inc): the same bits, and those of the float32 step quantized by NumPy."""
+    by element: csrc/core/cpu/pass_state_tiles.cc): the same bits, and those of the float32 step quantized by NumPy."""
     shapes = [(3 * 65536 + 1000,), (700,)]
     vars0 = [rng.normal(size=s).astype(np.float32) for s in shapes]
     grads = [rng.normal(size=s).astype(np.float32) for s in shapes]

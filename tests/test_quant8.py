@@ -96,7 +96,7 @@ def test_zero_index_is_the_cores_constant():
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_every_instruction_set_variant_rounds_at_the_same_points(signed):
-    """The int8 state's block (256) runs the active CPU variant's tiles (csrc/core/cpu_state_tiles.inc:
+    """The int8 state's block (256) runs the active CPU variant's tiles (csrc/core/cpu/pass_state_tiles.cc:
     element by element, AVX2 gathers, or AVX-512's in-register search tree). Every code value,
     every midpoint between neighbours and the floats a few ulps either side of it (where the
     nearest code flips), 0 and -0, in blocks whose absmax is 1 (so the quotient is the value

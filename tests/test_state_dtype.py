@@ -405,7 +405,7 @@ def test_compat_v1_state_dtype_refused_where_the_state_must_stay():
 
 
 def test_bf16_slots_round_alike_in_every_cpu_variant():
-    """The slot as stored, in each CPU variant this machine runs (csrc/core/cpu_state_tiles.inc:
+    """The slot as stored, in each CPU variant this machine runs (csrc/core/cpu/pass_state_tiles.cc:
     AVX-512 16 lanes, AVX2 8, baseline one at a time): TF's Momentum at momentum 0 stores the
     gradient itself (0 * accum + g), so the bf16 slot is the gradient rounded. Random float32 bit
     patterns (subnormals, infs and NaNs with payloads among them) and the rounding ties (low

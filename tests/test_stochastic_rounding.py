@@ -124,7 +124,7 @@ def test_bf16_variables_round_to_nearest_as_the_float32_step(name):
 
 
 def test_xla_group_calls_draw_the_op_positions():
-    """Under XLA an op of more than 64 variables is several custom calls (csrc/xla/custom_calls.h,
+    """Under XLA an op of more than 64 variables is several custom calls (csrc/xla/ffi/custom_calls.h,
     kGroupVars); each call's variables still draw by their position in the op: the bits of the
     eager op, which is one call."""
     w, g = _data(4, [(33,)] * 150)

@@ -562,7 +562,7 @@ def test_import_after_first_xla_compilation_gets_the_kernels(tmp_path):
 
 def test_the_handlers_joined_tfs_xla_registry():
     """The op library registered its custom-call handlers with TF's typed FFI when it loaded
-    (csrc/xla/tf_registration.cc, through XLA_FFI_GetApi or, on TF 2.17-2.19,
+    (csrc/xla/tf/registration.cc, through XLA_FFI_GetApi or, on TF 2.17-2.19,
     xla::ffi::GetXlaFfiApi; on TF 2.16, legacy entries in XLA's custom-call target registry)."""
     from tfclip import _loader
 

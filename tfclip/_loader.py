@@ -87,7 +87,7 @@ def xla_kernels():
 
 def _xla_handlers_registered():
     """Whether the op library's custom-call handlers joined TF's XLA registry when it loaded
-    (csrc/xla/tf_registration.cc; a TF whose typed FFI they cannot join prints why)."""
+    (csrc/xla/tf/registration.cc; a TF whose typed FFI they cannot join prints why)."""
     import ctypes
 
     lib = ctypes.CDLL(os.path.join(os.path.dirname(__file__), "_tfclip_ops.so"))  # (already loaded)

@@ -5,7 +5,7 @@
 // bool attrs after the inputs' attrs); the outputs of kApplyOutputs; then the attributes of
 // kApplyAttrs. The op registration (csrc/tf/ops.cc) writes its .Input/.Output/.Attr lines from
 // these tables, its shape function sets the outputs by their shape kind, and the TF and XLA
-// kernels (csrc/tf/apply_kernel.cc, csrc/xla/xla_kernels.cc) read the attributes into one
+// kernels (csrc/tf/apply_kernel.cc, csrc/xla/tf/kernels.cc) read the attributes into one
 // ApplyOpAttrs by looping over kApplyAttrs (csrc/tf/apply_op_attrs.h). A new attribute or output
 // is one row here (and a field of ApplyOpAttrs for an attribute the kernels read);
 // docs/architecture.md, "Adding an apply-op attribute or output", lists what else may follow.

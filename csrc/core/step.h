@@ -1,6 +1,6 @@
 // tfclip core: a clip-and-apply step as every adapter hands it to the core, and what comes back,
-// for both drivers: the CPU one (csrc/core/cpu_driver.h, ClipApplyCpu) and the CUDA one
-// (csrc/core/cuda_driver.h, CudaClipApply), neither of which includes the other. No TF, CUDA or
+// for both drivers: the CPU one (csrc/core/cpu/driver.h, ClipApplyCpu) and the CUDA one
+// (csrc/core/cuda/driver.h, CudaClipApply), neither of which includes the other. No TF, CUDA or
 // pybind11 header. Definitions: step.cc.
 #pragma once
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "csrc/core/clip.h"
-#include "csrc/core/cpu_driver.h"
+#include "csrc/core/cpu/driver.h"
 #include "csrc/core/rule_table.h"
 #include "csrc/core/tensors.h"
 

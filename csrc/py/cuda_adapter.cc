@@ -16,8 +16,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "csrc/core/cuda_driver.h"
-#include "csrc/core/cuda_workspace.h"
+#include "csrc/core/cuda/driver.h"
+#include "csrc/core/cuda/workspace.h"
 #include "csrc/core/validate.h"
 #include "csrc/py/arrays.h"
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "csrc/core/clip.h"
-#include "csrc/core/cpu_kernels.h"
+#include "csrc/core/cpu/kernels.h"
 #include "csrc/core/hparams.h"
 #include "csrc/core/quant8.h"
 #include "csrc/core/rounding.h"

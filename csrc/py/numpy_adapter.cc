@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "csrc/core/cpu_driver.h"
-#include "csrc/core/cpu_kernels.h"
+#include "csrc/core/cpu/driver.h"
+#include "csrc/core/cpu/kernels.h"
 #include "csrc/core/validate.h"
 #include "csrc/py/arrays.h"
 

@@ -2,8 +2,8 @@
 // TfclipClipApplyRef<Op> (ops.cc), with its registrations: one kernel class for every rule of the
 // rule table (csrc/core/rule_table.h). Compute() checks what only TF sees (shapes, dtypes, the
 // IndexedSlices indices), looks up, locks and copies-on-write the variables (resources.h),
-// allocates the outputs, and calls one core step: csrc/core/cpu_driver.h on CPU,
-// csrc/core/cuda_driver.h on GPU (the op's stream, memory from TF's allocators: device.h).
+// allocates the outputs, and calls one core step: csrc/core/cpu/driver.h on CPU,
+// csrc/core/cuda/driver.h on GPU (the op's stream, memory from TF's allocators: device.h).
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -12,7 +12,7 @@
 #include "csrc/core/apply_op.h"
 #include "csrc/core/factored.h"
 #include "csrc/core/quant8.h"
-#include "csrc/core/cpu_driver.h"
+#include "csrc/core/cpu/driver.h"
 #include "csrc/core/rule_table.h"
 #include "csrc/core/validate.h"
 #include "csrc/tf/apply_op_attrs.h"
@@ -23,7 +23,7 @@
 #include "tensorflow/core/framework/types.h"
 
 #if TFCLIP_WITH_CUDA
-#include "csrc/core/cuda_driver.h"
+#include "csrc/core/cuda/driver.h"
 #endif
 
 namespace tfclip {

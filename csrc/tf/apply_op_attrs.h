@@ -1,6 +1,6 @@
 // tfclip TF glue: the apply ops' common attributes read into ApplyOpAttrs, one loop over the
 // description's rows (csrc/core/apply_op.h), with the rule's flags from the rule table. The TF
-// kernel (apply_kernel.cc) and the XLA kernel (csrc/xla/xla_kernels.cc) both call it: an
+// kernel (apply_kernel.cc) and the XLA kernel (csrc/xla/tf/kernels.cc) both call it: an
 // XlaOpKernel is constructed from the same tf::OpKernelConstruction.
 #pragma once
 

@@ -8,7 +8,7 @@
 #include "tensorflow/core/platform/threadpool.h"
 
 #if TFCLIP_WITH_CUDA
-#include "csrc/core/cuda_workspace.h"
+#include "csrc/core/cuda/workspace.h"
 #include "tensorflow/core/common_runtime/device/device_event_mgr.h"
 #include "xla/stream_executor/stream.h"
 #endif

@@ -8,14 +8,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "csrc/core/cpu_driver.h"
+#include "csrc/core/cpu/driver.h"
 #include "csrc/core/types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
 
 #if TFCLIP_WITH_CUDA
-#include "csrc/core/cuda_driver.h"
+#include "csrc/core/cuda/driver.h"
 #endif
 
 namespace tfclip {

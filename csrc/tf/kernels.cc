@@ -1,12 +1,12 @@
 // tfclip TF glue: the OpKernels of the norm ops, TfclipGlobalNorm and TfclipClipByGlobalNorm
 // (ops.cc), CPU and GPU, with their registrations. Each Compute() validates what only TF sees,
-// allocates, and calls one core pass: csrc/core/cpu_driver.h on CPU, csrc/core/cuda_driver.h on
+// allocates, and calls one core pass: csrc/core/cpu/driver.h on CPU, csrc/core/cuda/driver.h on
 // GPU (the op's stream, memory from TF's allocators: device.h). The apply ops' kernel is in
 // apply_kernel.cc.
 #include <string>
 #include <vector>
 
-#include "csrc/core/cpu_driver.h"
+#include "csrc/core/cpu/driver.h"
 #include "csrc/core/validate.h"
 #include "csrc/tf/device.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -14,7 +14,7 @@
 #include "tensorflow/core/framework/types.h"
 
 #if TFCLIP_WITH_CUDA
-#include "csrc/core/cuda_driver.h"
+#include "csrc/core/cuda/driver.h"
 #endif
 
 namespace tfclip {

@@ -6,7 +6,7 @@
 #include <utility>
 
 #if TFCLIP_WITH_CUDA
-#include "csrc/core/cuda_workspace.h"
+#include "csrc/core/cuda/workspace.h"
 #endif
 
 namespace tfclip {

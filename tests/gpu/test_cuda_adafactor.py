@@ -1,4 +1,4 @@
-"""Adafactor on CUDA (csrc/core/cuda_factored.cu) against the CPU driver bit for bit: both sum
+"""Adafactor on CUDA (csrc/core/cuda/factored.cu) against the CPU driver bit for bit: both sum
 every float64 in the order csrc/core/factored.h fixes, and the per-element arithmetic is the one
 AdafactorRule. Shapes cut a matrix into several tiles (column partials added over tiles) and
 several matrices; every dtype pair the kernels dispatch; factored_state's scalar v; each clip

@@ -1,5 +1,5 @@
 """The loss-scale unscale folded into the CUDA passes (issue 47; ClipConfig::grad_scale, read by
-the finalize kernel, csrc/core/cuda_finalize.cu), against the same device's step on NumPy's
+the finalize kernel, csrc/core/cuda/finalize.cu), against the same device's step on NumPy's
 g * s (exact for a power of two): the same kernels and summation order, so bit for bit in every
 clip mode, with grad_scale a number or a device scalar; and the CPU fold (tests/test_grad_scale.py)
 to the norms' 1e-12."""

@@ -1,4 +1,4 @@
-"""int8 optimizer state on CUDA (issue 47; csrc/core/cuda_apply.cu ApplyRangeQ8) against the CPU
+"""int8 optimizer state on CUDA (issue 47; csrc/core/cuda/apply.cu ApplyRangeQ8) against the CPU
 driver, which tests/test_int8_state.py checks against the float32 step quantized by NumPy.
 
 The device quantizes a block of 256 in one warp (a butterfly for the absmax) where the CPU loops

@@ -1,4 +1,4 @@
-"""The XLA CUDA custom-call handler (csrc/xla/cuda_handlers.cc) without XLA and without a GPU: on
+"""The XLA CUDA custom-call handler (csrc/xla/ffi/cuda_handlers.cc) without XLA and without a GPU: on
 the emulated-CUDA build of _core, a call frame built as XLA's GPU runtime builds one (typed-FFI
 buffers with dtype and dims, the variables' results aliased to their operands, the hyper-parameters
 in one device f64 vector, the step counter's copy as a result) runs the handler's body, against
@@ -55,7 +55,7 @@ def call_handler(rule, vars_d, slots_d, grads_d, scalars, counter, shapes, var_d
     tensor_norms, counter after). clipped_out: a list given the clipped_units result. scratch:
     "xla", the workspace from an allocator as XLA's; "own", a runtime with none (the typed FFI's
     API 0.0, TF 2.17), where the handler keeps its own device buffers; "legacy", a legacy custom
-    call as TF 2.16's XLA makes it (csrc/xla/legacy_call.h: raw buffers, the shapes and
+    call as TF 2.16's XLA makes it (csrc/xla/ffi/legacy_call.h: raw buffers, the shapes and
     attributes in the opaque string, no allocator). absmax_d: int8 state, slots_d then hold the
     codes (uint8) and these lists their absmax."""
     n = len(vars_d)

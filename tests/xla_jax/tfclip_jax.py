@@ -1,9 +1,9 @@
-"""tfclip's XLA custom calls made from JAX: the handlers TF's XLA calls (csrc/xla/ffi_handlers.cc,
+"""tfclip's XLA custom calls made from JAX: the handlers TF's XLA calls (csrc/xla/ffi/host_handlers.cc,
 cuda_handlers.cc), built against JAX's typed-FFI headers into `_jax_ffi` (CMakeLists.txt), run
 under JAX's XLA runtime: on its CPU backend (CI, against the TF op) and on a GPU (the lent hosts
 have JAX but no TF; scripts/gpu_session.sh, benchmarks/gpu_bench.py).
 
-The step is the one the TF XLA kernel (csrc/xla/xla_kernels.cc) builds, call for call: one
+The step is the one the TF XLA kernel (csrc/xla/tf/kernels.cc) builds, call for call: one
 `tfclip_norm` call over every gradient, then one `tfclip_apply` call per group of at most 64
 variables (custom_calls.h), each given the norm and updating its variables and slots in place
 (results aliased to operands). Attributes and operand order are custom_calls.h's; the numbers
