@@ -620,7 +620,8 @@ def test_keras_int8_codes_are_signed_as_the_rule_table_says(name):
     assert len(made) == len(pairs)
     for table, unsigned, slots in pairs:
         assert made[id(slots[0])] == (not unsigned), (name, table)
-        assert int(slots[0].numpy()[0]) == (0 if unsigned else 127), (name, table)
+        if not float(opt.tfclip_absmax(slots[0]).numpy()[0]):  # (a slot starting at 0: that code's 0)
+            assert int(slots[0].numpy()[0]) == (0 if unsigned else 127), (name, table)
 
 
 def test_keras_int8_state_config_checkpoint_and_fit(rng, tmp_path):

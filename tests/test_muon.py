@@ -81,6 +81,21 @@ CASES = [{}, {"nesterov": False}, {"rms_rate": None, "weight_decay": 0.1}, {"ada
          {"global_clipnorm": 0.5}, {"clipnorm": 0.1}]
 
 
+def _batched_matmul_gives_the_per_matrix_bits():
+    """Whether this CPU's TF computes a stacked matrix product with the bits of each matrix's own
+    (a Xeon's did, 2026-11; a 2-core AMD EPYC's AVX2 kernels did not, 2026-12-04: 4e-8 apart in a
+    Muon step). Where they differ, the batched chain is held to a tolerance: its arithmetic is
+    stock's, summed in another order."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 16, 16)).astype(np.float32)
+    b = rng.standard_normal((3, 16, 16)).astype(np.float32)
+    stacked = tf.linalg.matmul(a, b).numpy()
+    return all(np.array_equal(stacked[k], tf.linalg.matmul(a[k], b[k]).numpy()) for k in range(3))
+
+
+_BATCHED_BITS = _batched_matmul_gives_the_per_matrix_bits()
+
+
 @pytest.fixture(params=[False, True], ids=["per_matrix", "batched"])
 def batched(request, monkeypatch):
     """The Newton–Schulz products per matrix (the CPU's default) or batched by shape (a GPU's)."""
@@ -100,8 +115,9 @@ def test_follows_stock_muon(kw, how, batched):
     sw, sv, so = _train(keras.optimizers.Muon, how, **kw)
     ow, ov, oo = _train(tk.Muon, how, **kw)
     # In a graph, TF's graph optimizer (grappler) rewrites stock's ops, not the fused ones:
-    # test_same_arithmetic_as_stock_in_a_graph shows the bits with it off.
-    exact = how == "eager" and not ({"global_clipnorm", "clipnorm"} & set(kw))
+    # test_same_arithmetic_as_stock_in_a_graph shows the bits with it off. Batched, the products
+    # sum in the order of TF's batched matrix kernel, which TF picks per CPU (_BATCHED_BITS).
+    exact = how == "eager" and not ({"global_clipnorm", "clipnorm"} & set(kw)) and not (batched and not _BATCHED_BITS)
     _same(sw, ow, exact)
     _same(sv, ov, exact)
     assert [tuple(v.shape) for v in so.variables] == [tuple(v.shape) for v in oo.variables]
@@ -110,9 +126,10 @@ def test_follows_stock_muon(kw, how, batched):
 @pytest.mark.parametrize("kw", [{}, {"nesterov": False, "adam_lr_ratio": 0.1}, {"rms_rate": None, "weight_decay": 0.1}],
                          ids=lambda kw: "-".join(kw) or "plain")
 def test_same_arithmetic_as_stock_in_a_graph(kw, batched):
-    """With grappler off, a tf.function step gives stock's bits, per matrix and batched: the
-    fused ops and the batched chain are the same arithmetic; only the graph optimizer's rewrites
-    of stock's ops tell them apart."""
+    """With grappler off, a tf.function step gives stock's bits, per matrix and batched (where
+    the CPU's batched product has the per-matrix bits, _BATCHED_BITS: else within a tolerance):
+    the fused ops and the batched chain are the same arithmetic; only the graph optimizer's
+    rewrites of stock's ops tell them apart."""
     before = tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     try:
@@ -120,8 +137,9 @@ def test_same_arithmetic_as_stock_in_a_graph(kw, batched):
         ow, ov, _ = _train(tk.Muon, "function", **kw)
     finally:
         tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": before})
-    _same(sw, ow, exact=True)
-    _same(sv, ov, exact=True)
+    exact = not batched or _BATCHED_BITS
+    _same(sw, ow, exact=exact)
+    _same(sv, ov, exact=exact)
 
 
 def test_grappler_moves_stock_not_tfclip():
@@ -165,8 +183,10 @@ def test_newton_schulz_is_batched_by_shape_on_a_gpu(monkeypatch, device, want_ba
     per matrix (the model's own products are the same in both graphs); on the CPU per matrix,
     as stock. (No GPU here: the device the class reads is the variables' `device`, patched.)"""
     if device is not None:
-        real = tk._tf_var
-        monkeypatch.setattr(tk, "_tf_var", lambda v: _OnDevice(real(v), device))
+        from tfclip.keras import _muon
+
+        real = _muon._tf_var
+        monkeypatch.setattr(_muon, "_tf_var", lambda v: _OnDevice(real(v), device))
     counts = [_count_matmuls(_step_ops(cls, ns_steps=5)) for cls in (keras.optimizers.Muon, tk.Muon)]
     assert counts[0] - counts[1] == (3 * 5 * (4 - 2) if want_batched else 0), counts
 

@@ -124,7 +124,8 @@ def test_int8_codes_are_signed_as_the_rule_table_says():
             unsigned = table in _opcall.RULES[opt._tfclip_binding.kind(opt)]["unsigned_slots"]
             assert seen.setdefault(stock, unsigned) == unsigned, (kind, name, stock)
             assert made[id(slot)] == (not unsigned), (kind, name, stock)
-            assert int(slot.numpy().ravel()[0]) == (0 if unsigned else 127), (kind, name, stock)
+            if not float(opt.tfclip_absmax(slot).numpy().ravel()[0]):  # (a slot starting at 0: that code's 0)
+                assert int(slot.numpy().ravel()[0]) == (0 if unsigned else 127), (kind, name, stock)
     assert {"m", "v", "momentum", "accumulator"} <= set(seen)
 
 

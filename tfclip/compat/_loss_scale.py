@@ -15,9 +15,10 @@ gradients in between) keep the stock wrapper's passes: those gradients are unsca
 code in between expects. So do the cases the fold cannot take (`fold_refusal`).
 """
 import tensorflow as tf
-from tensorflow.python.training.experimental import loss_scale as _loss_scale
+from tensorflow.python.training.experimental import loss_scale as _tf_loss_scale
 from tensorflow.python.training.experimental import loss_scale_optimizer as _lso
 from tfclip import clipping as _clipping
+from tfclip._engine import loss_scale as _loss_scale
 from tfclip.compat._fused import _Fused
 
 
@@ -35,7 +36,7 @@ class MixedPrecisionLossScaleOptimizer(_lso.MixedPrecisionLossScaleOptimizer):
         if isinstance(inner._adaptive, _clipping.AGC):
             return "AGC's unit scales count the units they clip, from the unscaled gradients"
         ls = self._loss_scale
-        if not isinstance(ls, _loss_scale.DynamicLossScale):
+        if not isinstance(ls, _tf_loss_scale.DynamicLossScale):
             return "a fixed loss scale (stock applies every step under the inner optimizer's own policy)"
         for what, value in (("initial_loss_scale", ls.initial_loss_scale), ("multiplier", ls.multiplier)):
             if not _loss_scale.power_of_two(value):
