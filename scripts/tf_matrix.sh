@@ -15,12 +15,12 @@ VERSIONS=("$@")
 [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(2.15 2.16 2.17 2.18 2.19 2.20 2.21)
 # Every front door: the ops and their gradients, fused_clip_apply with every rule, the TF1
 # drop-ins, the Keras drop-ins and a tf.distribute run (Keras 3: not on 2.15, where
-# test_tf_versions checks that tfclip.keras names the problem), the build's version checks, and
+# test_build_tf_versions checks that tfclip.keras names the problem), the build's version checks, and
 # XLA where built.
-KERAS3_ONLY="tests/test_keras.py tests/test_keras_xla.py tests/test_distribute.py::test_mirrored_two_replicas"
-SUBSET="${SUBSET:-tests/test_adding_a_rule.py tests/test_adaptive_clip.py tests/test_norm_clip.py tests/test_gradients.py tests/test_apply.py tests/test_compat_v1.py tests/test_keras.py tests/test_tf_versions.py tests/test_xla.py tests/test_keras_xla.py tests/test_distribute.py::test_mirrored_two_replicas}"
+KERAS3_ONLY="tests/test_dropin_keras.py tests/test_xla_keras.py tests/test_distribute.py::test_mirrored_two_replicas"
+SUBSET="${SUBSET:-tests/test_rules_adding.py tests/test_clip_adaptive.py tests/test_clip_global_norm.py tests/test_clip_global_norm_gradient.py tests/test_apply.py tests/test_dropin_compat_v1.py tests/test_dropin_keras.py tests/test_build_tf_versions.py tests/test_xla.py tests/test_xla_keras.py tests/test_distribute.py::test_mirrored_two_replicas}"
 ROOT="${MATRIX_DIR:-/tmp/tfclip-matrix}"
-export TFCLIP_SOURCE_DIR="$PWD"  # tests/test_tf_versions.py reads build_backend/ and CMakeLists.txt there
+export TFCLIP_SOURCE_DIR="$PWD"  # tests/test_build_tf_versions.py reads build_backend/ and CMakeLists.txt there
 mkdir -p "$ROOT"
 rows=()
 status=0

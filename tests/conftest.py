@@ -21,6 +21,17 @@ def assert_close(actual, expected, dtype_name, scale=1.0):
         rtol=rtol * scale, atol=atol * scale)
 
 
+# Keras 3, where this TensorFlow has it (TF 2.15 has Keras 2): `keras` (None without it) and the
+# mark for the tests that need it, so a file with other tests keeps them where Keras 3 is missing.
+try:
+    import keras
+    if int(keras.__version__.split(".")[0]) < 3:
+        keras = None
+except ImportError:
+    keras = None
+keras3 = pytest.mark.skipif(keras is None, reason="tfclip.keras needs Keras 3")
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

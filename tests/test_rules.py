@@ -1,7 +1,7 @@
 """The element-wise rules beyond SGD/Momentum/Adam (issue 21): Adagrad, RMSprop
 (momentum, centered), Adadelta, Adamax, Lion, Nadam, Ftrl, Lamb, ScheduleFreeAdamW as tfclip.rules, fused_clip_apply
 against stock Keras 3 step by step (dense gradients, each clip mode, weight decay), and the core
-against NumPy float64 (TF1's RMSProp kernel order too). The Keras drop-ins: test_keras_rules.py."""
+against NumPy float64 (TF1's RMSProp kernel order too). The Keras drop-ins: test_dropin_rules_keras.py."""
 import keras
 import numpy as np
 import pytest
@@ -73,7 +73,7 @@ def test_trajectory_matches_stock_keras(case, clip):
             np.testing.assert_allclose(a.numpy(), np.asarray(b.numpy()), rtol=1e-5, atol=1e-6)
         elif case.startswith("ftrl"):
             # n^0.5 is a pow: TF's vectorized Eigen pow is an ulp off for about a quarter of
-            # float32 inputs, std::pow is not (tests/test_keras_rules.py measures it).
+            # float32 inputs, std::pow is not (tests/test_dropin_rules_keras.py measures it).
             np.testing.assert_allclose(a.numpy(), np.asarray(b.numpy()), rtol=2e-5, atol=1e-6)
         elif clip in ("none", "clipvalue"):
             # The same operations in the same order as Keras: the same bits.

@@ -342,7 +342,7 @@ def test_keras_optimizers_draw_the_rule_bits(mode):
     again = tfclip.keras.Adam.from_config(k3.get_config())
     assert again.stochastic_rounding and again.rounding_seed == SEED
     assert "stochastic_rounding" not in tfclip.keras.Adam().get_config()
-    if mode != "xla":  # (tf_keras's own jit_compile path: tests/test_tf_keras.py)
+    if mode != "xla":  # (tf_keras's own jit_compile path: tests/test_dropin_tf_keras.py)
         tk, got = _keras_run(lambda: tfclip.tf_keras.Adam(0.01, global_clipnorm=1.0, stochastic_rounding=True,
                                                           rounding_seed=SEED), w, g, mode)
         for a, b in zip(got, want):

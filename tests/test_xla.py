@@ -585,7 +585,7 @@ def test_handlers_not_registered_means_no_xla_kernels(monkeypatch):
 
 # ---------------------------------------------------------------- the Keras drop-ins
 # tfclip.keras runs the stock Keras ops in an XLA context only in a build without these kernels
-# (tests/test_keras_xla.py tests the drop-ins as users run them). With the detection off, its own
+# (tests/test_xla_keras.py tests the drop-ins as users run them). With the detection off, its own
 # fused step compiles to the custom calls and gives the non-XLA step's bits.
 KERAS_OPTS = {
     "adam": lambda: tfclip.keras.Adam(0.01, global_clipnorm=0.5),

@@ -9,7 +9,7 @@
 // ApplyOpAttrs by looping over kApplyAttrs (csrc/tf/apply_op_attrs.h). A new attribute or output
 // is one row here (and a field of ApplyOpAttrs for an attribute the kernels read);
 // docs/architecture.md, "Adding an apply-op attribute or output", lists what else may follow.
-// tests/test_apply_op_def.py checks the registered ops against Python's view of them.
+// tests/test_build_op_def.py checks the registered ops against Python's view of them.
 #pragma once
 
 #include <cstdint>

@@ -52,7 +52,7 @@ TFCLIP_HD int NearestCode(const float* code, float y, int zero_index) {
 }
 
 // The index of 0 in a code: the signed code has 127 negative values below it, the unsigned
-// none (checked against the built codes by tests/test_quant8.py).
+// none (checked against the built codes by tests/test_state_int8_code.py).
 constexpr int QuantZeroIndex(bool is_signed) { return is_signed ? 127 : 0; }
 
 // A block's absmax, element by element: m = AbsmaxAdd(m, x) from m = 0 over the block, then
@@ -84,7 +84,7 @@ TFCLIP_HD uint8_t QuantizeOne(const float* code, int zero_index, float x, float 
 // over the floats. Floats ordered as integers (OrderedKey), their top bits a bucket (2^-6 of a
 // binade), each bucket's count of the flips below it in a table; from it kCodeWalk branch-free
 // steps over the flips in the bucket (building the table checks there are no more), and NaN to
-// the code's 0. The same result as NearestCode for every float; tests/test_quant8.py checks it
+// the code's 0. The same result as NearestCode for every float; tests/test_state_int8_code.py checks it
 // against NumPy, ties included, and tests/gpu against the CUDA kernels' NearestCode.
 struct CodeIndex {
   const float* code;

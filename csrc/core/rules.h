@@ -679,7 +679,7 @@ struct ScheduleFreeAdamWRule : RuleBase {
   // x is recovered from the NEW z, not the old one the paper (and keras's comment) uses: on the
   // TensorFlow backend keras's `momentum_old = momentum.value` is the variable itself, read
   // after `assign_sub`, so stock Keras computes this; a drop-in follows its trajectory
-  // (tests/test_schedule_free.py checks both that stock does and that this matches it).
+  // (tests/test_rules_schedule_free.py checks both that stock does and that this matches it).
   // Slots: momentum (z), velocity (v).
   static constexpr bool kScatter = false;
   static constexpr int kMinSlots = 2, kMaxSlots = 2;

@@ -4,7 +4,7 @@ The CUDA norm pass sums each unit in the CPU's order (a thread per column over i
 one-unit tile on the CPU's 16 lanes; an IndexedSlices gradient's densified units row by row), so
 the per-unit scales, and with them the variables and slots, are the CPU's bits; only the global
 norm is summed in another order (to 1e-12). The float64 reference of the paper's definition is
-tests/test_agc.py's; here the CPU is the reference.
+tests/test_clip_agc.py's; here the CPU is the reference.
 """
 import numpy as np
 import pytest

@@ -1,7 +1,7 @@
 """The loss-scale unscale folded into the CUDA passes (issue 47; ClipConfig::grad_scale, read by
 the finalize kernel, csrc/core/cuda/finalize.cu), against the same device's step on NumPy's
 g * s (exact for a power of two): the same kernels and summation order, so bit for bit in every
-clip mode, with grad_scale a number or a device scalar; and the CPU fold (tests/test_grad_scale.py)
+clip mode, with grad_scale a number or a device scalar; and the CPU fold (tests/test_loss_scale.py)
 to the norms' 1e-12."""
 import numpy as np
 import pytest
@@ -28,7 +28,7 @@ def _same_bits(a, b):
     assert a.tobytes() == b.tobytes(), np.flatnonzero(a.ravel() != b.ravel())[:10]
 
 
-# (Lamb takes no int8 state: its trust ratio reads the slots back; tests/test_int8_state.py.)
+# (Lamb takes no int8 state: its trust ratio reads the slots back; tests/test_state_int8.py.)
 @pytest.mark.parametrize("rule,state", [(r, s) for r in sorted(RULES) for s in ("float32", "bfloat16", "int8")
                                         if (r, s) != ("lamb", "int8")])
 @pytest.mark.parametrize("mode,clip", [("none", 0.0), ("global_norm", 0.5), ("norm", 0.3), ("value", 0.01)])

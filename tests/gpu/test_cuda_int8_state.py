@@ -1,5 +1,5 @@
 """int8 optimizer state on CUDA (issue 47; csrc/core/cuda/apply.cu ApplyRangeQ8) against the CPU
-driver, which tests/test_int8_state.py checks against the float32 step quantized by NumPy.
+driver, which tests/test_state_int8.py checks against the float32 step quantized by NumPy.
 
 The device quantizes a block of 256 in one warp (a butterfly for the absmax) where the CPU loops
 over it; the update and the code search are the same functions. So with no clip or a clip by

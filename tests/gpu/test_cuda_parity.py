@@ -330,7 +330,7 @@ BF16_STATE_RULES = ["momentum", "keras_momentum", "adam", "amsgrad", "adagrad", 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_bf16_state_parity(rng, rule, mode, clip, grad_dtype, sparse):
     """bfloat16 slots of float32 variables: the device kernels (dense, AGC, sparse, Lamb's trust
-    pass) against the CPU driver, which tests/test_state_dtype.py checks against the float32
+    pass) against the CPU driver, which tests/test_state_bf16.py checks against the float32
     step rounded. Bits where the CPU and the device take the same order (tolerances as
     test_apply_parity's otherwise); slots, rounded to bf16, then to 2 bf16 ulps."""
     slot_names, hp = RULES[rule]

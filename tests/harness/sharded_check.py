@@ -1,5 +1,5 @@
 """shard_state=True (tfclip/_engine/shard.py) under MirroredStrategy over 2 logical CPUs, in a fresh
-process (strategies configure devices at start-up; tests/test_shard.py runs this and reads OUT).
+process (strategies configure devices at start-up; tests/test_distribute_shard.py runs this and reads OUT).
 
     python tests/harness/sharded_check.py OUT.npz
     TF_CONFIG=... python tests/harness/sharded_check.py OUT.npz worker   # one of 2 worker processes

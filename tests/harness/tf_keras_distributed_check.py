@@ -1,5 +1,5 @@
 """tf_keras (Keras 2) training with tfclip.tf_keras optimizers under tf.distribute, in a fresh
-process (strategies configure devices at start-up, so tests/test_tf_keras.py runs this as a
+process (strategies configure devices at start-up, so tests/test_dropin_tf_keras.py runs this as a
 subprocess; a test harness, not part of the installed package).
 
     python tests/harness/tf_keras_distributed_check.py mirrored OUT.npz   # 2 logical CPUs

@@ -13,5 +13,5 @@ Keras 3, tf_keras and TF1 optimizers) drives, and no user imports. Its modules, 
 - `dropin`: what the Keras 3 and tf_keras drop-ins share (their fused step, tfclip's own state);
   `mixup`: a drop-in handed to the other Keras library names the class to use.
 
-Imports run down this list (tests/test_layers.py); the engine imports no front door.
+Imports run down this list (tests/test_build_layers.py); the engine imports no front door.
 """

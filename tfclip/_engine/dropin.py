@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfclip import clipping
 from tfclip._engine import checks as _checks
+from tfclip._engine import opcall as _opcall
 from tfclip._engine import shard as _shard
 from tfclip._engine import step as _step
 
@@ -33,6 +34,31 @@ class Dropin:
     # state_dtype="int8" as uint8 codes with a float32 absmax variable beside each.
     low_precision_state = True
     int8_state = True
+
+    @property
+    def clip(self):
+        """The adaptive clip (a tfclip.clipping object), or None."""
+        return self._tfclip_clip
+
+    def _clip_mode(self):
+        # Re-read at each step: Keras lets a user set optimizer.clipnorm etc. after construction.
+        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
+
+    def _tfclip_state_weights(self, var_list):
+        """shard_state: each variable's slots per byte, where a class's differ between variables
+        (`shard.plan`); None: the same for all."""
+        return None
+
+    def _tfclip_build_slots(self, var_list):
+        """The stock build: its slots made by add_variable_from_reference (each on its owner's
+        device with shard_state; a class making slots otherwise places them itself)."""
+        super().build(var_list)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # shard_state across worker processes: the slots another process keeps, in the stock
+        # checkpoint layout (shard.SlotExchange).
+        return _shard.trackable_children(getattr(self, "_tfclip_exchange", None),
+                                         super()._trackable_children(save_type, **kwargs), save_type)
 
     def _tfclip_fused_step(self, grads, variables, lr, keras_sparse_squares=False):
         """The one fused step (tfclip._engine.step.run) over `variables`, one op per group of

@@ -65,7 +65,7 @@ def _refuse_mirrored_across_processes(state_dtype):
     from the chief by CollectiveBcastSend, whose kernels take bool, half, float, double, int32
     and int64 only: a uint8 or bfloat16 slot fails there with TF's "Value for attr 'T' ... is not
     in the list of allowed values". Sharded slots sit on one device each, with no broadcast, so
-    shard_state=True keeps narrow state across processes (tested in tests/test_shard.py)."""
+    shard_state=True keeps narrow state across processes (tested in tests/test_distribute_shard.py)."""
     if not tf.distribute.has_strategy():
         return
     extended = tf.distribute.get_strategy().extended

@@ -423,6 +423,6 @@ class AdagradDAOptimizer(_Fused):
 
 
 
-# The drop-in optimizers (each bound to its rule-table row; tests/test_adding_a_rule.py), without
+# The drop-in optimizers (each bound to its rule-table row; tests/test_rules_adding.py), without
 # the loss-scale wrapper.
 _CLASSES = tuple(globals()[n] for n in __all__ if n != "MixedPrecisionLossScaleOptimizer")

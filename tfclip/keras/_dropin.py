@@ -108,11 +108,6 @@ class _FusedMixin(_dropin.Dropin):
         object.__setattr__(self, "shard_state", shard_state)
         object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
 
-    @property
-    def clip(self):
-        """The adaptive clip (a tfclip.clipping object), or None."""
-        return self._tfclip_clip
-
     def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype=None):
         # A tf_keras (Keras 2) program handing this optimizer to its model: the error names
         # tfclip.tf_keras.<Class> (tfclip/_engine/mixup.py; only where tf_keras is loaded already).
@@ -186,10 +181,6 @@ class _FusedMixin(_dropin.Dropin):
         exchange.add(slot, owner)
         return slot
 
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        return _shard.trackable_children(getattr(self, "_tfclip_exchange", None),
-                                         super()._trackable_children(save_type, **kwargs), save_type)
-
     def _tfclip_add_slot(self, reference_variable, name, initializer):
         dtype = _narrow.state_slot_dtype(getattr(self, "state_dtype", None), reference_variable.dtype,
                                        sharded=self._tfclip_owner is not None)
@@ -248,16 +239,6 @@ class _FusedMixin(_dropin.Dropin):
                 shape, initializer="zeros", dtype=dtype, aggregation="only_first_replica",
                 name=f"{clip.mode}_{name}"))
 
-    def _tfclip_state_weights(self, var_list):
-        """shard_state: each variable's slots per byte, where a class's differ between variables
-        (`_shard.plan`); None: the same for all."""
-        return None
-
-    def _tfclip_build_slots(self, var_list):
-        """The stock build: its slots made by add_variable_from_reference (each on its owner's
-        device with shard_state; a class making slots otherwise places them itself)."""
-        super().build(var_list)
-
     @property
     def tensor_norm_names(self):
         """The variables' paths (`variable.path`), in the order of `tensor_norms`."""
@@ -303,10 +284,6 @@ class _FusedMixin(_dropin.Dropin):
         if _in_fused_step(self):
             return
         return super()._apply_weight_decay(variables)
-
-    def _clip_mode(self):
-        # Re-read: Keras lets a user set optimizer.clipnorm etc. after construction.
-        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         tvars = [_tf_var(v) for v in trainable_variables]

@@ -12,7 +12,7 @@ applied step the counter advances and, every `dynamic_growth_steps`, the scale d
 non-finite step the scale halves, the counter restarts, and the inner optimizer's `iterations`
 do not advance. So the variables, the slots, `iterations`, `dynamic_scale` and `step_counter`
 follow the stock wrapper around the same tfclip optimizer step for step, bit for bit
-(tests/test_keras_loss_scale.py).
+(tests/test_loss_scale_keras.py).
 
 Under a strategy whose replicas meet in `merge_call` (MirroredStrategy) each replica runs the
 folded step on its own copies, and the loss scale is updated once from the cross-replica context

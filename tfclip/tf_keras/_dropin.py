@@ -120,11 +120,6 @@ class _FusedMixin(_dropin.Dropin):
         _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
         self._tfclip_init(nonfinite, lazy_sparse, state_dtype)
 
-    @property
-    def clip(self):
-        """The adaptive clip (a tfclip.clipping object), or None."""
-        return self._tfclip_clip
-
     def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype):
         object.__setattr__(self, "state_dtype", _narrow.check_state_dtype(state_dtype, type(self)))
         _clipping.check_exclusive(self._tfclip_clip, global_clipnorm=self.global_clipnorm,
@@ -162,16 +157,6 @@ class _FusedMixin(_dropin.Dropin):
             self._tfclip_make_clipped_units(len(var_list))
         self._tfclip_build_clip(self._tfclip_add_clip_variable)
 
-    def _tfclip_state_weights(self, var_list):
-        """shard_state: each variable's slots per byte, where a class's differ between variables
-        (`_shard.plan`); None: the same for all."""
-        return None
-
-    def _tfclip_build_slots(self, var_list):
-        """The stock build: its slots made by add_variable_from_reference (each on its owner's
-        device with shard_state; a class making slots otherwise places them itself)."""
-        super().build(var_list)
-
     def _tfclip_slot_scope(self, model_variable):
         """Where `model_variable`'s slots are made: its owner's device alone with shard_state, a
         `_shard.RemoteSlot` where the owner is in another worker process (tfclip/_engine/shard.py)."""
@@ -180,10 +165,6 @@ class _FusedMixin(_dropin.Dropin):
         owner = self._tfclip_owner[self._index(model_variable)]
         device = _shard.local_device(tf.distribute.get_strategy(), owner, remote_ok=True)
         return _shard.making_slots(owner, device, self._tfclip_exchange)
-
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        return _shard.trackable_children(self._tfclip_exchange, super()._trackable_children(save_type, **kwargs),
-                                         save_type)
 
     def add_variable_from_reference(self, model_variable, variable_name, shape=None, initial_value=None):
         if variable_name == "average":
@@ -263,9 +244,6 @@ class _FusedMixin(_dropin.Dropin):
 
     def get_config(self):
         return self._tfclip_config(super().get_config())
-
-    def _clip_mode(self):
-        return _opcall.clip_config(self.global_clipnorm, self.clipnorm, self.clipvalue)
 
     # -- the stock apply_gradients, its update replaced -------------------------------------
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):

@@ -7,7 +7,7 @@
 // are bound by arithmetic). Every variant gives the same bits: the same operations on each
 // element (bf16: a shift, round to nearest even with FloatToBFloat16's NaN; int8: a float32
 // multiply, a float32 divide, the count of the code's flips <= the quotient, an order-free max),
-// so tests/test_int8_state.py, tests/test_quant8.py and tests/test_state_dtype.py compare the
+// so tests/test_state_int8.py, tests/test_state_int8_code.py and tests/test_state_bf16.py compare the
 // variants bit for bit.
 //
 // How each variant looks int8 values up:

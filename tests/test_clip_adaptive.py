@@ -397,7 +397,7 @@ def test_keras_refuses_a_fixed_clip_beside_an_adaptive_one():
 
 @needs_keras3
 def test_gradient_norm_logger_writes_the_adaptive_threshold(tmp_path):
-    from test_norm_logger import read_events
+    from test_clip_norm_logger_keras import read_events
 
     rng = np.random.default_rng(9)
     x = rng.normal(size=(80, 4)).astype(np.float32)
@@ -514,8 +514,8 @@ AGC_SHAPES = [(), (7,), (6, 5), (3, 4, 5), (2, 3, 4, 6)]
 
 def _agc_reference(grad_steps, init, clip_factor, lr):
     """SGD with each step's gradients clipped unit-wise (the paper's AGC, float64 reference of
-    tests/test_agc.py), against the weights before the step."""
-    from test_agc import agc_clip
+    tests/test_clip_agc.py), against the weights before the step."""
+    from test_clip_agc import agc_clip
 
     w = [np.array(x, np.float64) for x in init]
     for gs in grad_steps:
@@ -553,7 +553,7 @@ def test_agc_through_fused_clip_apply_follows_the_paper(graph, clip):
 @needs_keras3
 @pytest.mark.parametrize("how", ["eager", "jit_compile", "xla_fallback"])
 def test_agc_in_keras_adam_is_adam_on_the_unit_clipped_gradients(how, monkeypatch):
-    from test_agc import agc_clip
+    from test_clip_agc import agc_clip
 
     if how == "xla_fallback":
         from tfclip._engine import xla as _xla
@@ -574,7 +574,7 @@ def test_agc_in_keras_adam_is_adam_on_the_unit_clipped_gradients(how, monkeypatc
 
     if how != "eager":
         step = tf.function(step, jit_compile=True)
-    from test_agc import ref_counts
+    from test_clip_agc import ref_counts
 
     assert opt.clipped_units is None  # (made by build)
     for gs in grad_steps:
@@ -596,7 +596,7 @@ def test_agc_in_tf_keras_and_compat_v1_follows_the_paper(front):
     grad_steps = _agc_grads(8, seed=16)
     rng = np.random.default_rng(17)
     init = [rng.normal(size=s) + 0.5 for s in AGC_SHAPES]
-    from test_agc import ref_counts
+    from test_clip_agc import ref_counts
 
     want = _agc_reference(grad_steps, init, 0.03, 0.125)
     assert sum(ref_counts(g, init, 0.03).sum() for g in grad_steps) > 0
@@ -648,7 +648,7 @@ def test_agc_settings_are_checked_by_name():
 def test_agc_counts_keep_the_variables_order_across_weight_decay_groups(front):
     """AdamW with some variables excluded from the decay runs one op per group (undecayed
     first); optimizer.clipped_units must still follow the variables' order."""
-    from test_agc import ref_counts
+    from test_clip_agc import ref_counts
 
     grad_steps = _agc_grads(4, seed=18)
     rng = np.random.default_rng(19)

@@ -1,6 +1,6 @@
 """state_dtype="bfloat16" on the tf_keras (Keras 2) drop-ins, new and legacy (issue 47).
 
-The definition and the reference are those of tests/test_state_dtype.py: a float32 variable's
+The definition and the reference are those of tests/test_state_bf16.py: a float32 variable's
 slots are stored as bfloat16, each loaded exactly, updated in float32 as with float32 slots and
 rounded to nearest even when stored. So each class with bf16 state is checked, bit for bit,
 against the same class with float32 state whose slots are rounded to bfloat16 (ml_dtypes) before

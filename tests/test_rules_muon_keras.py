@@ -1,7 +1,7 @@
 """tfclip.keras.Muon against stock keras.optimizers.Muon step for step (eagerly, in tf.function,
 under XLA, model.fit), against a NumPy float64 Muon written from the definitions
 (tests/reference.py, muon_matrix), and its Newton–Schulz products batched by shape. Keras's own
-muon_test.py runs against the tfclip class in tests/test_keras_yardstick.py; under
+muon_test.py runs against the tfclip class in tests/test_dropin_yardstick_keras.py; under
 tf.distribute in tests/test_distribute.py.
 
 Tolerances: without a norm clip the arithmetic is stock's, operation for operation (the fused
@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import reference
-from test_agc import agc_clip
+from test_clip_agc import agc_clip
 
 try:
     import keras

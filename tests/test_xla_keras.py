@@ -16,7 +16,7 @@ from tfclip import _loader
 pytestmark = pytest.mark.skipif(
     not _loader.xla_kernels(), reason="this build of tfclip has no XLA kernels (TFCLIP_XLA off: a TF "
                                   "other than the one the XLA glue is built for); the Keras "
-                                  "fallback is tested in test_tensor_norms.py")
+                                  "fallback is tested in test_clip_tensor_norms.py")
 
 CLASSES = {
     "SGD": dict(momentum=0.9, nesterov=True), "Adam": dict(amsgrad=True), "AdamW": {}, "RMSprop":

@@ -1,11 +1,11 @@
 """state_dtype="int8" on the tf_keras (Keras 2) drop-ins, new and legacy (issue 47).
 
-The definition and the reference are those of tests/test_int8_state.py: each class with int8
+The definition and the reference are those of tests/test_state_int8.py: each class with int8
 state is checked, bit for bit, against the same class with float32 state whose slots are set,
 before every step, to the int8 run's dequantized slots (NumPy, tests/reference.py); after each
 step the variables match and the int8 run's codes and absmax are NumPy's quantization of the
 float32 run's new slots. The float32 classes are themselves checked against stock tf_keras
-elsewhere (tests/test_tf_keras.py)."""
+elsewhere (tests/test_dropin_tf_keras.py)."""
 import numpy as np
 import pytest
 
@@ -20,7 +20,7 @@ import tfclip.tf_keras as tk  # noqa: E402
 from tfclip import _loader  # noqa: E402
 from tfclip._engine import opcall as _opcall
 from tfclip._engine import narrow_state as _narrow
-from test_tf_keras_state_dtype import CASES, _make, _problem, _same_bits, _variables  # noqa: E402
+from test_state_bf16_tf_keras import CASES, _make, _problem, _same_bits, _variables  # noqa: E402
 
 
 def _pairs(opt, vars_):

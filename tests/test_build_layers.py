@@ -35,7 +35,7 @@ def _layer(name):
     for prefix, layer in LAYERS:
         if name == prefix or name.startswith(prefix + "."):
             return prefix, layer
-    raise AssertionError(f"{name}: no layer in tests/test_layers.py's LAYERS")
+    raise AssertionError(f"{name}: no layer in tests/test_build_layers.py's LAYERS")
 
 
 def _modules():
@@ -134,7 +134,7 @@ def _room(path):
     for prefix, room in ROOMS:
         if path.startswith(prefix):
             return room
-    raise AssertionError(f"{path}: no room in tests/test_layers.py's ROOMS")
+    raise AssertionError(f"{path}: no room in tests/test_build_layers.py's ROOMS")
 
 
 @pytest.mark.parametrize("path", SOURCES)

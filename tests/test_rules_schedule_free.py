@@ -2,7 +2,7 @@
 against stock keras.optimizers.ScheduleFreeAdamW step by step (eager, tf.function; warmup; weight
 decay in two groups; float64, float16 and mixed dtypes) and against NumPy float64 over many steps;
 the momentum slot's initial copy of the variable; warmup_steps as stock takes it; identifiers.
-The lists of every rule (test_keras_rules, test_rules, test_dropin, test_xla, ...) cover it
+The lists of every rule (test_dropin_rules_keras, test_rules, test_dropin_stock_state, test_xla, ...) cover it
 too: fit with XLA, mixed precision, EMA, accumulation, checkpoints both ways, IndexedSlices."""
 import numpy as np
 import pytest

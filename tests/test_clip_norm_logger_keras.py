@@ -179,7 +179,7 @@ def test_agc_clipped_units_and_fraction_against_numpy(tmp_path):
     """With clip=AGC the logger writes the last step's count of clipped units (all variables
     together) and its share of the units, read back from the event file and checked against the
     float64 reference on the step's gradients (a tape at the weights before the step)."""
-    from test_agc import ref_counts
+    from test_clip_agc import ref_counts
 
     rng = np.random.default_rng(5)
     x = rng.normal(size=(BATCH * 6, 5)).astype(np.float32)

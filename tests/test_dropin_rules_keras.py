@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import keras
 import tfclip
-from test_keras import CLIPS, fit_both, lstm, mlp_frozen, trajectories
+from test_dropin_keras import CLIPS, fit_both, lstm, mlp_frozen, trajectories
 
 RNG = np.random.default_rng(21)
 # Token ids drawn with repeats: each batch's IndexedSlices gradient has duplicate rows.
@@ -63,7 +63,7 @@ def test_same_trajectory_as_stock_keras(model_name, opt_name, clip):
     assert int(opt.iterations.numpy()) == 20 and int(opt.skipped_steps.numpy()) == 0
 
 
-# test_keras.py's classes (their trajectories are tested there), here for the bit-for-bit test.
+# test_dropin_keras.py's classes (their trajectories are tested there), here for the bit-for-bit test.
 TEST_KERAS_OPTS = {
     "adam_amsgrad": lambda m, kw: m.Adam(0.01, amsgrad=True, **kw),
     "adamw": lambda m, kw: m.AdamW(0.01, weight_decay=0.05, **kw),

@@ -453,7 +453,7 @@ def test_compat_v1_int8_state(rng, name, tmp_path):
     bit for bit those of the float32-state optimizer whose slots are set to the dequantized
     codes before each step, the codes and absmax NumPy's quantization of its new slots. A Saver
     names each absmax after its slot, and restores the state bit for bit."""
-    from test_state_dtype import V1_OPTS
+    from test_state_bf16 import V1_OPTS
 
     make, slot_names = V1_OPTS[name]
     init = [rng.normal(size=s).astype(np.float32) for s in [(300,), (20, 30)]]
@@ -529,7 +529,9 @@ def test_compat_v1_int8_state_refuses_ref_variables():
 
 
 # ---------------------------------------------------------------- the Keras 3 drop-ins
-keras = pytest.importorskip("keras", minversion="3", reason="tfclip.keras needs Keras 3")
+# (Not pytest.importorskip: at module level it would skip this whole file, the core's tests too,
+# where Keras 3 is missing: TF 2.15. The Keras 3 tests below each carry `keras3`.)
+from conftest import keras, keras3  # noqa: E402
 
 KERAS_OPTS = {
     "SGD": dict(learning_rate=0.1, momentum=0.9, nesterov=True),
@@ -562,6 +564,7 @@ def _opcall_rules():
     return _opcall.RULES
 
 
+@keras3
 @pytest.mark.parametrize("name", sorted(KERAS_OPTS))
 def test_keras_int8_state_is_the_float32_step_quantized(rng, name):
     """tfclip.keras.X(state_dtype='int8') against the same class with float32 state whose slots
@@ -607,6 +610,7 @@ def test_keras_int8_state_is_the_float32_step_quantized(rng, name):
                 _same_bits(a.tfclip_absmax(sa).numpy(), am)
 
 
+@keras3
 @pytest.mark.parametrize("name", sorted(KERAS_OPTS))
 def test_keras_int8_codes_are_signed_as_the_rule_table_says(name):
     """Every int8-state slot a class makes takes the signed code exactly where the rule table keeps
@@ -624,6 +628,7 @@ def test_keras_int8_codes_are_signed_as_the_rule_table_says(name):
             assert int(slots[0].numpy()[0]) == (0 if unsigned else 127), (name, table)
 
 
+@keras3
 def test_keras_int8_state_config_checkpoint_and_fit(rng, tmp_path):
     opt = tfclip.keras.Adam(0.01, state_dtype="int8")
     assert opt.get_config()["state_dtype"] == "int8"
@@ -650,7 +655,7 @@ def test_keras_int8_state_config_checkpoint_and_fit(rng, tmp_path):
         _same_bits(v.numpy(), s)
 
 
-@pytest.mark.parametrize("front", ["keras", "rules"])
+@pytest.mark.parametrize("front", [pytest.param("keras", marks=keras3), "rules"])
 def test_int8_state_under_mirrored_strategy(rng, front):
     """Under MirroredStrategy the codes and absmax are mirrored variables and the step is the one
     without a strategy, bit for bit. (One device in this process.)"""

@@ -2,7 +2,7 @@
 written from the paper's definitions (tests/reference.py, adafactor), never from our kernels;
 tfclip.keras.Adafactor against stock keras.optimizers.Adafactor step for step; tfclip.rules.
 Adafactor through fused_clip_apply. Keras's own adafactor_test.py runs against the tfclip class
-in tests/test_keras_yardstick.py.
+in tests/test_dropin_yardstick_keras.py.
 
 Tolerances: stock keras computes the means and rms in float32 with TF's reductions (their order
 is TF's), the core in float64 in a fixed order, so a float32 trajectory agrees to a few ulp per
@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import reference
 from conftest import assert_close
-from test_agc import agc_clip
+from test_clip_agc import agc_clip
 from tfclip import _core
 
 ROW = _core.rule_table()["adafactor"]
