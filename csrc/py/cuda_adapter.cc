@@ -188,7 +188,7 @@ void* ScalarOut(py::object o, const char* what, DType* dtype, bool is_bool) {
 
 // An optional per-tensor norms output: a packed float32 or float64 device array of n elements,
 // or None (null).
-void* NormsOut(py::object o, size_t n, DType* dtype) {
+void* DeviceNormsOut(py::object o, size_t n, DType* dtype) {
   if (o.is_none()) return nullptr;
   const DeviceOut d = ReadDeviceOut(o);
   if ((d.code != "f4" && d.code != "f8") || static_cast<size_t>(d.size) != n || !d.packed) {
@@ -202,7 +202,7 @@ void* NormsOut(py::object o, size_t n, DType* dtype) {
 
 // An optional per-tensor count output (AGC's clipped units): a packed int64 device array of n
 // elements, or None (null).
-int64_t* ClippedOut(py::object o, size_t n) {
+int64_t* DeviceClippedOut(py::object o, size_t n) {
   if (o.is_none()) return nullptr;
   const DeviceOut d = ReadDeviceOut(o);
   if (d.code != "i8" || static_cast<size_t>(d.size) != n || !d.packed) {
@@ -272,7 +272,7 @@ py::object CudaGlobalNormPy(const py::list& t_list, py::object out, py::object s
   const auto in = CudaViews(t_list, "t_list", false, &streams);
   void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
-  o.tensor_norms = NormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
+  o.tensor_norms = DeviceNormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
   const bool scratch = NormOutOrScratch(out, "out", &o, DType::kDouble);
   OwnedMemory mem(stream);
   Check(cuda::CudaGlobalNorm(in.data(), static_cast<int>(in.size()), &mem, o, stream));
@@ -344,7 +344,7 @@ py::object CudaClipByGlobalNormPy(const py::list& t_list, const py::list& out_li
   }
   void* stream = StepStream(stream_o, streams);
   cuda::CudaOutputs o;
-  o.tensor_norms = NormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
+  o.tensor_norms = DeviceNormsOut(tensor_norms_out, in.size(), &o.tensor_norms_dtype);
   const bool scratch = NormOutOrScratch(norm_out, "norm_out", &o, DType::kFloat);  // as the TF op's default Tnorm
   OwnedMemory mem(stream);
   Check(cuda::CudaClipByGlobalNorm(in.data(), outs.data(), static_cast<int>(in.size()), clip, has,
@@ -404,8 +404,9 @@ py::object CudaClipApplyPy(const std::string& rule_name, const py::list& vars_l,
   DType unused;
   o.norm = ScalarOut(norm_out, "norm_out", &o.norm_dtype, false);
   o.applied = static_cast<bool*>(ScalarOut(applied_out, "applied_out", &unused, true));
-  o.tensor_norms = NormsOut(tensor_norms_out, static_cast<size_t>(args.n), &o.tensor_norms_dtype);
-  o.clipped_units = ClippedOut(agc_clipped_out, static_cast<size_t>(args.n));
+  o.tensor_norms =
+      DeviceNormsOut(tensor_norms_out, static_cast<size_t>(args.n), &o.tensor_norms_dtype);
+  o.clipped_units = DeviceClippedOut(agc_clipped_out, static_cast<size_t>(args.n));
   const bool sync = o.norm == nullptr && o.applied == nullptr;
   if (sync) {
     o.norm = Scratch();
