@@ -163,6 +163,23 @@ def test_avx_variants_convert_float16_with_f16c(path):
             assert any("vcvtps2ph" in line for line in code), ns
 
 
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: p.rsplit("/", 1)[-1].split(".")[0])
+def test_the_int8_state_tiles_do_not_gather(path):
+    # Issue 69: int8 state's code from its formula (quant8.h), not looked up through memory:
+    # no gather instruction in any variant's state tiles (on AMD's Zen cores gathers made the
+    # int8 step 4x the float32-state step), and the AVX2 tiles vectorized at 256 bits.
+    funcs = _functions(path)
+    tiles = {name: body for name, body in funcs.items()
+             if "::isa_" in name and ("Q8NarrowTile" in name or "Q8WidenTile" in name
+                                      or "NearestCode8" in name or "CodeValue8" in name)}
+    assert any("isa_avx2::Q8NarrowTile" in name for name in tiles), sorted(tiles)[:5]
+    gathers = [name for name, body in tiles.items() if any("gather" in line for line in body)]
+    assert not gathers, f"gathers in the int8 state tiles: {gathers}"
+    avx2 = [line for name, body in tiles.items() if "isa_avx2::" in name for line in body]
+    assert any("vdivps" in line and "%ymm" in line for line in avx2)
+    assert any("vpermps" in line for line in avx2)
+
+
 # ---------------------------------------------------------------- a statically linked libstdc++
 # A toolchain that links libstdc++ into a module (the lent H100 host's g++ 13 in /opt/gcc did)
 # must keep that copy's symbols local: exported, they bound to the libstdc++.so that numpy and

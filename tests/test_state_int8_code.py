@@ -97,7 +97,8 @@ def test_zero_index_is_the_cores_constant():
 @pytest.mark.parametrize("signed", [True, False])
 def test_every_instruction_set_variant_rounds_at_the_same_points(signed):
     """The int8 state's block (256) runs the active CPU variant's tiles (csrc/core/cpu/pass_state_tiles.cc:
-    element by element, AVX2 gathers, or AVX-512's in-register search tree). Every code value,
+    the code's formula element by element or on 8 AVX2 lanes, or AVX-512's in-register search
+    tree). Every code value,
     every midpoint between neighbours and the floats a few ulps either side of it (where the
     nearest code flips), 0 and -0, in blocks whose absmax is 1 (so the quotient is the value
     itself): each variant this machine runs gives the NumPy reference's bytes, and its
@@ -136,3 +137,31 @@ def test_every_instruction_set_variant_rounds_at_the_same_points(signed):
             assert np.isnan(absmax[0]) and np.all(q == (127 if signed else 0)), isa
     finally:
         _core.set_cpu_isa(old)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("isa", _core.cpu_isas())
+def test_every_float_in_the_range_quantizes_as_the_search(signed, isa):
+    """The proof that the code's formula (quant8.h, NearestCodeFormula; issue 69) is the
+    definition: every float32 in [-1, 1], about 2^31 of them (the quotients x / absmax that int8
+    state quantizes, signed zeros included), through this variant's tiles in blocks whose absmax
+    is 1, against the count of the code's flips at or below it (the definition's index for every
+    float, the search being monotone), and every 4099th float, each flip and the float below each
+    flip against the binary search over the code itself (Q8SweepCode). 20-60 s a case."""
+    old = _core.cpu_isa()
+    try:
+        _core.set_cpu_isa(isa)
+        checked, bad, first_bad = _core.q8_code_sweep(signed, 1)
+    finally:
+        _core.set_cpu_isa(old)
+    # 2 * (127 * 2^23) + 2 floats: both signs' binades from 2^-126 up to 1 (and the subnormals
+    # and zeros below them), 1.0 itself.
+    assert checked == 2 * (127 << 23) + 2, checked
+    assert bad == 0, f"{bad} floats differ from the search, the first {first_bad!r} ({isa})"
+
+
+def test_the_sweep_strides_and_refuses_a_bad_stride():
+    checked, bad, first_bad = _core.q8_code_sweep(True, 1 << 20)
+    assert 2000 < checked < 2100 and bad == 0 and np.isnan(first_bad)
+    with pytest.raises(ValueError, match="stride must be >= 1, got 0"):
+        _core.q8_code_sweep(True, 0)

@@ -77,47 +77,104 @@ TFCLIP_HD uint8_t QuantizeOne(const float* code, int zero_index, float x, float 
   return static_cast<uint8_t>(absmax > 0.0f ? NearestCode(code, x / absmax, zero_index) : zero_index);
 }
 
-// NearestCode on the host without the binary search (8 unpredictable branches an element, most
-// of the CPU pass's time). NearestCode(y) is the number of the code's 255 flip points <= y: flip
-// k is the smallest float y in (code[k], code[k+1]] that NearestCode sends to k + 1 (its test,
+// The code as a formula (quant8.cc's BuildCode): band b = 0..6 holds K_b = 2^(b + u) magnitudes
+// (u = 1 unsigned, 0 signed), value j of it s_b (0.1 + 0.9 (j + 1/2) / K_b), s_b = 10^(b - 6),
+// which is float(A_b + B_b j) evaluated in double (the same floats as BuildCode's: all 256 of
+// each code are checked where the bands are built). A magnitude's rank: 0 the code's 0, then the
+// bands' values in order (band b's from base_b = K_b - u), then the code's 1 (positive only).
+// Entries 7 of each table repeat entry 6, so a 256-bit register holds a whole table.
+struct Q8Bands {
+  double a[8], b[8];        // A_b, B_b
+  float p[8], r[8];         // the rank estimate: floor(|y| p_b - r_b) is j or j - 1 (below)
+  int32_t base[8], last[8];  // base_b, K_b - 1
+  float below[8], above[8];  // the magnitudes of ranks base_b - 1 and base_b + K_b (0 and 1 at the ends)
+  float bound[8];            // bound[b] = 10^(b - 7) (b = 1..6): the band of |y| is #{b : |y| >= bound[b]}
+  int32_t top_pos, top_neg;  // the largest rank of a positive and of a negative y
+};
+
+// NearestCode of the host, without a search (issue 69): the band of |y| from six compares, the
+// index j inside it from a multiply (|y| p_b - r_b is within 1/2 of the real position of |y|
+// among the band's values minus 1/2, so its floor is the nearest value or the one below it; the
+// code's own rounding moves its flips by about 1e-5 of a step), then NearestCode's own test
+// against the two neighbours (values j and j + 1, from the formula: the band's neighbours at its
+// ends), which picks between them exactly as the search does: the upper one when nearer, ties to
+// the lower index (for a negative y, the larger magnitude). NaN to the code's 0. The same index
+// as NearestCode for every float: tests/test_state_int8_code.py sweeps every float in [-1, 1].
+// The code's flips (kept for the AVX-512 tiles' search tree and the tests' sweep): flip k is the
+// smallest float y in (code[k], code[k+1]] that NearestCode sends to k + 1 (its test,
 // code[k+1] - y < y - code[k], holds from there on in float arithmetic), found once by bisection
-// over the floats. Floats ordered as integers (OrderedKey), their top bits a bucket (2^-6 of a
-// binade), each bucket's count of the flips below it in a table; from it kCodeWalk branch-free
-// steps over the flips in the bucket (building the table checks there are no more), and NaN to
-// the code's 0. The same result as NearestCode for every float; tests/test_state_int8_code.py checks it
-// against NumPy, ties included, and tests/gpu against the CUDA kernels' NearestCode.
+// over the floats (ordered as integers: OrderedKey). NearestCode(y) is the number of flips <= y.
 struct CodeIndex {
   const float* code;
-  const float* flips;    // 255 flip points, then a NaN (a walk's compare past the last is false)
-  const int32_t* start;  // per bucket: the count of flips below its smallest float
+  const float* flips;  // 255 flip points, then a NaN
   // The flips as an implicit binary search tree, level by level: level L's 2^L nodes from
   // 2^L - 1, node p of level L flip (2 p + 1) 2^(7 - L) - 1. Descending it, each level's compare
-  // (node <= y) is the next bit of the count of flips <= y (cpu_state_tiles.inc's AVX-512 tiles).
+  // (node <= y) is the next bit of the count of flips <= y (pass_state_tiles.cc's AVX-512 tiles).
   const float* tree;
+  const Q8Bands* bands;
   int zero;
-  uint32_t base;  // OrderedKey(-1.0f)
-  int32_t buckets;
+  bool is_signed;
 };
-constexpr int kCodeKeyShift = 17;
-constexpr int kCodeWalk = 2;
 inline uint32_t OrderedKey(float y) {
   uint32_t u;
   __builtin_memcpy(&u, &y, sizeof(u));
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 const CodeIndex& DynamicCodeIndex(bool is_signed);
-inline int NearestCodeIndexed(const CodeIndex& ci, float y) {
-  // The bucket: below -1 (not a quotient x / absmax) clamps to the first, above 1 to the last.
-  const uint32_t key = OrderedKey(y);
-  int32_t b = key < ci.base ? 0 : static_cast<int32_t>((key - ci.base) >> kCodeKeyShift);
-  b = b < ci.buckets ? b : ci.buckets - 1;
-  int lo = ci.start[b];
-  for (int s = 0; s < kCodeWalk; ++s) lo += ci.flips[lo] <= y ? 1 : 0;
-  return y == y ? lo : ci.zero;
+
+// Value j of band b (j = -1 and j = K_b: its neighbours).
+TFCLIP_HD float BandValue(const Q8Bands& q, int b, int j) {
+  if (j < 0) return q.below[b];
+  if (j > q.last[b]) return q.above[b];
+  return static_cast<float>(q.a[b] + q.b[b] * static_cast<double>(j));
 }
-inline uint8_t QuantizeOneIndexed(const CodeIndex& ci, float x, float absmax) {
-  return static_cast<uint8_t>(absmax > 0.0f ? NearestCodeIndexed(ci, x / absmax) : ci.zero);
+
+TFCLIP_HD bool SignBit(float y) {
+#ifdef __CUDA_ARCH__
+  return (__float_as_uint(y) >> 31) != 0;
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &y, sizeof(u));
+  return (u >> 31) != 0;
+#endif
 }
+
+// NearestCodeFormula of a code's bands (host and device: the CUDA kernel's too).
+TFCLIP_HD int NearestCodeFormula(const Q8Bands& q, bool is_signed, int zero, float y) {
+  if (!(y == y)) return zero;
+  const bool neg = is_signed && SignBit(y);
+  float a = y < 0.0f ? -y : y;
+  if (!is_signed && SignBit(y)) a = 0.0f;  // unsigned: nearest to 0 (rank 0)
+  int b = 0;
+  for (int k = 1; k < 7; ++k) b += a >= q.bound[k] ? 1 : 0;
+  float p = a * q.p[b] - q.r[b];
+  p = p > -1.0f ? p : -1.0f;  // (|y| <= 1: finite, and p >= -1 truncates as floor below)
+  p = p < static_cast<float>(q.last[b]) ? p : static_cast<float>(q.last[b]);
+  const int j = static_cast<int>(p + 1.0f) - 1;
+  const float d_lo = a - BandValue(q, b, j), d_hi = BandValue(q, b, j + 1) - a;
+  int r = q.base[b] + j + ((neg ? d_hi <= d_lo : d_hi < d_lo) ? 1 : 0);
+  const int top = neg ? q.top_neg : q.top_pos;
+  r = r < top ? r : top;
+  return !is_signed ? r : neg ? zero - r : zero + r;
+}
+TFCLIP_HD uint8_t QuantizeOneFormula(const Q8Bands& q, bool is_signed, int zero, float x, float absmax) {
+  return static_cast<uint8_t>(absmax > 0.0f ? NearestCodeFormula(q, is_signed, zero, x / absmax) : zero);
+}
+inline int NearestCodeFormula(const CodeIndex& ci, float y) {
+  return NearestCodeFormula(*ci.bands, ci.is_signed, ci.zero, y);
+}
+inline uint8_t QuantizeOneFormula(const CodeIndex& ci, float x, float absmax) {
+  return QuantizeOneFormula(*ci.bands, ci.is_signed, ci.zero, x, absmax);
+}
+
+// The sweep behind the tests' proof (tests/test_state_int8_code.py): every float in [-1, 1]
+// with a stride (1: all of them, about 2^31) through a CPU variant's int8 tiles (blocks of 255
+// of them after a 1, so each block's absmax is 1 and each quotient the float itself; the
+// baseline's tiles are NearestCodeFormula, element by element), against the count of the code's
+// flips <= y, and every 4099th float and each flip and the float below it against NearestCode's
+// search itself. Returns the floats checked; *bad how many differed, *first_bad the first.
+using Q8NarrowFn = void (*)(const float* in, const CodeIndex& ci, uint8_t* q, float* absmax, int64_t n);
+int64_t Q8SweepCode(bool is_signed, int64_t stride, Q8NarrowFn narrow, int64_t* bad, float* first_bad);
 
 // x[0..n) into q[0..n) and absmax[0..ceil(n / block)), per the definition above.
 void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q, float* absmax);

@@ -129,7 +129,7 @@ F32 DequantizeBlockwisePy(U8 q, F32 absmax, bool is_signed, int64_t block) {
   }
   F32 out(q.request().shape);
   if (block == kQuantBlock) {
-    ActiveCpuKernels().q8_widen(q.data(), absmax.data(), DynamicCode(is_signed), out.mutable_data(), n);
+    ActiveCpuKernels().q8_widen(q.data(), absmax.data(), DynamicCodeIndex(is_signed), out.mutable_data(), n);
   } else {
     DequantizeBlockwise(q.data(), absmax.data(), n, block, is_signed, out.mutable_data());
   }
@@ -164,10 +164,26 @@ PYBIND11_MODULE(_core, m) {
   m.def("quantize_blockwise", &QuantizeBlockwisePy, py::arg("x"), py::arg("signed"),
         py::arg("block") = kQuantBlock,
         "x (float32) as (bytes, absmax per block): csrc/core/quant8.h. With the int8 state's block "
-        "(256), the active CPU variant's tiles (cpu_state_tiles.inc, set_cpu_isa), else the portable loop.");
+        "(256), the active CPU variant's tiles (csrc/core/cpu/pass_state_tiles.cc, set_cpu_isa), else the portable loop.");
   m.def("dequantize_blockwise", &DequantizeBlockwisePy, py::arg("q"), py::arg("absmax"), py::arg("signed"),
         py::arg("block") = kQuantBlock,
         "bytes and absmax back to float32: csrc/core/quant8.h (block 256: as quantize_blockwise).");
+  m.def("q8_code_sweep",
+        [](bool is_signed, int64_t stride) {
+          if (stride < 1) throw py::value_error("stride must be >= 1, got " + std::to_string(stride));
+          int64_t bad = 0;
+          float first_bad = 0.0f;
+          int64_t checked = 0;
+          {
+            py::gil_scoped_release release;
+            checked = Q8SweepCode(is_signed, stride, ActiveCpuKernels().q8_narrow, &bad, &first_bad);
+          }
+          return py::make_tuple(checked, bad, first_bad);
+        },
+        py::arg("signed"), py::arg("stride") = 1,
+        "Every stride-th float in [-1, 1] through the active CPU variant's int8 tiles and "
+        "NearestCodeFormula against the count of the code's flips below it (csrc/core/quant8.h, "
+        "Q8SweepCode): (floats checked, how many differed, the first that did).");
   DefineNumpy(m);
 #if TFCLIP_WITH_CUDA
   DefineCuda(m);

@@ -50,7 +50,7 @@ struct CpuKernels {
   // int8 state's tiles (pass_state_tiles.cc): n elements from a block boundary, n <= the apply
   // passes' tile; absmax one float per kQuantBlock. Widen dequantizes the codes q; narrow
   // writes each block's absmax and the codes.
-  void (*q8_widen)(const uint8_t* q, const float* absmax, const float* code, float* out, int64_t n);
+  void (*q8_widen)(const uint8_t* q, const float* absmax, const CodeIndex& ci, float* out, int64_t n);
   void (*q8_narrow)(const float* in, const CodeIndex& ci, uint8_t* q, float* absmax, int64_t n);
 };
 
@@ -74,7 +74,7 @@ struct CpuKernels {
                double* part_w, double* unit_g, double* sparse_values_sumsq, const CpuExecutor& exec);     \
   void Bf16WidenTile(const bfloat16* in, float* out, int64_t n);                                         \
   void Bf16NarrowTile(const float* in, bfloat16* out, int64_t n);                                        \
-  void Q8WidenTile(const uint8_t* q, const float* absmax, const float* code, float* out, int64_t n);     \
+  void Q8WidenTile(const uint8_t* q, const float* absmax, const CodeIndex& ci, float* out, int64_t n);   \
   void Q8NarrowTile(const float* in, const CodeIndex& ci, uint8_t* q, float* absmax, int64_t n);         \
   }
 

@@ -215,7 +215,7 @@ struct Q8Slots {
     }
   }
   void Widen(int k, int64_t i, int64_t n, float* out) const {
-    kernels.q8_widen(q[k] + i, absmax[k] + i / kQuantBlock, ci[k]->code, out, n);
+    kernels.q8_widen(q[k] + i, absmax[k] + i / kQuantBlock, *ci[k], out, n);
   }
   void Narrow(int k, const float* in, int64_t i, int64_t n) const {
     kernels.q8_narrow(in, *ci[k], q[k] + i, absmax[k] + i / kQuantBlock, n);

@@ -10,9 +10,13 @@
 // so tests/test_state_int8.py, tests/test_state_int8_code.py and tests/test_state_bf16.py compare the
 // variants bit for bit.
 //
-// How each variant looks int8 values up:
-// - baseline: element by element, NearestCodeIndexed's bucket table and walk.
-// - AVX2: 8 lanes with gathers from the code, the bucket table and the flips.
+// How each variant finds int8 values:
+// - baseline: element by element, NearestCodeFormula (quant8.h) and the code's table.
+// - AVX2: 8 lanes of the same formula, no memory lookups: the band from six compares, its
+//   constants from registers (vpermps; the double ones a pair of 32-bit halves), the index
+//   from a multiply and one test against its two neighbours. Dequantizing, each code's value
+//   from the same formula. Gathers were most of the int8 step on AMD's Zen cores (about 4x the
+//   float32-state step, ../shared/notes/narrow-state-cpu.md).
 // - AVX-512: no memory lookups at all. The code's 256 values sit in 16 registers, picked by
 //   vpermt2ps (32 values by an index's low 5 bits) and blends on its bits 5, 6 and 7. The 255
 //   flips sit in 18 registers as an implicit binary search tree (CodeIndex::tree): level L's 2^L
@@ -155,7 +159,7 @@ inline __m512i Descend16(__m512i idx, __m512 node, __m512 y) {
   const __m512i d = _mm512_add_epi32(idx, idx);
   return _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(node, y, _CMP_LE_OQ), d, _mm512_set1_epi32(1));
 }
-// NearestCodeIndexed on 16 lanes: the number of flips <= y, NaN to the code's 0.
+// NearestCode on 16 lanes: the number of flips <= y, NaN to the code's 0.
 inline __m512i NearestCode16(const FlipTree16& t, __m512 y, int zero) {
   __m512i idx = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(t.root, y, _CMP_LE_OQ), _mm512_set1_epi32(1));
   idx = Descend16(idx, Lookup16<1>(&t.l1, idx), y);
@@ -169,14 +173,116 @@ inline __m512i NearestCode16(const FlipTree16& t, __m512 y, int zero) {
 }
 #endif
 
+#if TFCLIP_ISA_F16C && !TFCLIP_ISA_AVX512
+// Q8Bands (quant8.h) in registers: each 8-entry table one register, looked up by a lane's band
+// (vpermps); the double tables A and B as two registers each of four doubles, a lane's double
+// taken as its two 32-bit halves.
+struct Bands8 {
+  __m256 p, r, lastf, below, above;
+  __m256i base, last;
+  __m256 a_lo, a_hi, b_lo, b_hi;  // doubles 0-3 and 4-7 of A and B, as floats' bits
+  __m256 bound[7];
+  explicit Bands8(const Q8Bands& q)
+      : p(_mm256_loadu_ps(q.p)),
+        r(_mm256_loadu_ps(q.r)),
+        below(_mm256_loadu_ps(q.below)),
+        above(_mm256_loadu_ps(q.above)),
+        base(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.base))),
+        last(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.last))),
+        a_lo(_mm256_castpd_ps(_mm256_loadu_pd(q.a))),
+        a_hi(_mm256_castpd_ps(_mm256_loadu_pd(q.a + 4))),
+        b_lo(_mm256_castpd_ps(_mm256_loadu_pd(q.b))),
+        b_hi(_mm256_castpd_ps(_mm256_loadu_pd(q.b + 4))) {
+    lastf = _mm256_cvtepi32_ps(last);
+    for (int k = 1; k < 7; ++k) bound[k] = _mm256_set1_ps(q.bound[k]);
+  }
+};
+
+// float(A_b + B_b j) for 4 lanes (bands b and indices j as 32-bit ints), in double as the scalar
+// BandValue: the doubles' halves picked by vpermps from the low or high four, by bit 2 of b.
+inline __m128 BandValue4(const Bands8& t, __m128i b, __m128i j) {
+  const __m256i bq = _mm256_cvtepu32_epi64(b);
+  const __m256i idx = _mm256_add_epi64(_mm256_add_epi64(_mm256_slli_epi64(bq, 1), _mm256_slli_epi64(bq, 33)),
+                                       _mm256_set1_epi64x(int64_t{1} << 32));
+  const __m256d high = _mm256_castsi256_pd(_mm256_cmpgt_epi64(bq, _mm256_set1_epi64x(3)));
+  const __m256d a = _mm256_blendv_pd(_mm256_castps_pd(_mm256_permutevar8x32_ps(t.a_lo, idx)),
+                                     _mm256_castps_pd(_mm256_permutevar8x32_ps(t.a_hi, idx)), high);
+  const __m256d bb = _mm256_blendv_pd(_mm256_castps_pd(_mm256_permutevar8x32_ps(t.b_lo, idx)),
+                                      _mm256_castps_pd(_mm256_permutevar8x32_ps(t.b_hi, idx)), high);
+  return _mm256_cvtpd_ps(_mm256_add_pd(a, _mm256_mul_pd(bb, _mm256_cvtepi32_pd(j))));
+}
+inline __m256 BandValue8(const Bands8& t, __m256i b, __m256i j) {
+  const __m128 lo = BandValue4(t, _mm256_castsi256_si128(b), _mm256_castsi256_si128(j));
+  const __m128 hi = BandValue4(t, _mm256_extracti128_si256(b, 1), _mm256_extracti128_si256(j, 1));
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+
+// NearestCodeFormula on 8 lanes (the same operations, so the same index).
+inline __m256i NearestCode8(const Bands8& t, const CodeIndex& ci, __m256 y) {
+  const __m256i ones = _mm256_set1_epi32(-1);
+  // neg: a signed code's negative y (the sign bit); an unsigned code's is |y| = 0.
+  const __m256i sign = _mm256_srai_epi32(_mm256_castps_si256(y), 31);
+  __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y);
+  __m256i neg = sign;
+  if (!ci.is_signed) {
+    a = _mm256_andnot_ps(_mm256_castsi256_ps(sign), a);
+    neg = _mm256_setzero_si256();
+  }
+  __m256i b = _mm256_setzero_si256();
+  for (int k = 1; k < 7; ++k) b = _mm256_sub_epi32(b, _mm256_castps_si256(_mm256_cmp_ps(a, t.bound[k], _CMP_GE_OQ)));
+  __m256 p = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_permutevar8x32_ps(t.p, b)), _mm256_permutevar8x32_ps(t.r, b));
+  p = _mm256_max_ps(p, _mm256_set1_ps(-1.0f));
+  p = _mm256_min_ps(p, _mm256_permutevar8x32_ps(t.lastf, b));
+  const __m256i j = _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_add_ps(p, _mm256_set1_ps(1.0f))), ones);
+  const __m256i last = _mm256_permutevar8x32_epi32(t.last, b);
+  const __m256 c0 = _mm256_blendv_ps(BandValue8(t, b, j), _mm256_permutevar8x32_ps(t.below, b),
+                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setzero_si256(), j)));
+  const __m256 c1 = _mm256_blendv_ps(BandValue8(t, b, _mm256_sub_epi32(j, ones)), _mm256_permutevar8x32_ps(t.above, b),
+                                     _mm256_castsi256_ps(_mm256_cmpeq_epi32(j, last)));
+  const __m256 d_lo = _mm256_sub_ps(a, c0), d_hi = _mm256_sub_ps(c1, a);
+  const __m256 up = _mm256_blendv_ps(_mm256_cmp_ps(d_hi, d_lo, _CMP_LT_OQ), _mm256_cmp_ps(d_hi, d_lo, _CMP_LE_OQ),
+                                     _mm256_castsi256_ps(neg));
+  __m256i r = _mm256_sub_epi32(_mm256_add_epi32(_mm256_permutevar8x32_epi32(t.base, b), j), _mm256_castps_si256(up));
+  const __m256i top = _mm256_blendv_epi8(_mm256_set1_epi32(ci.bands->top_pos), _mm256_set1_epi32(ci.bands->top_neg), neg);
+  r = _mm256_min_epi32(r, top);
+  const __m256i zero = _mm256_set1_epi32(ci.zero);
+  __m256i idx = r;
+  if (ci.is_signed) idx = _mm256_blendv_epi8(_mm256_add_epi32(zero, r), _mm256_sub_epi32(zero, r), neg);
+  return _mm256_blendv_epi8(idx, zero, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+}
+
+// The code's value at 8 indices (code[idx] bit for bit): the rank's band from six compares, then
+// BandValue8; rank 0 the code's 0 and the positive top its 1; a signed code's lower half negative.
+inline __m256 CodeValue8(const Bands8& t, const CodeIndex& ci, __m256i idx) {
+  const __m256i zero = _mm256_set1_epi32(ci.zero);
+  __m256i r = idx, neg = _mm256_setzero_si256();
+  if (ci.is_signed) {
+    neg = _mm256_cmpgt_epi32(zero, idx);
+    r = _mm256_abs_epi32(_mm256_sub_epi32(idx, zero));
+  }
+  __m256i b = _mm256_setzero_si256();
+  for (int k = 1; k < 7; ++k) {
+    b = _mm256_sub_epi32(b, _mm256_cmpgt_epi32(r, _mm256_set1_epi32(ci.bands->base[k] - 1)));
+  }
+  __m256 v = BandValue8(t, b, _mm256_sub_epi32(r, _mm256_permutevar8x32_epi32(t.base, b)));
+  v = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(r, _mm256_setzero_si256())), v);
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(1.0f),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(r, _mm256_set1_epi32(ci.bands->top_pos))));
+  return _mm256_or_ps(v, _mm256_and_ps(_mm256_castsi256_ps(neg), _mm256_set1_ps(-0.0f)));
+}
+#endif
+
 // n codes from a block boundary (n <= kTile; the last block may be short) into out, each
 // block's under absmax[block]: code[q] * absmax.
-void Q8WidenTile(const uint8_t* __restrict__ q, const float* __restrict__ absmax, const float* __restrict__ code,
+void Q8WidenTile(const uint8_t* __restrict__ q, const float* __restrict__ absmax, const CodeIndex& ci,
                  float* __restrict__ out, int64_t n) {
+  const float* __restrict__ code = ci.code;
 #if TFCLIP_ISA_AVX512
   __m512 lut[kQuantCodeSize / 16];
 #pragma GCC unroll 16
   for (int k = 0; k < kQuantCodeSize / 16; ++k) lut[k] = _mm512_loadu_ps(code + 16 * k);
+#elif TFCLIP_ISA_F16C
+  const Bands8 bands(*ci.bands);
 #endif
   for (int64_t b = 0; b < n; b += kQuantBlock) {
     const int64_t e = n - b < kQuantBlock ? n : b + kQuantBlock;
@@ -192,7 +298,7 @@ void Q8WidenTile(const uint8_t* __restrict__ q, const float* __restrict__ absmax
     const __m256 vm = _mm256_set1_ps(m);
     for (; j + 8 <= e; j += 8) {
       const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)));
-      _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), vm));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(CodeValue8(bands, ci, idx), vm));
     }
 #endif
     for (; j < e; ++j) out[j] = code[q[j]] * m;
@@ -200,11 +306,13 @@ void Q8WidenTile(const uint8_t* __restrict__ q, const float* __restrict__ absmax
 }
 
 // n floats from a block boundary (n <= kTile) into codes: each block's absmax into
-// absmax[block], then each element's nearest code under it (QuantizeOneIndexed's).
+// absmax[block], then each element's nearest code under it (QuantizeOneFormula's).
 void Q8NarrowTile(const float* __restrict__ in, const CodeIndex& ci, uint8_t* __restrict__ q,
                   float* __restrict__ absmax, int64_t n) {
 #if TFCLIP_ISA_AVX512
   const FlipTree16 tree(ci.tree);
+#elif TFCLIP_ISA_F16C
+  const Bands8 bands(*ci.bands);
 #endif
   for (int64_t b = 0; b < n; b += kQuantBlock) {
     const int64_t e = n - b < kQuantBlock ? n : b + kQuantBlock;
@@ -223,28 +331,13 @@ void Q8NarrowTile(const float* __restrict__ in, const CodeIndex& ci, uint8_t* __
     }
 #elif TFCLIP_ISA_F16C
     const __m256 vm = _mm256_set1_ps(m);
-    const __m256i flip = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-    const __m256i vbase = _mm256_set1_epi32(static_cast<int>(ci.base));
-    const __m256i vbase_s = _mm256_xor_si256(vbase, flip);  // for an unsigned compare
-    const __m256i vlast = _mm256_set1_epi32(ci.buckets - 1), vzi = _mm256_set1_epi32(ci.zero);
     for (; j + 8 <= e; j += 8) {
-      const __m256 y = _mm256_div_ps(_mm256_loadu_ps(in + j), vm);
-      const __m256i u = _mm256_castps_si256(y);
-      // OrderedKey: ~u for a negative y, u | 2^31 else; then the bucket, clamped.
-      const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), flip));
-      const __m256i below_base = _mm256_cmpgt_epi32(vbase_s, _mm256_xor_si256(key, flip));
-      __m256i bk = _mm256_andnot_si256(below_base, _mm256_srli_epi32(_mm256_sub_epi32(key, vbase), kCodeKeyShift));
-      bk = _mm256_min_epi32(bk, vlast);
-      __m256i lo = _mm256_i32gather_epi32(ci.start, bk, 4);
-      for (int s = 0; s < kCodeWalk; ++s) {  // lo += flips[lo] <= y (a true compare is -1)
-        lo = _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(_mm256_i32gather_ps(ci.flips, lo, 4), y, _CMP_LE_OQ)));
-      }
-      lo = _mm256_blendv_epi8(lo, vzi, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+      const __m256i lo = NearestCode8(bands, ci, _mm256_div_ps(_mm256_loadu_ps(in + j), vm));
       const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(q + j), _mm_packus_epi16(w16, w16));
     }
 #endif
-    for (; j < e; ++j) q[j] = static_cast<uint8_t>(NearestCodeIndexed(ci, in[j] / m));
+    for (; j < e; ++j) q[j] = static_cast<uint8_t>(NearestCodeFormula(ci, in[j] / m));
   }
 }
 

@@ -146,7 +146,8 @@ __device__ __forceinline__ float WarpMax(float v) {
 template <typename Rule, int kSlots>
 TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict__ cp,
                                          const DevTensor& t, const ClipFactor* __restrict__ fp,
-                                         const float* __restrict__ codes, int64_t b, int64_t e,
+                                         const float* __restrict__ codes,
+                                         const Q8Bands* __restrict__ bands, int64_t b, int64_t e,
                                          Crew crew) {
   static_assert(kQuantBlock % 32 == 0 && kCudaChunkElems % kQuantBlock == 0, "warps hold whole blocks");
   constexpr int kPer = static_cast<int>(kQuantBlock / 32);
@@ -156,11 +157,14 @@ TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict
   const GradReader<float, AnyGrad> grad(t.grad, static_cast<DType>(t.grad_dtype), f);
   const DType gt = static_cast<DType>(t.grad_dtype);
   const float* code[kMaxSlots];
+  const Q8Bands* band[kMaxSlots];
   uint8_t* q[kMaxSlots];
 #pragma unroll
   for (int k = 0; k < kMaxSlots; ++k) {
     // (planted: every slot with the signed code, the second moments too)
-    code[k] = codes + (((Rule::kUnsignedSlots >> k) & 1u) && !TFCLIP_PLANTED(Q8_CODE) ? kQuantCodeSize : 0);
+    const bool u = ((Rule::kUnsignedSlots >> k) & 1u) && !TFCLIP_PLANTED(Q8_CODE);
+    code[k] = codes + (u ? kQuantCodeSize : 0);
+    band[k] = bands + (u ? 1 : 0);
     q[k] = static_cast<uint8_t*>(t.slots[k]);
   }
   const int lane = crew.rank & 31, warp = crew.rank >> 5, warps = crew.size >> 5;
@@ -197,7 +201,9 @@ TFCLIP_DEVICE_NOINLINE void ApplyRangeQ8(const ConstsOf<Rule, float>* __restrict
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         const int64_t i = base + lane + 32 * j;
-        if (i < e) q[k][i] = QuantizeOne(code[k], QuantZeroIndex(!((Rule::kUnsignedSlots >> k) & 1u)), s[k][j], am);
+        // (the code's formula, quant8.h: the CPU's index, without a search through memory)
+        const bool sg = !((Rule::kUnsignedSlots >> k) & 1u) || TFCLIP_PLANTED(Q8_CODE);
+        if (i < e) q[k][i] = QuantizeOneFormula(*band[k], sg, QuantZeroIndex(sg), s[k][j], am);
       }
     }
   }
@@ -218,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) ApplyKernel(Table t) {
     TrustAcc acc;
     if (ten.q8_slots) {  // a float variable with int8 state, a dense gradient (ValidateState)
       if constexpr (!Rule::kTrustRatio && kSlots > 0) {
-        ApplyRangeQ8<Rule, kSlots>(&ConstsFor<float>(*consts), ten, &t.factors[ch.tensor], t.codes, ch.begin,
+        ApplyRangeQ8<Rule, kSlots>(&ConstsFor<float>(*consts), ten, &t.factors[ch.tensor], t.codes, t.bands, ch.begin,
                                    ch.end, crew);
       }
     } else if (ten.bf16_slots) {  // a float variable with bfloat16 slots (any gradient, any clip)

@@ -218,9 +218,10 @@ struct Table {
   DevStatus* status;
   DevConsts* consts;
   const int32_t* many;  // the tensors of over kThreadChunks chunks (a warp sums each one's)
-  // int8 state's codes (quant8.h) in the workspace: the signed one, then the unsigned one; null
-  // in a step without int8 state.
+  // int8 state's codes (quant8.h) in the workspace: the signed one, then the unsigned one, and
+  // their formulas' bands (Q8Bands) in the same order; null in a step without int8 state.
   const float* codes;
+  const Q8Bands* bands;
   int nmany;
   int n;
   int64_t nchunks;

@@ -57,7 +57,7 @@ HostLayout Layout(const CudaPlan& p) {
     l.bytes = l.off_spans + (p.sparse != nullptr ? Bytes(p.sparse->spans) : 0);
   }
   l.off_codes = l.bytes;
-  if (p.q8) l.bytes += Align256(sizeof(float) * 2 * kQuantCodeSize);
+  if (p.q8) l.bytes += Align256(sizeof(float) * 2 * kQuantCodeSize + 2 * sizeof(Q8Bands));
   l.off_ftiles = l.off_ftile_off = l.off_frow_off = l.off_fpart_off = l.off_fmat_off = l.bytes;
   if (p.fac != nullptr) {
     const FactoredPlan& f = *p.fac;
@@ -164,6 +164,9 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
     std::memcpy(h + l.off_codes, DynamicCode(true), sizeof(float) * kQuantCodeSize);
     std::memcpy(h + l.off_codes + sizeof(float) * kQuantCodeSize, DynamicCode(false),
                 sizeof(float) * kQuantCodeSize);
+    Q8Bands* bands = reinterpret_cast<Q8Bands*>(h + l.off_codes + sizeof(float) * 2 * kQuantCodeSize);
+    bands[0] = *DynamicCodeIndex(true).bands;
+    bands[1] = *DynamicCodeIndex(false).bands;
   }
   const cudaError_t e = cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream);
   if (e != cudaSuccess) return CudaError(e, "the tensor table upload");
@@ -179,6 +182,7 @@ std::string Upload(const CudaPlan& p, const DevTensor* tensors, const HParams* h
   t->many = reinterpret_cast<const int32_t*>(d + l.off_many);
   t->nmany = static_cast<int>(p.many.size());
   t->codes = p.q8 ? reinterpret_cast<const float*>(d + l.off_codes) : nullptr;
+  t->bands = p.q8 ? reinterpret_cast<const Q8Bands*>(d + l.off_codes + sizeof(float) * 2 * kQuantCodeSize) : nullptr;
   t->n = p.n;
   t->nchunks = static_cast<int64_t>(p.plan.chunks.size());
   return "";
