@@ -53,7 +53,7 @@ float FromKey(uint32_t key) {  // OrderedKey's inverse
 // The formula's tables (quant8.h, Q8Bands), checked against the built code: every value of every
 // band, its ends' neighbours and the ranks' ends (the process stops on a difference: the
 // formula would then not be the code).
-Q8Bands BuildBands(bool is_signed, const float* code) {
+Q8Bands BuildBands(bool is_signed, const float* code, const float* flips) {
   static const double kScale[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
   const int u = is_signed ? 0 : 1;
   const int zero = QuantZeroIndex(is_signed);
@@ -70,10 +70,12 @@ Q8Bands BuildBands(bool is_signed, const float* code) {
     q.base[b] = k - u;
     q.last[b] = k - 1;
     q.bound[b] = static_cast<float>(kScale[e] / 10.0);
+    q.mu[b] = static_cast<float>(0.1 * s);
+    q.nu[b] = static_cast<float>(s * 0.9 / k);
   }
   q.bound[0] = 0.0f;
-  q.top_pos = is_signed ? kQuantCodeSize - 1 - zero : kQuantCodeSize - 1;
-  q.top_neg = is_signed ? zero : 0;
+  q.top[0] = is_signed ? kQuantCodeSize - 1 - zero : kQuantCodeSize - 1;
+  q.top[1] = is_signed ? zero : 0;
   auto magnitude = [&](int rank) { return code[zero + rank]; };  // the positive side's
   for (int b = 0; b < 8; ++b) {
     q.below[b] = magnitude(q.base[b] - 1);
@@ -81,14 +83,27 @@ Q8Bands BuildBands(bool is_signed, const float* code) {
     for (int j = -1; j <= q.last[b] + 1; ++j) {
       const int rank = q.base[b] + j;
       if (BandValue(q, b, j) != magnitude(rank)) std::abort();
-      if (is_signed && rank <= q.top_neg && BandValue(q, b, j) != -code[zero - rank]) std::abort();
+      if (is_signed && rank <= q.top[1] && BandValue(q, b, j) != -code[zero - rank]) std::abort();
     }
   }
-  if (magnitude(q.top_pos) != 1.0f || q.base[6] + q.last[6] + 1 != q.top_pos) std::abort();
+  if (magnitude(q.top[0]) != 1.0f || q.base[6] + q.last[6] + 1 != q.top[0]) std::abort();
+  // The smallest magnitude of rank r + 1: a positive y's is flip zero + r; a negative y's is
+  // above -flip(zero - r - 1) (a y at that flip keeps the index zero - r), so the next float.
+  auto pos = [&](int r) { return r + zero < kQuantCodeSize - 1 ? flips[zero + r] : INFINITY; };
+  auto neg = [&](int r) {
+    return is_signed && r < q.top[1] ? std::nextafter(-flips[zero - r - 1], INFINITY) : INFINITY;
+  };
+  for (int b = 0; b < 8; ++b) {
+    q.lo[0][b] = pos(q.base[b] - 1);
+    q.lo[1][b] = neg(q.base[b] - 1);
+    q.hi[0][b] = pos(q.base[b] + q.last[b]);
+    q.hi[1][b] = neg(q.base[b] + q.last[b]);
+  }
   return q;
 }
 
 CodeIndex BuildIndex(bool is_signed) {
+  static std::vector<int32_t> tables[2];
   static std::vector<float> flip_tables[2];
   static std::vector<float> trees[2];
   static Q8Bands bands[2];
@@ -121,7 +136,22 @@ CodeIndex BuildIndex(bool is_signed) {
     for (int p = 0; p < (1 << level); ++p) tree[(1 << level) - 1 + p] = flips[(2 * p + 1) * (1 << (7 - level)) - 1];
   }
   ci.tree = tree.data();
-  bands[is_signed ? 1 : 0] = BuildBands(is_signed, c);
+  // NearestCodeIndexed's buckets
+  std::vector<int32_t>& t = tables[is_signed ? 1 : 0];
+  ci.base = OrderedKey(-1.0f);
+  ci.buckets = static_cast<int32_t>((OrderedKey(1.0f) - ci.base) >> kCodeKeyShift) + 1;
+  t.resize(static_cast<size_t>(ci.buckets) + 1);
+  for (int32_t b = 0; b <= ci.buckets; ++b) {
+    const uint32_t first = ci.base + (static_cast<uint32_t>(b) << kCodeKeyShift);
+    int32_t below = 0;
+    while (below < kQuantCodeSize - 1 && OrderedKey(flips[below]) < first) ++below;
+    t[b] = below;
+  }
+  for (int32_t b = 0; b < ci.buckets; ++b) {
+    if (t[b + 1] - t[b] > kCodeWalk) std::abort();  // NearestCodeIndexed's walk would stop short
+  }
+  ci.start = t.data();
+  bands[is_signed ? 1 : 0] = BuildBands(is_signed, c, flips.data());
   ci.bands = &bands[is_signed ? 1 : 0];
   return ci;
 }
@@ -139,7 +169,7 @@ void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed,
     const int64_t e = std::min(n, b + block);
     const float m = BlockAbsmax(x + b, e - b);
     absmax[k] = m;
-    for (int64_t i = b; i < e; ++i) q[i] = QuantizeOneFormula(ci, x[i], m);
+    for (int64_t i = b; i < e; ++i) q[i] = QuantizeOneIndexed(ci, x[i], m);
   }
 }
 

@@ -89,7 +89,13 @@ struct Q8Bands {
   int32_t base[8], last[8];  // base_b, K_b - 1
   float below[8], above[8];  // the magnitudes of ranks base_b - 1 and base_b + K_b (0 and 1 at the ends)
   float bound[8];            // bound[b] = 10^(b - 7) (b = 1..6): the band of |y| is #{b : |y| >= bound[b]}
-  int32_t top_pos, top_neg;  // the largest rank of a positive and of a negative y
+  // The vector tiles' fast test (kQ8Ambiguous): inside band b the real midpoint between values j and j + 1,
+  // mu_b + nu_b (j + 1) in float, within a few ulps of where the index steps up; at the band's
+  // ends the exact thresholds (the smallest magnitude of rank base_b, and of base_b + K_b), for a
+  // positive and a negative y (ties go the other way).
+  float mu[8], nu[8];
+  float lo[2][8], hi[2][8];  // [0]: a positive y's, [1]: a negative y's
+  int32_t top[2];            // the largest rank of a positive and of a negative y
 };
 
 // NearestCode of the host, without a search (issue 69): the band of |y| from six compares, the
@@ -112,6 +118,9 @@ struct CodeIndex {
   // (node <= y) is the next bit of the count of flips <= y (pass_state_tiles.cc's AVX-512 tiles).
   const float* tree;
   const Q8Bands* bands;
+  const int32_t* start;  // per bucket (NearestCodeIndexed): the count of flips below its smallest float
+  uint32_t base;         // OrderedKey(-1.0f)
+  int32_t buckets;
   int zero;
   bool is_signed;
 };
@@ -121,6 +130,27 @@ inline uint32_t OrderedKey(float y) {
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 const CodeIndex& DynamicCodeIndex(bool is_signed);
+
+// NearestCode element by element without the search (the baseline's tiles and scalar tails:
+// three loads from L1, cheaper in scalar code than the formula's arithmetic, 2-3x on the
+// development machine): the floats ordered as integers (OrderedKey), their top bits a bucket
+// (2^-6 of a binade), each bucket's count of the flips below it in a table; from it kCodeWalk
+// branch-free steps over the flips in the bucket (building the table checks there are no
+// more), and NaN to the code's 0.
+constexpr int kCodeKeyShift = 17;
+constexpr int kCodeWalk = 2;
+inline int NearestCodeIndexed(const CodeIndex& ci, float y) {
+  // The bucket: below -1 (not a quotient x / absmax) clamps to the first, above 1 to the last.
+  const uint32_t key = OrderedKey(y);
+  int32_t b = key < ci.base ? 0 : static_cast<int32_t>((key - ci.base) >> kCodeKeyShift);
+  b = b < ci.buckets ? b : ci.buckets - 1;
+  int lo = ci.start[b];
+  for (int s = 0; s < kCodeWalk; ++s) lo += ci.flips[lo] <= y ? 1 : 0;
+  return y == y ? lo : ci.zero;
+}
+inline uint8_t QuantizeOneIndexed(const CodeIndex& ci, float x, float absmax) {
+  return static_cast<uint8_t>(absmax > 0.0f ? NearestCodeIndexed(ci, x / absmax) : ci.zero);
+}
 
 // Value j of band b (j = -1 and j = K_b: its neighbours).
 TFCLIP_HD float BandValue(const Q8Bands& q, int b, int j) {
@@ -153,7 +183,7 @@ TFCLIP_HD int NearestCodeFormula(const Q8Bands& q, bool is_signed, int zero, flo
   const int j = static_cast<int>(p + 1.0f) - 1;
   const float d_lo = a - BandValue(q, b, j), d_hi = BandValue(q, b, j + 1) - a;
   int r = q.base[b] + j + ((neg ? d_hi <= d_lo : d_hi < d_lo) ? 1 : 0);
-  const int top = neg ? q.top_neg : q.top_pos;
+  const int top = q.top[neg ? 1 : 0];
   r = r < top ? r : top;
   return !is_signed ? r : neg ? zero - r : zero + r;
 }
@@ -163,6 +193,12 @@ TFCLIP_HD uint8_t QuantizeOneFormula(const Q8Bands& q, bool is_signed, int zero,
 inline int NearestCodeFormula(const CodeIndex& ci, float y) {
   return NearestCodeFormula(*ci.bands, ci.is_signed, ci.zero, y);
 }
+
+// The vector tiles' fast test (pass_state_tiles.cc, NearestCode8): inside the band, |y| against
+// the affine midpoint (Q8Bands::mu, nu) in float, whose error and the code's own rounding put the
+// true step within kQ8Ambiguous |y| of it; a |y| that close (about 1e-5 of the inputs) takes
+// NearestCodeFormula's exact test. At the band's ends, the exact thresholds.
+constexpr float kQ8Ambiguous = 1.0f / (1 << 19);
 inline uint8_t QuantizeOneFormula(const CodeIndex& ci, float x, float absmax) {
   return QuantizeOneFormula(*ci.bands, ci.is_signed, ci.zero, x, absmax);
 }

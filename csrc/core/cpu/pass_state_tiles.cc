@@ -11,12 +11,13 @@
 // variants bit for bit.
 //
 // How each variant finds int8 values:
-// - baseline: element by element, NearestCodeFormula (quant8.h) and the code's table.
-// - AVX2: 8 lanes of the same formula, no memory lookups: the band from six compares, its
-//   constants from registers (vpermps; the double ones a pair of 32-bit halves), the index
-//   from a multiply and one test against its two neighbours. Dequantizing, each code's value
-//   from the same formula. Gathers were most of the int8 step on AMD's Zen cores (about 4x the
-//   float32-state step, ../shared/notes/narrow-state-cpu.md).
+// - baseline: element by element, NearestCodeIndexed's bucket table and walk (three loads from
+//   L1: in scalar code cheaper than the formula's arithmetic), and the code's table.
+// - AVX2: 8 lanes of the code's formula (quant8.h), no gathers: the band from six compares, its constants
+//   from registers (vpermps), the index from a multiply and one compare with a midpoint (the
+//   rare lane within a few ulps of it redone exactly). Dequantizing, eight loads from the code
+//   (in L1). Gathers were most of the int8 step on AMD's Zen cores (about 4x the float32-state
+//   step, ../shared/notes/narrow-state-cpu.md).
 // - AVX-512: no memory lookups at all. The code's 256 values sit in 16 registers, picked by
 //   vpermt2ps (32 values by an index's low 5 bits) and blends on its bits 5, 6 and 7. The 255
 //   flips sit in 18 registers as an implicit binary search tree (CodeIndex::tree): level L's 2^L
@@ -175,50 +176,32 @@ inline __m512i NearestCode16(const FlipTree16& t, __m512 y, int zero) {
 
 #if TFCLIP_ISA_F16C && !TFCLIP_ISA_AVX512
 // Q8Bands (quant8.h) in registers: each 8-entry table one register, looked up by a lane's band
-// (vpermps); the double tables A and B as two registers each of four doubles, a lane's double
-// taken as its two 32-bit halves.
+// (vpermps).
 struct Bands8 {
-  __m256 p, r, lastf, below, above;
+  __m256 p, r, lastf, mu, nu, lo_pos, lo_neg, hi_pos, hi_neg;
   __m256i base, last;
-  __m256 a_lo, a_hi, b_lo, b_hi;  // doubles 0-3 and 4-7 of A and B, as floats' bits
   __m256 bound[7];
   explicit Bands8(const Q8Bands& q)
       : p(_mm256_loadu_ps(q.p)),
         r(_mm256_loadu_ps(q.r)),
-        below(_mm256_loadu_ps(q.below)),
-        above(_mm256_loadu_ps(q.above)),
+        mu(_mm256_loadu_ps(q.mu)),
+        nu(_mm256_loadu_ps(q.nu)),
+        lo_pos(_mm256_loadu_ps(q.lo[0])),
+        lo_neg(_mm256_loadu_ps(q.lo[1])),
+        hi_pos(_mm256_loadu_ps(q.hi[0])),
+        hi_neg(_mm256_loadu_ps(q.hi[1])),
         base(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.base))),
-        last(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.last))),
-        a_lo(_mm256_castpd_ps(_mm256_loadu_pd(q.a))),
-        a_hi(_mm256_castpd_ps(_mm256_loadu_pd(q.a + 4))),
-        b_lo(_mm256_castpd_ps(_mm256_loadu_pd(q.b))),
-        b_hi(_mm256_castpd_ps(_mm256_loadu_pd(q.b + 4))) {
+        last(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.last))) {
     lastf = _mm256_cvtepi32_ps(last);
     for (int k = 1; k < 7; ++k) bound[k] = _mm256_set1_ps(q.bound[k]);
   }
 };
 
-// float(A_b + B_b j) for 4 lanes (bands b and indices j as 32-bit ints), in double as the scalar
-// BandValue: the doubles' halves picked by vpermps from the low or high four, by bit 2 of b.
-inline __m128 BandValue4(const Bands8& t, __m128i b, __m128i j) {
-  const __m256i bq = _mm256_cvtepu32_epi64(b);
-  const __m256i idx = _mm256_add_epi64(_mm256_add_epi64(_mm256_slli_epi64(bq, 1), _mm256_slli_epi64(bq, 33)),
-                                       _mm256_set1_epi64x(int64_t{1} << 32));
-  const __m256d high = _mm256_castsi256_pd(_mm256_cmpgt_epi64(bq, _mm256_set1_epi64x(3)));
-  const __m256d a = _mm256_blendv_pd(_mm256_castps_pd(_mm256_permutevar8x32_ps(t.a_lo, idx)),
-                                     _mm256_castps_pd(_mm256_permutevar8x32_ps(t.a_hi, idx)), high);
-  const __m256d bb = _mm256_blendv_pd(_mm256_castps_pd(_mm256_permutevar8x32_ps(t.b_lo, idx)),
-                                      _mm256_castps_pd(_mm256_permutevar8x32_ps(t.b_hi, idx)), high);
-  return _mm256_cvtpd_ps(_mm256_add_pd(a, _mm256_mul_pd(bb, _mm256_cvtepi32_pd(j))));
-}
-inline __m256 BandValue8(const Bands8& t, __m256i b, __m256i j) {
-  const __m128 lo = BandValue4(t, _mm256_castsi256_si128(b), _mm256_castsi256_si128(j));
-  const __m128 hi = BandValue4(t, _mm256_extracti128_si256(b, 1), _mm256_extracti128_si256(j, 1));
-  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
-}
-
-// NearestCodeFormula on 8 lanes (the same operations, so the same index).
-inline __m256i NearestCode8(const Bands8& t, const CodeIndex& ci, __m256 y) {
+// The nearest code on 8 lanes by the code's formula (quant8.h): the band and the index in it as
+// NearestCodeFormula's, then one compare with the band's affine midpoint (kQ8Ambiguous); a lane whose |y| lies within
+// kQ8Ambiguous of its band's affine midpoint (about 1e-5 of them) is redone by the exact scalar
+// NearestCodeFormula after the vector (its mask in *amb).
+inline __m256i NearestCode8(const Bands8& t, const CodeIndex& ci, __m256 y, int* amb) {
   const __m256i ones = _mm256_set1_epi32(-1);
   // neg: a signed code's negative y (the sign bit); an unsigned code's is |y| = 0.
   const __m256i sign = _mm256_srai_epi32(_mm256_castps_si256(y), 31);
@@ -228,47 +211,36 @@ inline __m256i NearestCode8(const Bands8& t, const CodeIndex& ci, __m256 y) {
     a = _mm256_andnot_ps(_mm256_castsi256_ps(sign), a);
     neg = _mm256_setzero_si256();
   }
+  const __m256 negf = _mm256_castsi256_ps(neg);
   __m256i b = _mm256_setzero_si256();
+#pragma GCC unroll 6
   for (int k = 1; k < 7; ++k) b = _mm256_sub_epi32(b, _mm256_castps_si256(_mm256_cmp_ps(a, t.bound[k], _CMP_GE_OQ)));
   __m256 p = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_permutevar8x32_ps(t.p, b)), _mm256_permutevar8x32_ps(t.r, b));
   p = _mm256_max_ps(p, _mm256_set1_ps(-1.0f));
   p = _mm256_min_ps(p, _mm256_permutevar8x32_ps(t.lastf, b));
-  const __m256i j = _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_add_ps(p, _mm256_set1_ps(1.0f))), ones);
-  const __m256i last = _mm256_permutevar8x32_epi32(t.last, b);
-  const __m256 c0 = _mm256_blendv_ps(BandValue8(t, b, j), _mm256_permutevar8x32_ps(t.below, b),
-                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setzero_si256(), j)));
-  const __m256 c1 = _mm256_blendv_ps(BandValue8(t, b, _mm256_sub_epi32(j, ones)), _mm256_permutevar8x32_ps(t.above, b),
-                                     _mm256_castsi256_ps(_mm256_cmpeq_epi32(j, last)));
-  const __m256 d_lo = _mm256_sub_ps(a, c0), d_hi = _mm256_sub_ps(c1, a);
-  const __m256 up = _mm256_blendv_ps(_mm256_cmp_ps(d_hi, d_lo, _CMP_LT_OQ), _mm256_cmp_ps(d_hi, d_lo, _CMP_LE_OQ),
-                                     _mm256_castsi256_ps(neg));
+  const __m256i j1 = _mm256_cvttps_epi32(_mm256_add_ps(p, _mm256_set1_ps(1.0f)));  // j + 1
+  const __m256i j = _mm256_add_epi32(j1, ones);
+  const __m256 below = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setzero_si256(), j));
+  const __m256 top_end = _mm256_castsi256_ps(_mm256_cmpeq_epi32(j, _mm256_permutevar8x32_epi32(t.last, b)));
+  // inside the band: |y| against the midpoint; at its ends, against the exact thresholds
+  const __m256 m = _mm256_add_ps(_mm256_permutevar8x32_ps(t.mu, b),
+                                 _mm256_mul_ps(_mm256_permutevar8x32_ps(t.nu, b), _mm256_cvtepi32_ps(j1)));
+  const __m256 d = _mm256_sub_ps(a, m);
+  const __m256 lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo_pos, b), _mm256_permutevar8x32_ps(t.lo_neg, b), negf);
+  const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.hi_pos, b), _mm256_permutevar8x32_ps(t.hi_neg, b), negf);
+  __m256 up = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_GT_OQ);
+  up = _mm256_blendv_ps(up, _mm256_cmp_ps(a, hi, _CMP_GE_OQ), top_end);
+  up = _mm256_blendv_ps(up, _mm256_cmp_ps(a, lo, _CMP_GE_OQ), below);
+  const __m256 close = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), d),
+                                     _mm256_mul_ps(a, _mm256_set1_ps(kQ8Ambiguous)), _CMP_LE_OQ);
+  *amb = _mm256_movemask_ps(_mm256_andnot_ps(_mm256_or_ps(below, top_end), close));
   __m256i r = _mm256_sub_epi32(_mm256_add_epi32(_mm256_permutevar8x32_epi32(t.base, b), j), _mm256_castps_si256(up));
-  const __m256i top = _mm256_blendv_epi8(_mm256_set1_epi32(ci.bands->top_pos), _mm256_set1_epi32(ci.bands->top_neg), neg);
+  const __m256i top = _mm256_blendv_epi8(_mm256_set1_epi32(ci.bands->top[0]), _mm256_set1_epi32(ci.bands->top[1]), neg);
   r = _mm256_min_epi32(r, top);
   const __m256i zero = _mm256_set1_epi32(ci.zero);
   __m256i idx = r;
   if (ci.is_signed) idx = _mm256_blendv_epi8(_mm256_add_epi32(zero, r), _mm256_sub_epi32(zero, r), neg);
   return _mm256_blendv_epi8(idx, zero, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
-}
-
-// The code's value at 8 indices (code[idx] bit for bit): the rank's band from six compares, then
-// BandValue8; rank 0 the code's 0 and the positive top its 1; a signed code's lower half negative.
-inline __m256 CodeValue8(const Bands8& t, const CodeIndex& ci, __m256i idx) {
-  const __m256i zero = _mm256_set1_epi32(ci.zero);
-  __m256i r = idx, neg = _mm256_setzero_si256();
-  if (ci.is_signed) {
-    neg = _mm256_cmpgt_epi32(zero, idx);
-    r = _mm256_abs_epi32(_mm256_sub_epi32(idx, zero));
-  }
-  __m256i b = _mm256_setzero_si256();
-  for (int k = 1; k < 7; ++k) {
-    b = _mm256_sub_epi32(b, _mm256_cmpgt_epi32(r, _mm256_set1_epi32(ci.bands->base[k] - 1)));
-  }
-  __m256 v = BandValue8(t, b, _mm256_sub_epi32(r, _mm256_permutevar8x32_epi32(t.base, b)));
-  v = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(r, _mm256_setzero_si256())), v);
-  v = _mm256_blendv_ps(v, _mm256_set1_ps(1.0f),
-                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(r, _mm256_set1_epi32(ci.bands->top_pos))));
-  return _mm256_or_ps(v, _mm256_and_ps(_mm256_castsi256_ps(neg), _mm256_set1_ps(-0.0f)));
 }
 #endif
 
@@ -281,8 +253,6 @@ void Q8WidenTile(const uint8_t* __restrict__ q, const float* __restrict__ absmax
   __m512 lut[kQuantCodeSize / 16];
 #pragma GCC unroll 16
   for (int k = 0; k < kQuantCodeSize / 16; ++k) lut[k] = _mm512_loadu_ps(code + 16 * k);
-#elif TFCLIP_ISA_F16C
-  const Bands8 bands(*ci.bands);
 #endif
   for (int64_t b = 0; b < n; b += kQuantBlock) {
     const int64_t e = n - b < kQuantBlock ? n : b + kQuantBlock;
@@ -296,9 +266,10 @@ void Q8WidenTile(const uint8_t* __restrict__ q, const float* __restrict__ absmax
     }
 #elif TFCLIP_ISA_F16C
     const __m256 vm = _mm256_set1_ps(m);
-    for (; j + 8 <= e; j += 8) {
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)));
-      _mm256_storeu_ps(out + j, _mm256_mul_ps(CodeValue8(bands, ci, idx), vm));
+    for (; j + 8 <= e; j += 8) {  // eight loads from the code in L1: cheaper than a gather or a formula
+      const __m256 v = _mm256_setr_ps(code[q[j]], code[q[j + 1]], code[q[j + 2]], code[q[j + 3]],
+                                      code[q[j + 4]], code[q[j + 5]], code[q[j + 6]], code[q[j + 7]]);
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(v, vm));
     }
 #endif
     for (; j < e; ++j) out[j] = code[q[j]] * m;
@@ -306,7 +277,7 @@ void Q8WidenTile(const uint8_t* __restrict__ q, const float* __restrict__ absmax
 }
 
 // n floats from a block boundary (n <= kTile) into codes: each block's absmax into
-// absmax[block], then each element's nearest code under it (QuantizeOneFormula's).
+// absmax[block], then each element's nearest code under it (NearestCodeIndexed's).
 void Q8NarrowTile(const float* __restrict__ in, const CodeIndex& ci, uint8_t* __restrict__ q,
                   float* __restrict__ absmax, int64_t n) {
 #if TFCLIP_ISA_AVX512
@@ -332,12 +303,21 @@ void Q8NarrowTile(const float* __restrict__ in, const CodeIndex& ci, uint8_t* __
 #elif TFCLIP_ISA_F16C
     const __m256 vm = _mm256_set1_ps(m);
     for (; j + 8 <= e; j += 8) {
-      const __m256i lo = NearestCode8(bands, ci, _mm256_div_ps(_mm256_loadu_ps(in + j), vm));
+      const __m256 y = _mm256_div_ps(_mm256_loadu_ps(in + j), vm);
+      int amb;
+      const __m256i lo = NearestCode8(bands, ci, y, &amb);
       const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(q + j), _mm_packus_epi16(w16, w16));
+      if (__builtin_expect(amb != 0, 0)) {
+        alignas(32) float ys[8];
+        _mm256_store_ps(ys, y);
+        for (int l = 0; l < 8; ++l) {
+          if ((amb >> l) & 1) q[j + l] = static_cast<uint8_t>(NearestCodeFormula(ci, ys[l]));
+        }
+      }
     }
 #endif
-    for (; j < e; ++j) q[j] = static_cast<uint8_t>(NearestCodeFormula(ci, in[j] / m));
+    for (; j < e; ++j) q[j] = static_cast<uint8_t>(NearestCodeIndexed(ci, in[j] / m));
   }
 }
 
