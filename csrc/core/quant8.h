@@ -72,11 +72,6 @@ inline float BlockAbsmax(const float* x, int64_t n) {
   return AbsmaxOf(m);
 }
 
-// One element's code index under its block's absmax.
-TFCLIP_HD uint8_t QuantizeOne(const float* code, int zero_index, float x, float absmax) {
-  return static_cast<uint8_t>(absmax > 0.0f ? NearestCode(code, x / absmax, zero_index) : zero_index);
-}
-
 // The code as a formula (quant8.cc's BuildCode): band b = 0..6 holds K_b = 2^(b + u) magnitudes
 // (u = 1 unsigned, 0 signed), value j of it s_b (0.1 + 0.9 (j + 1/2) / K_b), s_b = 10^(b - 6),
 // which is float(A_b + B_b j) evaluated in double (the same floats as BuildCode's: all 256 of
