@@ -97,7 +97,7 @@ def test_zero_index_is_the_cores_constant():
 @pytest.mark.parametrize("signed", [True, False])
 def test_every_instruction_set_variant_rounds_at_the_same_points(signed):
     """The int8 state's block (256) runs the active CPU variant's tiles (csrc/core/cpu/pass_state_tiles.cc:
-    the code's formula element by element or on 8 AVX2 lanes, or AVX-512's in-register search
+    a bucket walk element by element, the code's formula on 8 AVX2 lanes, or AVX-512's in-register search
     tree). Every code value,
     every midpoint between neighbours and the floats a few ulps either side of it (where the
     nearest code flips), 0 and -0, in blocks whose absmax is 1 (so the quotient is the value
@@ -147,11 +147,13 @@ def test_every_float_in_the_range_quantizes_as_the_search(signed, isa):
     state quantizes, signed zeros included), through this variant's tiles in blocks whose absmax
     is 1, against the count of the code's flips at or below it (the definition's index for every
     float, the search being monotone), and every 4099th float, each flip and the float below each
-    flip against the binary search over the code itself (Q8SweepCode). 20-60 s a case."""
+    flip against the binary search over the code itself (Q8SweepCode). The baseline case also
+    sweeps NearestCodeFormula, the exact test that the CUDA kernel runs on every element and the
+    AVX2 tiles on the lanes near a midpoint. 10-40 s a case."""
     old = _core.cpu_isa()
     try:
         _core.set_cpu_isa(isa)
-        checked, bad, first_bad = _core.q8_code_sweep(signed, 1)
+        checked, bad, first_bad = _core.q8_code_sweep(signed, 1, formula=isa == "baseline")
     finally:
         _core.set_cpu_isa(old)
     # 2 * (127 * 2^23) + 2 floats: both signs' binades from 2^-126 up to 1 (and the subnormals

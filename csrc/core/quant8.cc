@@ -179,7 +179,7 @@ void DequantizeBlockwise(const uint8_t* q, const float* absmax, int64_t n, int64
   for (int64_t i = 0; i < n; ++i) out[i] = code[q[i]] * absmax[i / block];
 }
 
-int64_t Q8SweepCode(bool is_signed, int64_t stride, Q8NarrowFn narrow, int64_t* bad, float* first_bad) {
+int64_t Q8SweepCode(bool is_signed, int64_t stride, Q8NarrowFn narrow, bool formula, int64_t* bad, float* first_bad) {
   const CodeIndex& ci = DynamicCodeIndex(is_signed);
   const float* code = ci.code;
   *bad = 0;
@@ -217,7 +217,7 @@ int64_t Q8SweepCode(bool is_signed, int64_t stride, Q8NarrowFn narrow, int64_t* 
       while (flip < kQuantCodeSize - 1 && ci.flips[flip] <= y) ++flip;
       const int want = flip;
       ++checked;
-      if (q[i] != want) miss(y);
+      if (q[i] != want || (formula && NearestCodeFormula(ci, y) != want)) miss(y);
       if (checked % 4099 == 0 && NearestCode(code, y, ci.zero) != want) miss(y);
     }
   }

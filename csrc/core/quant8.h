@@ -194,18 +194,16 @@ inline int NearestCodeFormula(const CodeIndex& ci, float y) {
 // true step within kQ8Ambiguous |y| of it; a |y| that close (about 1e-5 of the inputs) takes
 // NearestCodeFormula's exact test. At the band's ends, the exact thresholds.
 constexpr float kQ8Ambiguous = 1.0f / (1 << 19);
-inline uint8_t QuantizeOneFormula(const CodeIndex& ci, float x, float absmax) {
-  return QuantizeOneFormula(*ci.bands, ci.is_signed, ci.zero, x, absmax);
-}
 
 // The sweep behind the tests' proof (tests/test_state_int8_code.py): every float in [-1, 1]
 // with a stride (1: all of them, about 2^31) through a CPU variant's int8 tiles (blocks of 255
-// of them after a 1, so each block's absmax is 1 and each quotient the float itself; the
-// baseline's tiles are NearestCodeFormula, element by element), against the count of the code's
-// flips <= y, and every 4099th float and each flip and the float below it against NearestCode's
-// search itself. Returns the floats checked; *bad how many differed, *first_bad the first.
+// of them after a 1, so each block's absmax is 1 and each quotient the float itself) and, with
+// `formula`, through NearestCodeFormula itself (the CUDA kernel's and the AVX2 tiles' exact
+// test), against the count of the code's flips <= y, and every 4099th float and each flip and
+// the float below it against NearestCode's search itself. Returns the floats checked; *bad how
+// many differed, *first_bad the first.
 using Q8NarrowFn = void (*)(const float* in, const CodeIndex& ci, uint8_t* q, float* absmax, int64_t n);
-int64_t Q8SweepCode(bool is_signed, int64_t stride, Q8NarrowFn narrow, int64_t* bad, float* first_bad);
+int64_t Q8SweepCode(bool is_signed, int64_t stride, Q8NarrowFn narrow, bool formula, int64_t* bad, float* first_bad);
 
 // x[0..n) into q[0..n) and absmax[0..ceil(n / block)), per the definition above.
 void QuantizeBlockwise(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q, float* absmax);

@@ -169,20 +169,20 @@ PYBIND11_MODULE(_core, m) {
         py::arg("block") = kQuantBlock,
         "bytes and absmax back to float32: csrc/core/quant8.h (block 256: as quantize_blockwise).");
   m.def("q8_code_sweep",
-        [](bool is_signed, int64_t stride) {
+        [](bool is_signed, int64_t stride, bool formula) {
           if (stride < 1) throw py::value_error("stride must be >= 1, got " + std::to_string(stride));
           int64_t bad = 0;
           float first_bad = 0.0f;
           int64_t checked = 0;
           {
             py::gil_scoped_release release;
-            checked = Q8SweepCode(is_signed, stride, ActiveCpuKernels().q8_narrow, &bad, &first_bad);
+            checked = Q8SweepCode(is_signed, stride, ActiveCpuKernels().q8_narrow, formula, &bad, &first_bad);
           }
           return py::make_tuple(checked, bad, first_bad);
         },
-        py::arg("signed"), py::arg("stride") = 1,
-        "Every stride-th float in [-1, 1] through the active CPU variant's int8 tiles and "
-        "NearestCodeFormula against the count of the code's flips below it (csrc/core/quant8.h, "
+        py::arg("signed"), py::arg("stride") = 1, py::arg("formula") = false,
+        "Every stride-th float in [-1, 1] through the active CPU variant's int8 tiles (and, with "
+        "formula=True, NearestCodeFormula) against the count of the code's flips below it (csrc/core/quant8.h, "
         "Q8SweepCode): (floats checked, how many differed, the first that did).");
   DefineNumpy(m);
 #if TFCLIP_WITH_CUDA
