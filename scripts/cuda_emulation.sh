@@ -26,9 +26,12 @@ BUILD="${BUILD_DIR:-build-emu}"
 [ "$TSAN" = ON ] && BUILD="${BUILD}-tsan"
 # The CPU reference here is the baseline variant alone (TFCLIP_ISA_VARIANTS=OFF): the variants give
 # the same bits (tests/test_core_parity.py: test_every_cpu_variant_gives_the_same_bits), and compiling all three was most
-# of this build's CPU-side time in CI.
+# of this build's CPU-side time in CI. Debug info at -g1 (line tables: the reports, TSan's too,
+# still name file and line): the full -g made the emulated apply.cu take 56 s against 41 s
+# (2026-12-05, the 2-core EPYC).
 cmake -S . -B "$BUILD" -DPython_EXECUTABLE="$("$PY" -c 'import sys;print(sys.executable)')" \
   -DTFCLIP_WITH_TF=OFF -DTFCLIP_CUDA_EMULATION=ON -DTFCLIP_TSAN="$TSAN" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
   -DTFCLIP_ISA_VARIANTS=OFF >/dev/null
 # With jaxlib in this Python (CI installs the `jax` extra), the XLA handlers' JAX module too, for
 # tests/xla_jax below (a second XLA runtime; two more files on this build's core).

@@ -179,3 +179,34 @@ def test_results_do_not_depend_on_thread_count(ts, threads):
     finally:
         core.set_num_threads(0)
     assert one == many
+
+
+@pytest.mark.parametrize("clip_mode", ["global_norm", "value"])
+@pytest.mark.parametrize("rule", ["adam", "momentum"])
+@pytest.mark.parametrize("gname", list(DTYPES))
+@pytest.mark.parametrize("vname", list(DTYPES))
+def test_sparse_pass_gives_the_dense_pass_bits_for_every_dtype_pair(vname, gname, rule, clip_mode):
+    """Every row touched once, in shuffled order: the IndexedSlices pass must give the dense
+    pass's bits for every (variable, gradient) dtype pair. The sparse pass reads every pair but
+    float/float through one run-time cast path (AnyGrad), the dense pass has its own paths for
+    the same dtype and for half/bfloat16 gradients of a float variable: the same rounding, so
+    the same bits."""
+    rng = np.random.default_rng(abs(hash((vname, gname, rule, clip_mode))) % 2 ** 32)
+    rows, width = 37, 5
+    order = rng.permutation(rows).astype(np.int64)
+    dense_g = (rng.normal(size=(rows, width)) * 3).astype(DTYPES[gname])
+    values = dense_g[order]
+    var = rng.normal(size=(rows, width)).astype(DTYPES[vname])
+    hp = {"learning_rate": 0.05, "step": 3} if rule == "adam" else {"lr": 0.05, "momentum": 0.9}
+    nslots = 2 if rule == "adam" else 1
+    slots0 = [(np.abs(rng.normal(size=(rows, width))) * 0.1).astype(DTYPES[vname]) for _ in range(nslots)]
+    # The same clip factor for both: the norm given (the passes sum squares in other orders).
+    kw = {"use_norm": 7.5} if clip_mode == "global_norm" else {}
+    sv, ss = var.copy(), [s.copy() for s in slots0]
+    core.clip_apply(rule, [sv], [values], [[s] for s in ss], hp, clip_mode, 2.0, indices=[order], **kw)
+    dv, ds = var.copy(), [s.copy() for s in slots0]
+    core.clip_apply(rule, [dv], [dense_g], [[s] for s in ds], hp, clip_mode, 2.0, **kw)
+    np.testing.assert_array_equal(sv.view(np.uint8), dv.view(np.uint8), err_msg="variable")
+    for a, b in zip(ss, ds):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg="slot")
+    assert not np.array_equal(sv.view(np.uint8), var.view(np.uint8))  # the step moved it

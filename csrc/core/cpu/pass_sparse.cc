@@ -107,10 +107,20 @@ void SparseApply(RuleKind rule, const HParams& hp, const ApplyTensor* ts, const 
                                                             trust != nullptr ? trust + 2 * x : nullptr);
             continue;
           }
-          DispatchPair(t.var_dtype, t.grad_dtype, [&](auto vtag, auto gtag) {
+          // A float variable's float gradient has a path of its own; every other pair reads
+          // its gradient through AnyGrad (CastClipGradAt: the same rounding in the gradient's
+          // dtype, so the same bits as a path of its own: tests/test_core_properties.py), one
+          // path per variable dtype: the rows gathered are memory-bound, and DispatchPair's
+          // eleven paths made 264 copies of the unit here, 144 now (issue 67: the build).
+          if (t.var_dtype == DType::kFloat && t.grad_dtype == DType::kFloat) {
+            SparseUnitCpu<Rule, float, float, kS>(WithTensor(ConstsFor<float>(rc), u.tensor), t, factors[u.tensor],
+                                                  sp, u, trust != nullptr ? trust + 2 * x : nullptr);
+            continue;
+          }
+          DispatchDType(t.var_dtype, [&](auto vtag) {
             using V = decltype(vtag);
-            SparseUnitCpu<Rule, V, decltype(gtag), kS>(WithTensor(ConstsFor<V>(rc), u.tensor), t, factors[u.tensor],
-                                                       sp, u, trust != nullptr ? trust + 2 * x : nullptr);
+            SparseUnitCpu<Rule, V, AnyGrad, kS>(WithTensor(ConstsFor<V>(rc), u.tensor), t, factors[u.tensor],
+                                                sp, u, trust != nullptr ? trust + 2 * x : nullptr);
           });
         }
       });
