@@ -20,12 +20,6 @@ VERSIONS=("$@")
 KERAS3_ONLY="tests/test_dropin_keras.py tests/test_xla_keras.py tests/test_distribute.py::test_mirrored_two_replicas"
 SUBSET="${SUBSET:-tests/test_rules_adding.py tests/test_clip_adaptive.py tests/test_clip_global_norm.py tests/test_clip_global_norm_gradient.py tests/test_apply.py tests/test_dropin_compat_v1.py tests/test_dropin_keras.py tests/test_build_tf_versions.py tests/test_xla.py tests/test_xla_keras.py tests/test_distribute.py::test_mirrored_two_replicas}"
 ROOT="${MATRIX_DIR:-/tmp/tfclip-matrix}"
-# One build directory for every version (and every call with the same checkout and CMAKE_ARGS):
-# the TF-free core (the CPU passes: most of the compile) is the same for each TensorFlow and
-# compiles once; what includes TF's headers (the op library, the XLA kernels) has another
-# command line for each TF and recompiles. Keyed by the checkout and CMAKE_ARGS, so a cached
-# option of another configuration never leaks in.
-BUILD_DIR="$ROOT/build-$(printf '%s\n%s' "$PWD" "${CMAKE_ARGS:-}" | sha1sum | cut -c1-12)"
 export TFCLIP_SOURCE_DIR="$PWD"  # tests/test_build_tf_versions.py reads build_backend/ and CMakeLists.txt there
 mkdir -p "$ROOT"
 rows=()
@@ -38,7 +32,7 @@ for v in "${VERSIONS[@]}"; do
   build="no"; same="-"; tests="-"; xla="-"
   if "$venv/bin/pip" install -q "tensorflow==$v.*" >"$log" 2>&1; then
     before="$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow"))')"
-    if "$venv/bin/pip" install ".[test]" -C build-dir="$BUILD_DIR" >>"$log" 2>&1; then
+    if "$venv/bin/pip" install ".[test]" >>"$log" 2>&1; then
       build="yes"
       after="$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow"))')"
       [ "$before" = "$after" ] && same="yes ($after)" || { same="NO: $before -> $after"; status=1; }
