@@ -59,30 +59,6 @@ _REQUIRE_GPU = os.environ.get("TFCLIP_REQUIRE_GPU") == "1"
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu_only: needs a real GPU (skipped on the emulated build)")
     config.addinivalue_line("markers", "emulation_only: needs the CUDA emulation (skipped on a real GPU)")
-    # Under pytest-xdist (`-n auto`), "load" hands a module's tests to every worker, and each
-    # worker then runs that module's module-scoped fixtures again: the distributed harnesses
-    # (tests/test_distribute_shard.py's take minutes) ran once per worker, on both cores at
-    # once. "loadgroup" keeps each such fixture's tests on one worker (the groups are set in
-    # pytest_collection_modifyitems below); everything else is spread as before.
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
-
-
-def pytest_collection_modifyitems(config, items):
-    # One xdist group per module-scoped fixture defined in a test module: its tests run on one
-    # worker, so the fixture runs once (a test using two such fixtures goes with its first).
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None or item.get_closest_marker("xdist_group") is not None:
-            continue
-        for name in info.names_closure:
-            defs = info.name2fixturedefs.get(name)
-            if not defs:
-                continue
-            d = defs[-1]
-            if d.scope == "module" and getattr(d.func, "__module__", None) == item.module.__name__:
-                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{name}"))
-                break
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tfclip
-from procs import free_ports
+from procs import free_ports, shared_once
 
 # The subprocesses import the tfclip this test imported (installed, or the in-place checkout).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
@@ -33,11 +33,17 @@ def _wait(p, timeout=300):
     assert p.returncode == 0, out[-3000:]
 
 
+def _harness(mode):
+    def produce(folder):
+        out = folder / f"{mode}.npz"
+        _wait(_run(mode, out))
+        return str(out)
+    return produce
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "s.npz"
-    _wait(_run("single", out))
-    return np.load(out)
+    return np.load(shared_once(tmp_path_factory, "distribute_single", _harness("single")))  # (procs.py)
 
 
 def _same_weights(got, want, prefix):
@@ -101,9 +107,7 @@ def test_demo_with_two_workers_trains(tmp_path):
 
 @pytest.fixture(scope="module")
 def replica_apply(tmp_path_factory):
-    out = tmp_path_factory.mktemp("replica_apply") / "r.npz"
-    _wait(_run("replica_apply", out))
-    return np.load(out)
+    return np.load(shared_once(tmp_path_factory, "distribute_replica_apply", _harness("replica_apply")))
 
 
 @pytest.mark.parametrize("how", ["graph", "eager"])

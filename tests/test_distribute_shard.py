@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tfclip
-from procs import free_ports
+from procs import free_ports, shared_once
 from tfclip._engine import shard as _shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
@@ -27,14 +27,18 @@ CASES = ["adam", "adam_amsgrad", "adamw_excluded", "sgd_nesterov", "rmsprop", "a
          "rules_adam", "rules_nadam", "rules_agc", "rules_zclip", "rules_int8", "rules_adafactor"]
 
 
-@pytest.fixture(scope="module")
-def r(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shard") / "s.npz"
+def _harness(folder):
+    out = folder / "s.npz"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, HARNESS, str(out)], env=env, cwd=os.path.dirname(str(out)),
+    p = subprocess.run([sys.executable, HARNESS, str(out)], env=env, cwd=str(folder),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:]
-    return np.load(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def r(tmp_path_factory):
+    return np.load(shared_once(tmp_path_factory, "shard", _harness))  # (once per run, procs.py)
 
 
 def _bits(a):
@@ -168,10 +172,7 @@ def test_one_replica_keeps_the_stock_layout():
     assert "shard_state" not in ref.get_config()
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    """2 MultiWorkerMirroredStrategy processes on localhost, one replica each."""
-    tmp = tmp_path_factory.mktemp("shard_workers")
+def _two_workers(tmp):
     cluster = {"worker": [f"localhost:{p}" for p in free_ports(2)]}
     procs = []
     for i in range(2):
@@ -182,7 +183,13 @@ def workers(tmp_path_factory):
     for p in procs:
         out, _ = p.communicate(timeout=900)
         assert p.returncode == 0, out[-3000:]
-    return [np.load(tmp / f"w{i}.npz") for i in range(2)]
+    return [str(tmp / f"w{i}.npz") for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """2 MultiWorkerMirroredStrategy processes on localhost, one replica each (once per run)."""
+    return [np.load(f) for f in shared_once(tmp_path_factory, "shard_workers", _two_workers)]
 
 
 @pytest.mark.parametrize("case", ["adam", "adafactor", "agc", "muon", "tfk_adam", "tfk_adafactor"])
