@@ -6,7 +6,7 @@ medians of interleaved repeats, as ratios in the same run; and the sharded step'
 parts each alone (the norm pass over every gradient, the all-gather of the updated variables).
 
     python benchmarks/shard_bench.py [--layers 12] [--replicas 2 | --workers 2] [--repeats 5] [--iters 3]
-                                     [--optimizer adam | muon]
+                                     [--optimizer adam | muon] [--reduce-dtype]
 
 --layers: BERT-base's embeddings and that many of its transformer layers (12: BERT-base, 110M
 parameters). The gradients are fixed per replica (made once, outside the timed call), float32,
@@ -16,6 +16,9 @@ under MultiWorkerMirroredStrategy over N processes on localhost (the collectives
 chief's times and each process's own state. --optimizer muon: Muon instead (the three embeddings
 AdamW, as stock's exclude_embeddings; the layers' matrices Muon's): sharded, each replica runs the
 Newton–Schulz products of its own matrices only, where unsharded every replica runs all of them.
+--reduce-dtype: also `reduce_dtype="bfloat16"` (the gradients summed in bfloat16), unsharded and
+sharded. Each row: its time as a ratio to the unsharded tfclip step and to stock Keras's, and the
+bytes each replica sends per step (computed for a ring).
 """
 import argparse
 import json
@@ -67,6 +70,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--optimizer", choices=("adam", "muon"), default="adam")
+    ap.add_argument("--reduce-dtype", action="store_true",
+                    help='also reduce_dtype="bfloat16", unsharded and with shard_state=True')
     args = ap.parse_args()
     if args.workers > 1 and args.task is None:
         return _spawn_workers(args)
@@ -102,11 +107,24 @@ def main():
     name = "Muon" if args.optimizer == "muon" else "Adam"
     stock, ours = getattr(keras.optimizers, name), getattr(tfclip.keras, name)
     unsharded, sharded = f"tfclip.keras.{name}", f"tfclip.keras.{name}(shard_state=True)"
+    stock_label = f"stock keras.optimizers.{name}"
     contenders = {
-        f"stock keras.optimizers.{name}": lambda: stock(1e-4, global_clipnorm=1.0),
+        stock_label: lambda: stock(1e-4, global_clipnorm=1.0),
         unsharded: lambda: ours(1e-4, global_clipnorm=1.0),
         sharded: lambda: ours(1e-4, global_clipnorm=1.0, shard_state=True),
     }
+    # reduce_dtype (tfclip/_engine/reduce.py): the gradients summed in bfloat16, unsharded and sharded.
+    bf16, both = f'{unsharded}(reduce_dtype="bfloat16")', f'{unsharded}(shard_state=True, reduce_dtype="bfloat16")'
+    if args.reduce_dtype:
+        contenders[bf16] = lambda: ours(1e-4, global_clipnorm=1.0, reduce_dtype="bfloat16")
+        contenders[both] = lambda: ours(1e-4, global_clipnorm=1.0, shard_state=True, reduce_dtype="bfloat16")
+    # The bytes each replica sends per step, computed for a ring (TF's collectives over N
+    # replicas): an all-reduce of B bytes sends 2 (N - 1) / N B, an all-gather (N - 1) / N of
+    # the gathered bytes (shard_state's: the float32 variables, as int32 words).
+    n_rep = strategy.num_replicas_in_sync
+    ring = (n_rep - 1) / n_rep
+    sent = {stock_label: 2 * ring * 4, unsharded: 2 * ring * 4, sharded: 2 * ring * 4 + ring * 4,
+            bf16: 2 * ring * 2, both: 2 * ring * 2 + ring * 4}
     steps, state, built = {}, {}, {}
     for label, make in contenders.items():
         with strategy.scope():
@@ -170,12 +188,16 @@ def main():
     print(f"shard_bench: BERT-base embeddings + {args.layers} layers, {n_params:,} parameters, {len(shapes)} "
           f"tensors, {name} float32, global_clipnorm=1, {where} ({os.cpu_count()} cores); median of "
           f"{args.repeats} x {args.iters} whole tf.function calls")
-    print(f"{'':<40} {'ms/step':>9} {'x unsharded':>12}   optimizer state, bytes/param on each replica")
+    print(f"{'':<66} {'ms/step':>9} {'x unsharded':>12} {'x stock':>8} {'MB sent':>8}   optimizer state, "
+          "bytes/param on each replica")
     for label in contenders:
         per = "  ".join(f"{b:5.2f}" for b in state[label])
-        print(f"{label:<40} {med[label] * 1e3:9.1f} {med[label] / base:12.2f}   {per}")
+        print(f"{label:<66} {med[label] * 1e3:9.1f} {med[label] / base:12.2f} {med[label] / med[stock_label]:8.2f} "
+              f"{sent[label] * n_params / 1e6:8.0f}   {per}")
     for label in parts:
-        print(f"{label:<40} {med[label] * 1e3:9.1f} {med[label] / base:12.2f}")
+        print(f"{label:<66} {med[label] * 1e3:9.1f} {med[label] / base:12.2f}")
+    print(f"(MB sent: per replica per step, computed for a ring over {n_rep} replicas: the gradients' "
+          "all-reduce, and shard_state's all-gather of the float32 variables)")
     if args.task is not None:  # (this process's devices only; _spawn_workers prints every worker's)
         for label in contenders:
             print(f"state of worker {args.task}, {label}: " + "  ".join(f"{b:5.2f}" for b in state[label])

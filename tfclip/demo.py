@@ -83,6 +83,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="train on N local worker processes")
+    p.add_argument("--reduce-dtype", default=None, choices=("bfloat16", "float16"),
+                   help="with --workers: the gradients summed across the workers in this dtype (reduce_dtype)")
     p.add_argument("--plot", default="tfclip-demo.png",
                    help="where to save the PNG of norms and loss ('' for none; needs matplotlib)")
     p.add_argument("--adaptive", default="zclip,autoclip,agc",
@@ -328,7 +330,7 @@ def run_worker(args):
     x, y = make_data(rng, args.batch * args.steps, args.length)
     with strategy.scope():
         model = make_model(args.seed, args.length, args.units)
-        opt = tfclip.keras.Adam(3e-3, global_clipnorm=args.clip)
+        opt = tfclip.keras.Adam(3e-3, global_clipnorm=args.clip, reduce_dtype=args.reduce_dtype)
         opt.build(model.trainable_variables)
     ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch))
 
@@ -347,7 +349,8 @@ def run_worker(args):
 
     if chief:
         print(f"{strategy.num_replicas_in_sync} replicas; LSTM({args.units}), length {args.length}, "
-              f"global_clipnorm={args.clip} applied to the all-reduced gradient")
+              f"global_clipnorm={args.clip} applied to the all-reduced gradient"
+              + (f", summed in {args.reduce_dtype}" if args.reduce_dtype else ""))
         print(f"{'step':>5} {'loss':>10} {'global norm':>12}")
     first = None
     for i, batch in enumerate(ds):

@@ -10,6 +10,7 @@ from tensorflow.python.framework.ops import EagerTensor
 import tfclip._eager as _eager
 from tfclip import _loader, clipping
 from tfclip._engine import opcall as _opcall
+from tfclip._engine import reduce as _reduce
 from tfclip._engine import shard as _shard
 from tfclip._engine import checks as _checks
 from tfclip._engine.opcall import ClipApplyResult  # noqa: F401  (tfclip.ClipApplyResult)
@@ -354,7 +355,7 @@ def _mirrored_step(grads, variables, rule, clip_mode, clip, use_norm, nonfinite,
     if replica is None:  # given in the cross-replica context: one gradient for every copy
         result = merge(strategy, [(g, None) for g in grads], use_norm)
         return ClipApplyResult(*[strategy.experimental_local_results(t)[0] for t in result])
-    return ClipApplyResult(*replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables),
+    return ClipApplyResult(*replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables, rule),
                                                             use_norm)))
 
 
@@ -367,7 +368,8 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
         _check_mirrored_state(strategy, rule, rule._state_variables([]))  # (the counter, Nadam's product)
         return _aggregate(strategy, contributions, variables), _first_replica(strategy, use_norm)
 
-    grads, use_norm = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables), use_norm))
+    grads, use_norm = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables, rule),
+                                                      use_norm))
     # int8 state takes dense gradients, densified before the norm pass as the unsharded op does
     grads = rule._int8_dense(grads, variables)
     with tf.name_scope(scope):
@@ -399,11 +401,13 @@ def _check_mirrored_state(strategy, rule, state):
                 "made on its first step).")
 
 
-def _replica_contributions(replica, grads, variables):
+def _replica_contributions(replica, grads, variables, rule):
     """Each gradient as this replica contributes it to the all-reduce: (value, reduction). A
     fresh tensor per replica (merge_call sees one value per replica, never a shared object), and
     for an ONLY_FIRST_REPLICA variable the first replica's gradient alone (the others send zeros,
-    so a sum across every worker is the first replica's, exactly)."""
+    so a sum across every worker is the first replica's, exactly). With the rule's reduce_dtype,
+    a float32 variable's dense gradient in 16 bits (tfclip/_engine/reduce.py)."""
+    grads = _reduce.cast(grads, variables, rule.reduce_dtype, rule.name)
     first = tf.equal(replica.replica_id_in_sync_group, 0)
     out = []
     for g, v in zip(grads, variables):

@@ -153,6 +153,8 @@ class Dropin:
             config["rounding_seed"] = self.rounding_seed
         if getattr(self, "shard_state", False):  # (tfclip/_engine/shard.py)
             config["shard_state"] = True
+        if getattr(self, "reduce_dtype", None) is not None:  # (tfclip/_engine/reduce.py)
+            config["reduce_dtype"] = self.reduce_dtype
         return config
 
     def _tfclip_rounding_init(self, stochastic_rounding, rounding_seed):

@@ -17,6 +17,7 @@ from tfclip._engine import loss_scale as _loss_scale
 from tfclip._engine import mixup as _mixup
 from tfclip._engine import narrow_state as _narrow
 from tfclip._engine import opcall as _opcall
+from tfclip._engine import reduce as _reduce
 from tfclip._engine import shard as _shard
 from tfclip._engine import step as _step
 from tfclip._engine import xla as _xla
@@ -96,7 +97,8 @@ class _FusedMixin(_dropin.Dropin):
 
     _tfclip_library = "keras"  # (tfclip._engine.mixup)
 
-    def __init__(self, *args, clip=None, stochastic_rounding=False, rounding_seed=0, shard_state=False, **kwargs):
+    def __init__(self, *args, clip=None, stochastic_rounding=False, rounding_seed=0, shard_state=False,
+                 reduce_dtype=None, **kwargs):
         # `clip`: an adaptive clip (tfclip.clipping), bfloat16 variables' stochastic rounding
         # (csrc/core/rounding.h) and `shard_state` (tfclip/_engine/shard.py), taken here for every class;
         # the stock class gets the rest.
@@ -106,6 +108,8 @@ class _FusedMixin(_dropin.Dropin):
         if not isinstance(shard_state, bool):
             raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
         object.__setattr__(self, "shard_state", shard_state)
+        # reduce_dtype (tfclip/_engine/reduce.py): the gradients summed across replicas in 16 bits.
+        object.__setattr__(self, "reduce_dtype", _reduce.check(reduce_dtype))
         object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
 
     def _tfclip_init(self, nonfinite, lazy_sparse, state_dtype=None):
@@ -287,7 +291,9 @@ class _FusedMixin(_dropin.Dropin):
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         tvars = [_tf_var(v) for v in trainable_variables]
-        # Sum across replicas first (a no-op without a strategy), then clip the sum.
+        # Sum across replicas first (a no-op without a strategy), then clip the sum; with
+        # reduce_dtype the float32 variables' gradients cross the link in 16 bits.
+        grads = _reduce.cast(grads, tvars, self.reduce_dtype, type(self).__name__)
         reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
         grads = [g for g, _ in reduced]
         # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); a step

@@ -102,10 +102,11 @@ class SGD(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=0.0, name=None,
-                 state_dtype=None, shard_state=False):
+                 state_dtype=None, shard_state=False, reduce_dtype=None):
         self.momentum = momentum
         self.nesterov = bool(nesterov)
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _check_stock_ranges(self):
         _check_range("momentum", self.momentum, 0.0, 1.0)  # keras.optimizers.SGD's
@@ -128,10 +129,11 @@ class Momentum(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate, momentum, use_nesterov=False, weight_decay=0.0, name=None,
-                 state_dtype=None, shard_state=False):
+                 state_dtype=None, shard_state=False, reduce_dtype=None):
         self.momentum = momentum
         self.use_nesterov = bool(use_nesterov)
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "momentum": self.momentum,
@@ -148,10 +150,11 @@ class Adam(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 amsgrad=False, weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
+                 amsgrad=False, weight_decay=0.0, name=None, state_dtype=None, shard_state=False, reduce_dtype=None):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.amsgrad = bool(amsgrad)
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1,
@@ -162,9 +165,9 @@ class AdamW(Adam):
     """Keras AdamW: Adam with decoupled weight decay (default 0.004, as Keras)."""
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999,
-                 epsilon=1e-7, amsgrad=False, name=None, state_dtype=None, shard_state=False):
+                 epsilon=1e-7, amsgrad=False, name=None, state_dtype=None, shard_state=False, reduce_dtype=None):
         super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, name, state_dtype,
-                         shard_state=shard_state)
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
 
 class Adagrad(Rule):
@@ -176,10 +179,11 @@ class Adagrad(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
-                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False, reduce_dtype=None):
         self.initial_accumulator_value = initial_accumulator_value
         self.epsilon = epsilon
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "epsilon": self.epsilon,
@@ -202,10 +206,11 @@ class RMSprop(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False,
-                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False, reduce_dtype=None):
         self.rho, self.momentum, self.epsilon = rho, momentum, epsilon
         self.centered = bool(centered)
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _has_momentum(self):
         # As Keras: a momentum slot only for momentum > 0 (a number <= 0 is no momentum).
@@ -226,9 +231,10 @@ class Adadelta(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, weight_decay=0.0, name=None,
-                 state_dtype=None, shard_state=False):
+                 state_dtype=None, shard_state=False, reduce_dtype=None):
         self.rho, self.epsilon = rho, epsilon
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "rho": self.rho, "epsilon": self.epsilon,
@@ -239,9 +245,10 @@ class _BetasEpsilonStep(Rule):
     """A rule taking beta_1, beta_2 and epsilon, its bias correction from `iterations + 1`."""
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False, reduce_dtype=None):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
@@ -263,9 +270,10 @@ class Lion(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, weight_decay=0.0, name=None,
-                 state_dtype=None, shard_state=False):
+                 state_dtype=None, shard_state=False, reduce_dtype=None):
         self.beta_1, self.beta_2 = beta_1, beta_2
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _check_stock_ranges(self):
         _check_range("beta_1", self.beta_1, 0.0, 1.0, lo_open=True)  # keras.optimizers.Lion's
@@ -285,11 +293,12 @@ class Nadam(Rule):
     low_precision_state = True
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
+                 weight_decay=0.0, name=None, state_dtype=None, shard_state=False, reduce_dtype=None):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.u_product = None  # made on the first step
         self._next_u_product = None
-        super().__init__(learning_rate, weight_decay, name, state_dtype, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, state_dtype,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_1": self.beta_1, "beta_2": self.beta_2,
@@ -345,7 +354,8 @@ class Ftrl(Rule):
 
     def __init__(self, learning_rate=0.001, learning_rate_power=-0.5, initial_accumulator_value=0.1,
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0,
-                 l2_shrinkage_regularization_strength=0.0, beta=0.0, weight_decay=0.0, name=None, shard_state=False):
+                 l2_shrinkage_regularization_strength=0.0, beta=0.0, weight_decay=0.0, name=None,
+                 shard_state=False, reduce_dtype=None):
         self.learning_rate_power = learning_rate_power
         self.initial_accumulator_value = initial_accumulator_value
         self.l1_regularization_strength = l1_regularization_strength
@@ -354,7 +364,7 @@ class Ftrl(Rule):
         self.beta = beta
         if initial_accumulator_value < 0:
             raise ValueError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
-        super().__init__(learning_rate, weight_decay, name, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "learning_rate_power": self.learning_rate_power,
@@ -397,11 +407,12 @@ class Adafactor(Rule):
                                ("step", STEP)))
 
     def __init__(self, learning_rate=0.001, beta_2_decay=-0.8, epsilon_1=1e-30, epsilon_2=1e-3,
-                 clip_threshold=1.0, weight_decay=0.0, name=None, factored_state=False, shard_state=False):
+                 clip_threshold=1.0, weight_decay=0.0, name=None, factored_state=False,
+                 shard_state=False, reduce_dtype=None):
         self.beta_2_decay, self.epsilon_1, self.epsilon_2 = beta_2_decay, epsilon_1, epsilon_2
         self.clip_threshold = clip_threshold
         self.factored_state = bool(factored_state)
-        super().__init__(learning_rate, weight_decay, name, shard_state=shard_state)
+        super().__init__(learning_rate, weight_decay, name, shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate, "beta_2_decay": self.beta_2_decay,
@@ -439,9 +450,10 @@ class ScheduleFreeAdamW(_BetasEpsilonStep):
                       hparams=_BETAS_EPSILON_STEP + (("warmup_steps", "warmup_steps"),))
 
     def __init__(self, learning_rate=0.0025, beta_1=0.9, beta_2=0.999, epsilon=1e-8, warmup_steps=0,
-                 weight_decay=0.0, name=None, shard_state=False):
+                 weight_decay=0.0, name=None, shard_state=False, reduce_dtype=None):
         self.warmup_steps = warmup_steps
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, weight_decay, name, shard_state=shard_state)
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, weight_decay, name,
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {**super()._config_numbers(), "warmup_steps": self.warmup_steps}
@@ -464,10 +476,11 @@ class _Proximal(Rule):
     still get the l1/l2 shrink); `lazy_sparse=True` updates only the touched rows, each
     duplicate in turn, as TF1's sparse kernels do."""
 
-    def __init__(self, learning_rate, l1_regularization_strength, l2_regularization_strength, name, shard_state=False):
+    def __init__(self, learning_rate, l1_regularization_strength, l2_regularization_strength, name,
+                 shard_state=False, reduce_dtype=None):
         self.l1_regularization_strength = l1_regularization_strength
         self.l2_regularization_strength = l2_regularization_strength
-        super().__init__(learning_rate, 0.0, name, shard_state=shard_state)
+        super().__init__(learning_rate, 0.0, name, shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {"learning_rate": self.learning_rate,
@@ -482,9 +495,9 @@ class ProximalGradientDescent(_Proximal):
     binding = Binding("proximal_gradient_descent", hparams=_L1_L2)
 
     def __init__(self, learning_rate, l1_regularization_strength=0.0, l2_regularization_strength=0.0,
-                 name=None, shard_state=False):
+                 name=None, shard_state=False, reduce_dtype=None):
         super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name,
-                         shard_state=shard_state)
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
 
 class ProximalAdagrad(_Proximal):
@@ -498,12 +511,12 @@ class ProximalAdagrad(_Proximal):
                       hparams=(("lr", lambda r, _: r._positive_learning_rate()),) + _L1_L2)
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, l1_regularization_strength=0.0,
-                 l2_regularization_strength=0.0, name=None, shard_state=False):
+                 l2_regularization_strength=0.0, name=None, shard_state=False, reduce_dtype=None):
         if initial_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError(f"initial_accumulator_value must be positive: {initial_accumulator_value}")
         self.initial_accumulator_value = initial_accumulator_value
         super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name,
-                         shard_state=shard_state)
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _check_stock_ranges(self):
         lr = self.learning_rate
@@ -538,13 +551,14 @@ class AdagradDA(_Proximal):
                       hparams=_L1_L2 + (("global_step", STEP),))
 
     def __init__(self, learning_rate, initial_gradient_squared_accumulator_value=0.1,
-                 l1_regularization_strength=0.0, l2_regularization_strength=0.0, name=None, shard_state=False):
+                 l1_regularization_strength=0.0, l2_regularization_strength=0.0, name=None,
+                 shard_state=False, reduce_dtype=None):
         if initial_gradient_squared_accumulator_value <= 0.0:  # the stock class's check and words
             raise ValueError("initial_gradient_squared_accumulator_value must be positive: "
                              f"{initial_gradient_squared_accumulator_value}")
         self.initial_gradient_squared_accumulator_value = initial_gradient_squared_accumulator_value
         super().__init__(learning_rate, l1_regularization_strength, l2_regularization_strength, name,
-                         shard_state=shard_state)
+                         shard_state=shard_state, reduce_dtype=reduce_dtype)
 
     def _config_numbers(self):
         return {**super()._config_numbers(),

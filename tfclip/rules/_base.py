@@ -11,6 +11,7 @@ from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable as 
 
 from tfclip._engine import narrow_state as _narrow
 from tfclip._engine import opcall as _opcall
+from tfclip._engine import reduce as _reduce
 from tfclip._engine import shard as _shard
 from tfclip._engine import step as _step
 from tfclip._engine import checks as _checks
@@ -48,7 +49,8 @@ class Rule:
         """The names of the slots (`slots(var)`), in the table's order."""
         return tuple(stock for _, stock in self.binding.slot_names(self))
 
-    def __init__(self, learning_rate, weight_decay=0.0, name=None, state_dtype=None, shard_state=False):
+    def __init__(self, learning_rate, weight_decay=0.0, name=None, state_dtype=None, shard_state=False,
+                 reduce_dtype=None):
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.name = name or type(self).__name__
@@ -56,6 +58,9 @@ class Rule:
         if not isinstance(shard_state, bool):
             raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
         self.shard_state = shard_state
+        # reduce_dtype (tfclip/_engine/reduce.py): in a replica context, the float32 variables'
+        # gradients summed across replicas in 16 bits.
+        self.reduce_dtype = _reduce.check(reduce_dtype)
         # shard_state under a strategy of more than one replica (tfclip/_engine/shard.py): var.ref() ->
         # its owning replica, and the bytes each replica owns so far (`state_owners`).
         # Across worker processes, the checkpoint side (`_shard.SlotExchange`; None within one).

@@ -22,6 +22,7 @@ from tfclip._engine import checks as _checks
 from tfclip._engine import dropin as _dropin
 from tfclip._engine import narrow_state as _narrow
 from tfclip._engine import opcall as _opcall
+from tfclip._engine import reduce as _reduce
 from tfclip._engine import shard as _shard
 from tfclip._engine import xla as _xla
 
@@ -99,16 +100,18 @@ class _FusedMixin(_dropin.Dropin):
     # shard_state (tfclip/_engine/shard.py): off, and no owners, unless the constructor says so (the
     # legacy classes, tfclip/tf_keras/_legacy.py, do not take it).
     shard_state = False
+    reduce_dtype = None  # (tfclip/_engine/reduce.py; nor do the legacy classes take it)
     _tfclip_owner = None
     _tfclip_exchange = None
 
     def __init__(self, *args, nonfinite="skip", lazy_sparse=False, clip=None, state_dtype=None,
-                 stochastic_rounding=False, rounding_seed=0, shard_state=False, **kwargs):
+                 stochastic_rounding=False, rounding_seed=0, shard_state=False, reduce_dtype=None, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
         if not isinstance(shard_state, bool):
             raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
         object.__setattr__(self, "shard_state", shard_state)  # (tfclip/_engine/shard.py)
+        object.__setattr__(self, "reduce_dtype", _reduce.check(reduce_dtype))  # (tfclip/_engine/reduce.py)
         object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
         super().__init__(*args, **kwargs)
         lr = getattr(self, "_learning_rate", None)
@@ -259,6 +262,16 @@ class _FusedMixin(_dropin.Dropin):
             with _opcall.state_lock(self):
                 return self._tfclip_apply_gradients(grads_and_vars, name, skip_gradients_aggregation, kwargs)
         return self._tfclip_apply_gradients(grads_and_vars, name, skip_gradients_aggregation, kwargs)
+
+    def aggregate_gradients(self, grads_and_vars):
+        # reduce_dtype: the float32 variables' gradients cross the link in 16 bits (the loss-scale
+        # wrapper's step comes here too, through its inner optimizer).
+        grads_and_vars = list(grads_and_vars)
+        if self.reduce_dtype is not None:
+            variables = [v for _, v in grads_and_vars]
+            grads = _reduce.cast([g for g, _ in grads_and_vars], variables, self.reduce_dtype, type(self).__name__)
+            grads_and_vars = list(zip(grads, variables))
+        return super().aggregate_gradients(grads_and_vars)
 
     def _tfclip_apply_gradients(self, grads_and_vars, name, skip_gradients_aggregation, kwargs):
         # tf_keras Optimizer.apply_gradients: sum across replicas (unless skipped) ...
