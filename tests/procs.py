@@ -37,3 +37,43 @@ def shared_once(tmp_path_factory, name, produce):
         value = produce(folder)
         done.write_text(json.dumps(value))
         return value
+
+
+def _env(extra=None):
+    """The environment a harness runs in: the tfclip these tests import first on its path."""
+    import os
+
+    import tfclip
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra or {})
+    return env
+
+
+def run_harness(args, folder, timeout=900):
+    """`python *args` in `folder` (a harness, in a fresh process); fails with its output's tail."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, *args], env=_env(), cwd=str(folder), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-4000:]
+
+
+def run_workers(args_of, folder, n=2, timeout=900):
+    """n MultiWorkerMirroredStrategy worker processes on localhost (TF_CONFIG), worker i running
+    `python *args_of(i)` in `folder`; fails with the tail of the first that fails."""
+    import json
+    import subprocess
+    import sys
+
+    cluster = {"worker": [f"localhost:{p}" for p in free_ports(n)]}
+    procs = [subprocess.Popen([sys.executable, *args_of(i)], cwd=str(folder), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=_env({"TF_CONFIG": json.dumps({"cluster": cluster,
+                                                                 "task": {"type": "worker", "index": i}})}))
+             for i in range(n)]
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, out[-4000:]

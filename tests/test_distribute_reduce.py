@@ -5,29 +5,19 @@ processes (tests/harness/reduce_check.py, in fresh processes), each front door's
 the bits of one device given the sum a 16-bit collective makes (each replica's gradient rounded,
 the two added and rounded once), and differ from the float32-reduced run, which must hold the
 float32 sum's. In this process: the refusals, the one-replica no-op and the config."""
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfclip
-from procs import free_ports, shared_once
+from procs import run_harness, run_workers, shared_once
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "reduce_check.py")
 CASES = ["keras_bfloat16", "keras_float16", "keras_float32", "keras_shard_bfloat16", "keras_shard_float32",
          "tf_keras_bfloat16", "tf_keras_float32", "rules_bfloat16", "rules_float16", "rules_float32",
          "rules_shard_bfloat16", "rules_shard_float32"]
-
-
-def _env(extra=None):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.update(extra or {})
-    return env
 
 
 def _check(r, case):
@@ -43,11 +33,8 @@ def _check(r, case):
 
 
 def _mirrored(folder):
-    out = folder / "m.npz"
-    p = subprocess.run([sys.executable, HARNESS, "mirrored", str(out)], env=_env(), cwd=str(folder),
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-4000:]
-    return str(out)
+    run_harness([HARNESS, "mirrored", str(folder / "m.npz")], folder, timeout=600)
+    return str(folder / "m.npz")
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +42,9 @@ def mirrored(tmp_path_factory):
     return np.load(shared_once(tmp_path_factory, "reduce_mirrored", _mirrored))  # (once per run, procs.py)
 
 
-def _two_workers(tmp):
-    cluster = {"worker": [f"localhost:{p}" for p in free_ports(2)]}
-    procs = []
-    for i in range(2):
-        env = _env({"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})})
-        procs.append(subprocess.Popen([sys.executable, HARNESS, "worker", str(tmp / f"w{i}.npz")], env=env,
-                                      cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, out[-4000:]
-    return [str(tmp / f"w{i}.npz") for i in range(2)]
+def _two_workers(folder):
+    run_workers(lambda i: [HARNESS, "worker", str(folder / f"w{i}.npz")], folder, timeout=600)
+    return [str(folder / f"w{i}.npz") for i in range(2)]
 
 
 @pytest.fixture(scope="module")

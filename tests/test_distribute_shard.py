@@ -6,19 +6,15 @@ configured at start-up) and steps every case three ways: sharded on 2 replicas, 
 (mirrored slots) on 2 replicas, and on one device given the summed gradient (the same one float
 addition the all-reduce makes). It checks after every run that every copy of every mirrored
 variable holds the same bits."""
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import tfclip
-from procs import free_ports, shared_once
+from procs import run_harness, run_workers, shared_once
 from tfclip._engine import shard as _shard
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "sharded_check.py")
 CASES = ["adam", "adam_amsgrad", "adamw_excluded", "sgd_nesterov", "rmsprop", "adagrad", "adadelta", "adamax",
          "nadam", "lion", "ftrl", "lamb", "adafactor", "adafactor_factored", "zclip", "agc", "int8", "bf16_state",
@@ -28,12 +24,8 @@ CASES = ["adam", "adam_amsgrad", "adamw_excluded", "sgd_nesterov", "rmsprop", "a
 
 
 def _harness(folder):
-    out = folder / "s.npz"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, HARNESS, str(out)], env=env, cwd=str(folder),
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:]
-    return str(out)
+    run_harness([HARNESS, str(folder / "s.npz")], folder)
+    return str(folder / "s.npz")
 
 
 @pytest.fixture(scope="module")
@@ -172,18 +164,9 @@ def test_one_replica_keeps_the_stock_layout():
     assert "shard_state" not in ref.get_config()
 
 
-def _two_workers(tmp):
-    cluster = {"worker": [f"localhost:{p}" for p in free_ports(2)]}
-    procs = []
-    for i in range(2):
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
-        procs.append(subprocess.Popen([sys.executable, HARNESS, str(tmp / f"w{i}.npz"), "worker"], env=env,
-                                      cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for p in procs:
-        out, _ = p.communicate(timeout=900)
-        assert p.returncode == 0, out[-3000:]
-    return [str(tmp / f"w{i}.npz") for i in range(2)]
+def _two_workers(folder):
+    run_workers(lambda i: [HARNESS, str(folder / f"w{i}.npz"), "worker"], folder)
+    return [str(folder / f"w{i}.npz") for i in range(2)]
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,10 @@ to the nearest bfloat16 when stored (docs/low-precision-state.md).
 replica keeps the slots of its share of the variables and the updated variables are
 all-gathered, the unsharded step's bits (tfclip/_engine/shard.py, docs/distribute.md).
 
+`reduce_dtype="bfloat16"` (or "float16"): under a strategy of several replicas the float32
+variables' gradients are summed across replicas in 16 bits, half the bytes on the link, and the
+fused step uses that sum (tfclip/_engine/reduce.py, docs/distribute.md).
+
 Inside an XLA-compiled function (`jit_compile=True`, Keras 3's default wherever a GPU is
 visible) the fused op compiles to tfclip's own XLA custom calls (csrc/xla): the same kernels, the
 same bits. A build without them (a TensorFlow other than the one the XLA glue is built for) warns

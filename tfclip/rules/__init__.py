@@ -61,6 +61,10 @@ are weights or sums the update cannot lose precision in (`state_dtype` there is 
 keeps each variable's slots on one replica (`rule.state_owners(variables)`; `rule.build(variables)`
 makes them before a first step) and gives the unsharded step's bits, but for stochastic rounding's
 draw (docs/distribute.md, Sharded optimizer state).
+
+`reduce_dtype="bfloat16"` (or "float16", every rule): inside `strategy.run` the float32 variables'
+gradients are summed across replicas in 16 bits and the step uses that sum
+(tfclip/_engine/reduce.py; docs/distribute.md, Gradients summed in 16 bits).
 """
 import numbers
 
