@@ -10,6 +10,7 @@ Keras 3, tf_keras and TF1 optimizers) drives, and no user imports. Its modules, 
   XLA questions the drop-ins ask;
 - `step`: THE fused step (`run`): the clip, the norm pass, one apply op per group of variables;
 - `shard`: shard_state (each replica's share of the state, the all-gather after the step);
+  `reduce`: reduce_dtype (the gradients cast to 16 bits before the all-reduce across replicas);
 - `dropin`: what the Keras 3 and tf_keras drop-ins share (their fused step, tfclip's own state);
   `mixup`: a drop-in handed to the other Keras library names the class to use.
 
