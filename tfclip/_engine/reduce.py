@@ -4,7 +4,7 @@ Under a strategy of several replicas the dense gradient of each float32 variable
 bfloat16 (or float16) where it is made, TF's all-reduce sums it in that dtype (half the bytes
 on the link), and the fused op reads the 16-bit sum as it arrives: the norm, the clip and the
 update use the reduced 16-bit gradient; the variables stay float32 (docs/distribute.md,
-"Gradients reduced in 16 bits").
+"Gradients summed in 16 bits").
 
 - A variable already of `reduce_dtype` keeps its gradient as it is; any other dtype (float16
   with bfloat16, bfloat16 with float16, float64) is refused, naming the variable: its gradient
@@ -26,7 +26,7 @@ def check(reduce_dtype):
     if reduce_dtype is None:
         return None
     name = reduce_dtype.name if isinstance(reduce_dtype, tf.DType) else reduce_dtype
-    if not isinstance(name, str) or name not in ("float32", "bfloat16", "float16"):
+    if not isinstance(name, str) or name not in ("float32", *_DTYPES):
         raise ValueError(f"reduce_dtype must be None, 'bfloat16' or 'float16' (or 'float32': no cast), "
                          f"got {reduce_dtype!r}")
     return None if name == "float32" else name
