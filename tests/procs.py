@@ -19,8 +19,8 @@ def shared_once(tmp_path_factory, name, produce):
     others wait on a file lock, and they read what it left (xdist's own recipe for a fixture run
     once; its `loadgroup` grouping does not reach a module's tests on pytest 9.2: xdist 3.8 sets
     a node id attribute pytest 9.2 no longer reads). The distributed harnesses take minutes,
-    and a module-scoped fixture ran them once per worker. If `produce` raises, the next asker
-    runs it again (and fails the same way, with its own report)."""
+    and a module-scoped fixture ran them once per worker. If `produce` raises, every later asker
+    fails with the first one's error rather than spend minutes failing again."""
     import fcntl
     import json
     import os
@@ -31,10 +31,18 @@ def shared_once(tmp_path_factory, name, produce):
     folder, done = root / f"shared-{name}", root / f"shared-{name}.json"
     with open(root / f"shared-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        failed = root / f"shared-{name}.failed"
         if done.exists():
             return json.loads(done.read_text())
+        if failed.exists():
+            raise AssertionError(f"{name}, made once for this run by another pytest worker, failed:\n"
+                                 + failed.read_text())
         folder.mkdir(exist_ok=True)
-        value = produce(folder)
+        try:
+            value = produce(folder)
+        except BaseException as e:
+            failed.write_text(f"{type(e).__name__}: {e}"[-12000:])
+            raise
         done.write_text(json.dumps(value))
         return value
 
@@ -63,17 +71,34 @@ def run_harness(args, folder, timeout=900):
 
 def run_workers(args_of, folder, n=2, timeout=900):
     """n MultiWorkerMirroredStrategy worker processes on localhost (TF_CONFIG), worker i running
-    `python *args_of(i)` in `folder`; fails with the tail of the first that fails."""
+    `python *args_of(i)` in `folder`. Waits for all of them and fails with the tail of every one
+    that failed: when one crashes, the others only report that a peer stopped sending heartbeats,
+    so the crashed one's own output is the one that says why."""
     import json
+    import os
     import subprocess
     import sys
 
     cluster = {"worker": [f"localhost:{p}" for p in free_ports(n)]}
-    procs = [subprocess.Popen([sys.executable, *args_of(i)], cwd=str(folder), stdout=subprocess.PIPE,
+    logs = [open(os.path.join(str(folder), f"worker{i}.log"), "w+") for i in range(n)]  # (a pipe nobody
+    # reads while waiting on another worker fills, and the two would wait on each other)
+    procs = [subprocess.Popen([sys.executable, *args_of(i)], cwd=str(folder), stdout=logs[i],
                               stderr=subprocess.STDOUT, text=True,
                               env=_env({"TF_CONFIG": json.dumps({"cluster": cluster,
                                                                  "task": {"type": "worker", "index": i}})}))
              for i in range(n)]
-    for p in procs:
-        out, _ = p.communicate(timeout=timeout)
-        assert p.returncode == 0, out[-4000:]
+    failures = []
+    try:
+        for i, p in enumerate(procs):
+            p.wait(timeout=timeout)
+            if p.returncode != 0:
+                logs[i].seek(0)
+                failures.append(f"--- worker {i} exited {p.returncode}; its output's tail:\n{logs[i].read()[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    assert not failures, "\n".join(failures)

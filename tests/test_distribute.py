@@ -3,7 +3,6 @@
 Strategies configure devices when TF starts, so each case runs harness/distributed_check.py in a
 fresh process: MirroredStrategy over 2 logical CPUs (model.fit and a custom loop), and
 MultiWorkerMirroredStrategy with 2 worker processes on localhost (TF_CONFIG)."""
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 import tfclip
-from procs import free_ports, shared_once
+from procs import run_workers, shared_once
 
 # The subprocesses import the tfclip this test imported (installed, or the in-place checkout).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
@@ -77,13 +76,7 @@ def test_mirrored_two_replicas(single, tmp_path):
 
 
 def test_multi_worker_two_processes(single, tmp_path):
-    ports = free_ports(2)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    procs = [_run("worker", tmp_path / f"w{i}.npz",
-                  {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})})
-             for i in range(2)]
-    for p in procs:
-        _wait(p)
+    run_workers(lambda i: [HARNESS, "worker", str(tmp_path / f"w{i}.npz")], tmp_path, timeout=300)
     applied = []
     for i in range(2):
         w = np.load(tmp_path / f"w{i}.npz")

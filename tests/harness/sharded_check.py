@@ -407,6 +407,14 @@ def _refusals(out, ms):
     out["rule_refusals"] = np.array(msgs)
 
 
+def _chief_wrote(ms):
+    """A barrier: an all-reduce every worker joins, so no worker reads the chief's checkpoint
+    before the chief has finished writing it. A checkpoint's write broadcasts sharded slots, but
+    a worker leaves its last broadcast before the chief's files are on disk (a loaded CI machine
+    lost that race)."""
+    ms.reduce("SUM", ms.run(lambda: tf.constant(1.0)), axis=None).numpy()
+
+
 def worker(path):
     """One of 2 MultiWorkerMirroredStrategy processes (TF_CONFIG): sharded across the processes,
     each keeps the slots of its share; the weights against the unsharded run's and one device's,
@@ -459,6 +467,7 @@ def worker(path):
     vs7, o7 = _train(ms, lambda: make_rule(True), steps=2, tf_keras=True)
     out["rules_remote_slots"] = sum(isinstance(_unproxied(v), tfclip._engine.shard.RemoteSlot) for v in o7.variables)
     tf.train.Checkpoint(v=vs7, rule=o7.variables).write(os.path.join(tmp, "rk" if task == 0 else f"rk_worker{task}"))
+    _chief_wrote(ms)
     vs_m, o_m = _train(ms, lambda: make_rule(False), steps=2, tf_keras=True)
     out["rules_ckpt_mirrored_slots"] = _values(_slots(o_m))
     with tf.device("/cpu:0"):
@@ -486,6 +495,7 @@ def worker(path):
     step1()
     step1()
     tf.train.Checkpoint(rule=rule1.variables).write(os.path.join(tmp, "r1" if task == 0 else f"r1_worker{task}"))
+    _chief_wrote(ms)
     with tf.device("/cpu:0"):
         w1, w2 = tf.Variable(np.ones(shape, np.float32)), tf.Variable(np.ones(shape, np.float32))
         into, ref = tfclip.rules.Adam(0.01), tfclip.rules.Adam(0.01)
@@ -506,6 +516,7 @@ def worker(path):
         out["remote_numpy"] = str(e)
     prefix = os.path.join(tmp, "ck" if task == 0 else f"ck_worker{task}")  # (the chief's is the one)
     tf.train.Checkpoint(v=vs, opt=opt).write(prefix)
+    _chief_wrote(ms)
     vs_m, opt_m = _train(ms, lambda: make(False), steps=2)  # (also every worker past the chief's write)
     out["ckpt_mirrored_slots"] = _values(_slots(opt_m))
     chief = os.path.join(tmp, "ck")
@@ -522,6 +533,7 @@ def worker(path):
 
     vs5, opt5 = _train(ms, lambda: tfclip.tf_keras.Adam(0.01, shard_state=True), steps=2, tf_keras=True)
     tf.train.Checkpoint(v=vs5, opt=opt5).write(os.path.join(tmp, "tk" if task == 0 else f"tk_worker{task}"))
+    _chief_wrote(ms)
     vs_t, opt_t = _train(ms, lambda: tfclip.tf_keras.Adam(0.01), steps=2, tf_keras=True)
     with tf.device("/cpu:0"):
         vs6 = _variables(tf_keras=True)
