@@ -69,36 +69,53 @@ def run_harness(args, folder, timeout=900):
     assert p.returncode == 0, p.stdout[-4000:]
 
 
-def run_workers(args_of, folder, n=2, timeout=900):
+def start_workers(args_of, folder, n=2):
     """n MultiWorkerMirroredStrategy worker processes on localhost (TF_CONFIG), worker i running
-    `python *args_of(i)` in `folder`. Waits for all of them and fails with the tail of every one
-    that failed: when one crashes, the others only report that a peer stopped sending heartbeats,
-    so the crashed one's own output is the one that says why."""
+    `python *args_of(i)` in `folder`, its output in folder/worker{i}.log (a pipe nobody reads while
+    the test waits on another worker fills, and the two would wait on each other). Returns the
+    Popens; `worker_tail(folder, i)` reads a log's end."""
     import json
     import os
     import subprocess
     import sys
 
     cluster = {"worker": [f"localhost:{p}" for p in free_ports(n)]}
-    logs = [open(os.path.join(str(folder), f"worker{i}.log"), "w+") for i in range(n)]  # (a pipe nobody
-    # reads while waiting on another worker fills, and the two would wait on each other)
-    procs = [subprocess.Popen([sys.executable, *args_of(i)], cwd=str(folder), stdout=logs[i],
-                              stderr=subprocess.STDOUT, text=True,
-                              env=_env({"TF_CONFIG": json.dumps({"cluster": cluster,
-                                                                 "task": {"type": "worker", "index": i}})}))
-             for i in range(n)]
+    procs = []
+    for i in range(n):
+        with open(os.path.join(str(folder), f"worker{i}.log"), "w") as log:
+            procs.append(subprocess.Popen([sys.executable, *args_of(i)], cwd=str(folder), stdout=log,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          env=_env({"TF_CONFIG": json.dumps({"cluster": cluster,
+                                                                             "task": {"type": "worker", "index": i}})})))
+    return procs
+
+
+def worker_tail(folder, i, chars=3000):
+    import os
+
+    with open(os.path.join(str(folder), f"worker{i}.log")) as f:
+        return f.read()[-chars:]
+
+
+def stop(procs):
+    """Kill what is still running of `procs` (a test's workers, when it is done with them)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def run_workers(args_of, folder, n=2, timeout=900):
+    """start_workers, then wait for all of them; fails with the tail of every one that failed:
+    when one crashes, the others only report that a peer stopped sending heartbeats, so the
+    crashed one's own output is the one that says why."""
+    procs = start_workers(args_of, folder, n)
     failures = []
     try:
         for i, p in enumerate(procs):
             p.wait(timeout=timeout)
             if p.returncode != 0:
-                logs[i].seek(0)
-                failures.append(f"--- worker {i} exited {p.returncode}; its output's tail:\n{logs[i].read()[-3000:]}")
+                failures.append(f"--- worker {i} exited {p.returncode}; its output's tail:\n{worker_tail(folder, i)}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop(procs)
     assert not failures, "\n".join(failures)

@@ -215,6 +215,10 @@ class SlotExchange:
         self.group_size = ext._num_workers
         self.local = len(ext.worker_devices)
         self.first = ext._get_replica_id_in_sync_group(0)
+        # The strategy's collective timeout (CommunicationOptions.timeout_seconds; 0: none), as its
+        # own all-reduces have it: a worker that hangs while a checkpoint is saved then fails the
+        # others' broadcasts with TF's DeadlineExceededError instead of holding them forever.
+        self.timeout = float(getattr(getattr(ext, "_communication_options", None), "timeout_seconds", None) or 0)
         self.slots = []  # (slot: a variable or a RemoteSlot, owner replica)
         self.proxies = {}  # id(slot) -> _SlotProxy
         self.lists = {}  # (child name, its elements' ids) -> the list with proxies
@@ -257,10 +261,11 @@ class SlotExchange:
             if (owner - self.first) in range(self.local):
                 sent = _bits(value)
                 tf.raw_ops.CollectiveBcastSendV2(input=sent, group_size=self.group_size, group_key=self._GROUP_KEY,
-                                                 instance_key=instance)
+                                                 instance_key=instance, timeout_seconds=self.timeout)
                 return value
             got = tf.raw_ops.CollectiveBcastRecvV2(group_size=self.group_size, group_key=self._GROUP_KEY,
-                                                   instance_key=instance, shape=[words], T=tf.int32)
+                                                   instance_key=instance, shape=[words], T=tf.int32,
+                                                   timeout_seconds=self.timeout)
             return _from_bits(got, dtype, shape)
 
 
