@@ -147,6 +147,17 @@ def test_owners_balance_whole_variables_by_bytes():
     assert _shard.owners([], 2) == []
 
 
+@pytest.mark.parametrize("door", ["keras", "tf_keras", "rules"])
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_every_front_door_refuses_a_shard_state_that_is_not_a_bool(door, bad):
+    """One check (tfclip/_engine/shard.py, check) for the Keras 3 and tf_keras optimizers and the rules."""
+    import tfclip.tf_keras
+
+    make = {"keras": tfclip.keras.Adam, "tf_keras": tfclip.tf_keras.Adam, "rules": tfclip.rules.Adam}[door]
+    with pytest.raises(TypeError, match=f"shard_state must be True or False, got {bad!r}"):
+        make(0.1, shard_state=bad)
+
+
 def test_one_replica_keeps_the_stock_layout():
     """Without a strategy (or with one replica) shard_state changes nothing."""
     import keras

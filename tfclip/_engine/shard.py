@@ -111,6 +111,14 @@ def factored_weights(shapes):
     return out
 
 
+def check(shard_state):
+    """`shard_state` as an optimizer or a rule is given it: True or False, else a TypeError
+    naming what it got (one check for every front door, as reduce.check for reduce_dtype)."""
+    if not isinstance(shard_state, bool):
+        raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
+    return shard_state
+
+
 def across_processes(strategy):
     """Whether `strategy` runs replicas in more than one worker process (MultiWorkerMirroredStrategy
     with several workers): then every worker keeps a `SlotExchange`, whichever replicas its own

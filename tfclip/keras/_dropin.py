@@ -105,9 +105,7 @@ class _FusedMixin(_dropin.Dropin):
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
-        if not isinstance(shard_state, bool):
-            raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
-        object.__setattr__(self, "shard_state", shard_state)
+        object.__setattr__(self, "shard_state", _shard.check(shard_state))
         # reduce_dtype (tfclip/_engine/reduce.py): the gradients summed across replicas in 16 bits.
         object.__setattr__(self, "reduce_dtype", _reduce.check(reduce_dtype))
         object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build

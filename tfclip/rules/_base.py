@@ -55,9 +55,7 @@ class Rule:
         self.weight_decay = weight_decay
         self.name = name or type(self).__name__
         self.state_dtype = _narrow.check_state_dtype(state_dtype, type(self))
-        if not isinstance(shard_state, bool):
-            raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
-        self.shard_state = shard_state
+        self.shard_state = _shard.check(shard_state)
         # reduce_dtype (tfclip/_engine/reduce.py): in a replica context, the float32 variables'
         # gradients summed across replicas in 16 bits.
         self.reduce_dtype = _reduce.check(reduce_dtype)

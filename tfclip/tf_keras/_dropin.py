@@ -108,9 +108,7 @@ class _FusedMixin(_dropin.Dropin):
                  stochastic_rounding=False, rounding_seed=0, shard_state=False, reduce_dtype=None, **kwargs):
         object.__setattr__(self, "_tfclip_clip", _clipping.get(clip))
         self._tfclip_rounding_init(stochastic_rounding, rounding_seed)
-        if not isinstance(shard_state, bool):
-            raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
-        object.__setattr__(self, "shard_state", shard_state)  # (tfclip/_engine/shard.py)
+        object.__setattr__(self, "shard_state", _shard.check(shard_state))  # (tfclip/_engine/shard.py)
         object.__setattr__(self, "reduce_dtype", _reduce.check(reduce_dtype))  # (tfclip/_engine/reduce.py)
         object.__setattr__(self, "_tfclip_owner", None)  # each variable's owning replica, by build
         super().__init__(*args, **kwargs)
