@@ -4,10 +4,11 @@ fault resumes, sharded and unsharded, to the bits of the run that never stopped.
 
 Two MultiWorkerMirroredStrategy worker processes on localhost per run (tests/harness/fault_check.py
 says what each does): a `dead` run and a `hung` run side by side, then a `resume` run from both of
-their checkpoints. About a minute, mostly the hung run's timeout, once per test run (procs.py's
-shared_once)."""
+their checkpoints while the hung run waits out its timeout. About a minute, once per test run
+(procs.py's shared_once)."""
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -18,12 +19,27 @@ HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "f
 HUNG_TIMEOUT_S = 45.0  # (fault_check.py's)
 
 
+def _wait_for(path, procs, timeout=300):
+    """Until `path` exists (a worker's marker), failing if the workers end first or time runs out."""
+    start = time.monotonic()
+    while not os.path.exists(path):
+        assert all(p.poll() is None for p in procs), f"the workers ended before {path} was written"
+        assert time.monotonic() - start < timeout, f"no {path} after {timeout} s"
+        time.sleep(0.5)
+
+
 def _runs(folder):
     started = {}
     for mode in ("dead", "hung"):
         os.makedirs(folder / mode)
         started[mode] = start_workers(lambda i, mode=mode: [HARNESS, str(folder), mode], folder / mode)
     try:
+        # The resume run needs only the checkpoints written before the faults: it runs while the
+        # hung run waits out its timeout.
+        for mode, procs in started.items():
+            _wait_for(folder / f"{mode}_ck.written", procs)
+        os.makedirs(folder / "resume")
+        run_workers(lambda i: [HARNESS, str(folder), "resume"], folder / "resume", timeout=300)
         for mode, procs in started.items():
             # worker 0 ends on its own (the error, then its result); worker 1 is dead or asleep
             procs[0].wait(timeout=300)
@@ -34,8 +50,6 @@ def _runs(folder):
     finally:
         for procs in started.values():
             stop(procs)
-    os.makedirs(folder / "resume")
-    run_workers(lambda i: [HARNESS, str(folder), "resume"], folder / "resume", timeout=300)
     return str(folder)
 
 

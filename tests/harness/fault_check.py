@@ -104,6 +104,9 @@ def fault(folder, mode):
     _checkpoint(models).write(os.path.join(folder, f"{mode}_ck" if TASK == 0 else f"{mode}_ck_worker{TASK}"))
     # every worker past the chief's write before anyone goes on (and the file whole on disk)
     ms.reduce("SUM", ms.run(lambda: tf.constant(1.0)), axis=None).numpy()
+    if TASK == 0:  # (the test may start the resume run now, while this one waits out its fault)
+        with open(os.path.join(folder, f"{mode}_ck.written"), "w") as f:
+            f.write("the chief's checkpoint is whole on disk")
     if TASK == 1:
         sys.stdout.flush()
         if mode == "dead":
