@@ -11,31 +11,17 @@ import numpy as np
 import pytest
 
 import tfclip
-from procs import run_workers, shared_once
+from procs import run_harness, run_workers, shared_once
 
 # The subprocesses import the tfclip this test imported (installed, or the in-place checkout).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tfclip.__file__)))
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "distributed_check.py")
 
 
-def _run(mode, out, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.update(env_extra or {})
-    # cwd away from the checkout: `python -m` puts cwd first on sys.path.
-    return subprocess.Popen([sys.executable, HARNESS, mode, str(out)], env=env,
-                            cwd=os.path.dirname(str(out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
-def _wait(p, timeout=300):
-    out, _ = p.communicate(timeout=timeout)
-    assert p.returncode == 0, out[-3000:]
-
-
 def _harness(mode):
     def produce(folder):
         out = folder / f"{mode}.npz"
-        _wait(_run(mode, out))
+        run_harness([HARNESS, mode, str(out)], folder, timeout=300)
         return str(out)
     return produce
 
@@ -54,7 +40,7 @@ def _same_weights(got, want, prefix):
 
 def test_mirrored_two_replicas(single, tmp_path):
     out = tmp_path / "m.npz"
-    _wait(_run("mirrored", out))
+    run_harness([HARNESS, "mirrored", str(out)], tmp_path, timeout=300)
     m = np.load(out)
     assert int(m["replicas"]) == 2
     tfclip_delta, tfclip_tensor_norm, stock_delta = m["two_replica_clip"]

@@ -67,8 +67,6 @@ def _stepper(ms, vs, opt):
 
 
 def _checkpoint(models):
-    import tensorflow as tf
-
     objs = {}
     for key, (vs, opt) in models.items():
         objs[f"{key}_vars"], objs[f"{key}_opt"] = vs, opt
