@@ -121,10 +121,13 @@ def main():
     # The bytes each replica sends per step, computed for a ring (TF's collectives over N
     # replicas): an all-reduce of B bytes sends 2 (N - 1) / N B, an all-gather (N - 1) / N of
     # the gathered bytes (shard_state's: the float32 variables, as int32 words).
+    # Across worker processes shard_state reduce-scatters instead (tfclip/_engine/shard.py): an
+    # all-to-all of N parts as wide as the largest owner's share, of which each replica sends N - 1.
     n_rep = strategy.num_replicas_in_sync
     ring = (n_rep - 1) / n_rep
-    sent = {stock_label: 2 * ring * 4, unsharded: 2 * ring * 4, sharded: 2 * ring * 4 + ring * 4,
-            bf16: 2 * ring * 2, both: 2 * ring * 2 + ring * 4}
+    gathered = ring * 4  # (per parameter; refined below from the owners' shares, across processes)
+    sent = {stock_label: 2 * ring * 4, unsharded: 2 * ring * 4, sharded: 2 * ring * 4 + gathered,
+            bf16: 2 * ring * 2, both: 2 * ring * 2 + gathered}
     steps, state, built = {}, {}, {}
     for label, make in contenders.items():
         with strategy.scope():
@@ -150,6 +153,12 @@ def main():
         steps[label]()  # trace and warm up
         steps[label]()
 
+    if args.workers > 1:  # (the reduce-scatter and the all-gather, each padded to the widest share)
+        sizes = [int(np.prod(x.shape)) for x in init]
+        widest = max(sum(n for n, o in zip(sizes, built[sharded][1].state_owners) if o == r) for r in range(n_rep))
+        part = (n_rep - 1) * widest / n_params
+        sent[sharded] = part * 4 + part * 4
+        sent[both] = part * 2 + part * 4
     # The sharded step's two extra parts, each alone in its own strategy.run: the norm pass over
     # every summed gradient (_step.norm_pass), and the all-gather of the updated variables into
     # every copy (_shard.gather, as int32 words), with the sharded optimizer's owners.
@@ -197,7 +206,8 @@ def main():
     for label in parts:
         print(f"{label:<66} {med[label] * 1e3:9.1f} {med[label] / base:12.2f}")
     print(f"(MB sent: per replica per step, computed for a ring over {n_rep} replicas: the gradients' "
-          "all-reduce, and shard_state's all-gather of the float32 variables)")
+          "all-reduce, and shard_state's all-gather of the float32 variables; across worker processes "
+          "shard_state's reduce-scatter instead of the all-reduce, its parts as wide as the widest share)")
     if args.task is not None:  # (this process's devices only; _spawn_workers prints every worker's)
         for label in contenders:
             print(f"state of worker {args.task}, {label}: " + "  ".join(f"{b:5.2f}" for b in state[label])

@@ -204,6 +204,31 @@ def test_two_worker_processes_each_hold_half_and_train_to_the_same_bits(workers,
             np.testing.assert_array_equal(w["agc_sharded_units"], w["agc_one_units"])
 
 
+def test_two_worker_processes_reduce_scatter_skip_and_sum_in_bfloat16_as_unsharded(workers):
+    """The sharded step across processes reduce-scatters (each replica receives only its own
+    variables' sums): a NaN gradient skips the step on every replica, and with reduce_dtype the
+    bfloat16 sums give the unsharded step's bits."""
+    for w in workers:
+        assert int(w["scatters"]) == 2 * 4  # (two sharded runs of 4 traced steps each)
+        assert int(w["nan_sharded_skipped"]) == int(w["nan_mirrored_skipped"]) == 1
+        assert _bits(w["nan_sharded_vars"]) == _bits(w["nan_mirrored_vars"])
+        assert _bits(w["bf16_reduce_sharded_vars"]) == _bits(w["bf16_reduce_mirrored_vars"])
+        assert w["bf16_reduce_sharded_norm"] == w["bf16_reduce_mirrored_norm"]
+        assert _bits(w["bf16_reduce_sharded_tnorms"]) == _bits(w["bf16_reduce_mirrored_tnorms"])
+    assert _bits(workers[0]["bf16_reduce_sharded_vars"]) == _bits(workers[1]["bf16_reduce_sharded_vars"])
+    for w in workers:  # every front door's sharded step reduce-scatters: one per traced step (4;
+        # a rule makes its slots in its first step, which tf.function then traces twice)
+        for case in ("adam", "adafactor", "agc", "muon", "tfk_adam", "tfk_adafactor", "int8", "bf16_state",
+                     "tfk_int8", "rules_adam", "rules_int8"):
+            assert int(w[f"{case}_sharded_scatters"]) == (5 if case.startswith("rules_") else 4), case
+            assert int(w[f"{case}_one_scatters"]) == 0, case
+    for w in workers:  # (the collectives in pieces of 777 elements)
+        for case in ("adam", "agc"):
+            assert _bits(w[f"{case}_pieces_vars"]) == _bits(w[f"{case}_one_vars"])
+            assert _bits(w[f"{case}_pieces_tnorms"]) == _bits(w[f"{case}_one_tnorms"])
+        np.testing.assert_array_equal(w["agc_pieces_units"], w["agc_one_units"])
+
+
 @pytest.mark.parametrize("case", ["int8", "bf16_state", "tfk_int8"])
 def test_two_worker_processes_keep_narrow_state_sharded(workers, case):
     """int8 and bfloat16 optimizer state across worker processes: sharded, each process holds

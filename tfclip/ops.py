@@ -368,8 +368,30 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
         _check_mirrored_state(strategy, rule, rule._state_variables([]))  # (the counter, Nadam's product)
         return _aggregate(strategy, contributions, variables), _first_replica(strategy, use_norm)
 
+    # Across worker processes, where every gradient is summed (no MEAN or ONLY_FIRST_REPLICA
+    # variable) and the norm is the step's own: a reduce-scatter (each replica receives only its
+    # own variables' sums, and the norms: tfclip/_engine/shard.py) instead of the all-reduce.
+    owners = None
+    if use_norm is None and all(v.aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.SUM)
+                                for v in variables):
+        replica.merge_call(lambda strategy: merge(strategy, [], None))  # (builds the rule: its owners)
+        owners = rule.state_owners(variables)
+        cast = _reduce.cast(grads, variables, rule.reduce_dtype, rule.name)
+        owners = owners if _shard.scatters(cast, owners) else None
+    if owners is not None:
+        grads = _shard.reduce_scatter(cast, owners)
+        try:
+            return _sharded_apply(grads, variables, rule, step, None, scope)
+        finally:
+            _shard.drop_scattered()
     grads, use_norm = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables, rule),
                                                       use_norm))
+    return _sharded_apply(grads, variables, rule, step, use_norm, scope)
+
+
+def _sharded_apply(grads, variables, rule, step, use_norm, scope):
+    """The sharded step after the gradients' sums: the replica's share of the fused op, the
+    all-gather of the updated variables."""
     # int8 state takes dense gradients, densified before the norm pass as the unsharded op does
     grads = rule._int8_dense(grads, variables)
     with tf.name_scope(scope):

@@ -3,6 +3,7 @@
 // allocates, and calls one core pass: csrc/core/cpu/driver.h on CPU, csrc/core/cuda/driver.h on
 // GPU (the op's stream, memory from TF's allocators: device.h). The apply ops' kernel is in
 // apply_kernel.cc.
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,62 @@ class GlobalNormOp : public OpKernel {
       WriteNorms<Tnorm>(norms, per);
     }
   }
+};
+
+// ---------------------------------------------------------------- TfclipNormPartials (CPU)
+class NormPartialsOp : public OpKernel {
+ public:
+  explicit NormPartialsOp(OpKernelConstruction* c) : OpKernel(c) {}
+  void Compute(OpKernelContext* ctx) override {
+    tf::OpInputList t;
+    OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
+    std::vector<TensorView> views;
+    OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &views));
+    ChunkPlan plan;
+    PlanList(views.data(), static_cast<int>(views.size()), &plan);
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({static_cast<int64_t>(plan.chunks.size())}), &out));
+    double total = 0.0;
+    SumSquaresCpu(views.data(), static_cast<int>(views.size()), plan, out->flat<double>().data(), nullptr, &total,
+                  TfExecutor(ctx));
+  }
+};
+
+// ---------------------------------------------------------------- TfclipNormFromPartials (CPU)
+class NormFromPartialsOp : public OpKernel {
+ public:
+  explicit NormFromPartialsOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("sizes", &sizes_));
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      OP_REQUIRES(c, sizes_[i] >= 0, tf::errors::InvalidArgument("sizes[", i, "] is ", sizes_[i], ", below 0"));
+    }
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& partials = ctx->input(0);
+    const int n = static_cast<int>(sizes_.size());
+    ChunkPlan plan;
+    PlanChunks(sizes_.data(), n, kChunkElems, &plan);
+    OP_REQUIRES(ctx, partials.dims() == 1 && partials.NumElements() == static_cast<int64_t>(plan.chunks.size()),
+                tf::errors::InvalidArgument("partials has shape ", partials.shape().DebugString(), "; the sizes' ",
+                                            plan.chunks.size(), " chunks need [", plan.chunks.size(), "]"));
+    const double* p = partials.flat<double>().data();
+    // In chunk order, as SumSquares adds them (csrc/core/cpu/pass_norm.cc).
+    std::vector<double> per(n, 0.0);
+    double sum = 0.0;
+    for (size_t c = 0; c < plan.chunks.size(); ++c) {
+      sum += p[c];
+      per[plan.chunks[c].tensor] += p[c];
+    }
+    Tensor* norm;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &norm));
+    norm->scalar<double>()() = RoundNorm<double>(std::sqrt(sum));
+    Tensor* norms;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({n}), &norms));
+    TensorNorms(per.data(), n, norms->flat<double>().data());
+  }
+
+ private:
+  std::vector<int64_t> sizes_;
 };
 
 // ---------------------------------------------------------------- TfclipClipByGlobalNorm
@@ -157,6 +214,8 @@ using ::tensorflow::DEVICE_GPU;
       GlobalNormOp<double, D>);
 
 TFCLIP_REGISTER_NORM_OPS(DEVICE_CPU, OnCpu)
+REGISTER_KERNEL_BUILDER(Name("TfclipNormPartials").Device(DEVICE_CPU), NormPartialsOp);
+REGISTER_KERNEL_BUILDER(Name("TfclipNormFromPartials").Device(DEVICE_CPU), NormFromPartialsOp);
 REGISTER_KERNEL_BUILDER(
     Name("TfclipClipByGlobalNorm").Device(DEVICE_CPU).TypeConstraint<float>("Tnorm"),
     ClipByGlobalNormOp<float, OnCpu>);

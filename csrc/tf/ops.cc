@@ -62,6 +62,34 @@ REGISTER_OP("TfclipGlobalNorm")
     .Attr("Tnorm: {float, double} = DT_FLOAT")
     .SetShapeFn(GlobalNormShapes);
 
+// The norm pass split across owners (sharded state, tfclip/_engine/shard.py): NormPartials gives
+// each chunk's sum of squares (csrc/core/chunk_plan.h: a tensor's chunks start at its first
+// element, so a tensor's partials are the same in any list); NormFromPartials adds a whole list's
+// partials, in chunk order, as TfclipGlobalNorm adds them: the same bits, given every chunk.
+REGISTER_OP("TfclipNormPartials")
+    .Input("t: T")
+    .Output("partials: double")
+    .Attr(FloatTypeListAttr("T", " >= 1"))
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    });
+
+// sizes: each tensor's element count, in the list's order (the chunk plan); partials: every
+// chunk's, in that plan's order. norm: the global norm; tensor_norms: each tensor's.
+REGISTER_OP("TfclipNormFromPartials")
+    .Input("partials: double")
+    .Output("norm: double")
+    .Output("tensor_norms: double")
+    .Attr("sizes: list(int) >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> sizes;
+      TF_RETURN_IF_ERROR(c->GetAttr("sizes", &sizes));
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Vector(static_cast<int64_t>(sizes.size())));
+      return absl::OkStatus();
+    });
+
 // tf.clip_by_global_norm in two passes: norm (unless use_given_norm), then t * scale.
 // tensor_norms: each input's pre-clip norm from the norm pass (NaN with use_given_norm).
 REGISTER_OP("TfclipClipByGlobalNorm")

@@ -415,6 +415,10 @@ def _chief_wrote(ms):
     ms.reduce("SUM", ms.run(lambda: tf.constant(1.0)), axis=None).numpy()
 
 
+def _scatters():
+    return tfclip._engine.shard.scatter_count
+
+
 def worker(path):
     """One of 2 MultiWorkerMirroredStrategy processes (TF_CONFIG): sharded across the processes,
     each keeps the slots of its share; the weights against the unsharded run's and one device's,
@@ -427,15 +431,39 @@ def worker(path):
     out = {"task": task, "replicas": ms.num_replicas_in_sync}
     for case in ("adam", "adafactor", "agc", "muon", "tfk_adam", "tfk_adafactor"):
         for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False), ("one", None, False)):
+            before = _scatters()
             vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=case.startswith("tfk_"))
             _record(out, f"{case}_{run}", vs, opt)
+            out[f"{case}_{run}_scatters"] = _scatters() - before
+    # Across processes the sharded step reduce-scatters (tfclip/_engine/shard.py): a non-finite
+    # step is skipped on every replica, and with gradients summed in bfloat16 the sharded step is
+    # the unsharded one's bits too (TF's bfloat16 ring sum, a + b rounded, as the all-to-all's).
+    scatters = tfclip._engine.shard.scatter_count
+    for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False)):
+        vs, opt = _train(strategy, lambda: CASES["adam"](shard), nan_at=(2, 0))
+        _record(out, f"nan_{run}", vs, opt)
+        vs, opt = _train(strategy, lambda: tfclip.keras.Adam(0.01, global_clipnorm=5.0, reduce_dtype="bfloat16",
+                                                             shard_state=shard))
+        _record(out, f"bf16_reduce_{run}", vs, opt)
+    out["scatters"] = tfclip._engine.shard.scatter_count - scatters
+    # The collectives in many pieces (BERT-base's sizes here; 777 elements a piece: uneven, and
+    # the all-gather's shorter replica padded), AGC's counts gathered beside the variables.
+    piece, tfclip._engine.shard._PIECE = tfclip._engine.shard._PIECE, 777
+    try:
+        for case in ("adam", "agc"):
+            vs, opt = _train(ms, lambda: CASES[case](True))
+            _record(out, f"{case}_pieces", vs, opt)
+    finally:
+        tfclip._engine.shard._PIECE = piece
     # int8 and bfloat16 state: sharded across the processes against one device; mirrored across
     # processes TF cannot make them (no uint8 / bfloat16 collective broadcast), refused naming why
     refusals = []
     for case in ("int8", "bf16_state", "tfk_int8"):
         for run, strategy, shard in (("sharded", ms, True), ("one", None, False)):
+            before = _scatters()
             vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=case.startswith("tfk_"))
             _record(out, f"{case}_{run}", vs, opt)
+            out[f"{case}_{run}_scatters"] = _scatters() - before
         try:
             _train(ms, lambda: CASES[case](False), tf_keras=case.startswith("tfk_"), steps=1)
             refusals.append("no error")
@@ -455,8 +483,10 @@ def worker(path):
     for case in ("rules_adam", "rules_int8"):
         runs = (("sharded", ms, True), ("one", None, False)) + ((("mirrored", ms, False),) if case == "rules_adam" else ())
         for run, strategy, shard in runs:
+            before = _scatters()
             vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=True)
             _record(out, f"{case}_{run}", vs, opt)
+            out[f"{case}_{run}_scatters"] = _scatters() - before
     # ... and its checkpoint: every worker saves `rule.variables`; the chief's file holds every
     # slot (stock layout): an unsharded rule on one device restores it whole and matches the
     # unsharded run's slots, and a fresh sharded rule (built first) carries on to the

@@ -29,6 +29,7 @@ tfclip/_engine/step.py.
 import collections
 import contextlib
 import itertools
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -307,6 +308,140 @@ class _SlotProxy(tf.__internal__.tracking.Trackable):
         return self._slot._restore_from_tensors(restored_tensors)
 
 
+# -- the reduce-scatter (across worker processes) ------------------------------------------
+
+# The collective group of every replica for the reduce-scatter's all-to-alls (apart from the
+# strategy's own group keys and SlotExchange's, whose group is one device per worker).
+_SCATTER_GROUP = 0x7F7D0000
+# Each replica's count of all-to-alls built: the k-th of every replica is one collective instance
+# (every replica builds the same steps in the same order, as the strategy's own keys assume).
+_scatter_keys = collections.defaultdict(itertools.count)
+_SCATTERED = threading.local()
+scatter_count = 0  # reduce_scatter's calls in this process (tests/harness/sharded_check.py reads it)
+
+
+def _raw_collectives(strategy):
+    """Whether the sharded step's collectives are TF's raw ones in `_SCATTER_GROUP`: across worker
+    processes, on CPUs (CollectiveAllToAllV2's only implementation; on GPUs NCCL's ops stay)."""
+    return across_processes(strategy) and all(
+        tf.DeviceSpec.from_string(d).device_type == "CPU" for d in strategy.extended.worker_devices)
+
+
+def scatters(grads, owner):
+    """Whether a sharded step over `grads` (owner: each one's replica, or None: not sharded)
+    reduce-scatters its gradients instead of all-reducing them: across worker processes
+    (MultiWorkerMirroredStrategy; within one process the all-reduce crosses no link), on CPUs
+    (CollectiveAllToAllV2's implementation; on GPUs NCCL's all-reduce stays), every gradient a
+    dense tensor (IndexedSlices are all-gathered by TF, not summed), outside XLA."""
+    if owner is None or not tf.distribute.has_strategy() or replica_id() is None:
+        return False
+    if not _raw_collectives(tf.distribute.get_strategy()):
+        return False
+    from tfclip._engine import xla as _xla
+    if _xla.in_context():
+        return False
+    return all(isinstance(g, tf.Tensor) for g in grads)
+
+
+def reduce_scatter(grads, owner):
+    """Each replica's gradients summed on their owner only: `grads` (this replica's, dense) with
+    the positions this replica owns replaced by the sum over every replica, the others as they
+    were (the owner's step reads only its own). Per dtype, one all-to-all of N equal parts (part r:
+    replica r's variables' gradients, flat, in index order, zero-padded to the largest part), then
+    the N received parts added in replica order (two replicas: the all-reduce's bits; more: a fixed
+    order, the same every run). Then the norm pass's chunk partials of the owned sums, all-gathered
+    (a few KB) and added in the unsharded pass's order (`TfclipNormFromPartials`): every replica
+    gets the unsharded step's global norm and each gradient's norm, bit for bit. Those wait in this
+    thread for the step's `begin`."""
+    from tfclip import _loader
+
+    global scatter_count
+    scatter_count += 1
+    strategy = tf.distribute.get_strategy()
+    ctx = tf.distribute.get_replica_context()
+    n, rid = ctx.num_replicas_in_sync, replica_id()
+    timeout = _timeout(strategy)
+    grads = list(grads)
+    sizes = [g.shape.num_elements() for g in grads]
+    if any(s is None for s in sizes):
+        raise ValueError("shard_state=True: every gradient needs a static shape to be reduce-scattered")
+    out = list(grads)
+    for dtype in sorted({g.dtype for g in grads}, key=lambda d: d.name):
+        parts = [[i for i in range(len(grads)) if owner[i] == r and grads[i].dtype == dtype] for r in range(n)]
+        lengths = [sum(sizes[i] for i in part) for part in parts]
+        width = max(lengths)
+        if width == 0:
+            continue
+        flat = []
+        for part, length in zip(parts, lengths):
+            flat += [tf.reshape(grads[i], [-1]) for i in part]
+            if length < width:
+                flat.append(tf.zeros([width - length], dtype))
+        rows = tf.reshape(tf.concat(flat, 0), [n, width])
+        sums = []
+        for a, b in _pieces(width):
+            got = tf.raw_ops.CollectiveAllToAllV2(
+                input=rows[:, a:b], group_size=n, group_key=_SCATTER_GROUP, instance_key=_instance(rid),
+                ordering_token=[], timeout_seconds=timeout)
+            piece = got[0]
+            for s in range(1, n):  # (in replica order)
+                piece = piece + got[s]
+            sums.append(piece)
+        total = tf.concat(sums, 0) if len(sums) > 1 else sums[0]
+        at = 0
+        for i in parts[rid]:
+            out[i] = tf.reshape(total[at:at + sizes[i]], grads[i].shape)
+            at += sizes[i]
+    mine = [i for i in range(len(grads)) if owner[i] == rid]
+    ops = _loader.ops()
+    sent = ops.tfclip_norm_partials(t=[out[i] for i in mine]) if mine else tf.zeros([0], tf.float64)
+    got = ctx.all_gather(sent, axis=0)
+    # The gathered partials: replica by replica, its gradients in index order, each one's chunks.
+    chunks = [-(-s // _CHUNK) for s in sizes]
+    first, at = {}, 0
+    for r in range(n):
+        for i in range(len(grads)):
+            if owner[i] == r:
+                first[i] = at
+                at += chunks[i]
+    order = [first[i] + c for i in range(len(grads)) for c in range(chunks[i])]
+    norm, norms = ops.tfclip_norm_from_partials(partials=tf.gather(got, order), sizes=sizes)
+    _SCATTERED.norms = (len(grads), norm, norms)
+    return out
+
+
+# Across processes a collective moves its bytes in pieces of at most this many elements: TF's CPU
+# collectives over gRPC send one message per op, and on the 2-core EPYC (BERT-base's 219 MB a
+# replica) one all-to-all took 1,770 ms, 16 pieces 796 ms, 64 pieces 611 ms; one all-gather
+# 1,936 ms, 16 pieces 675 ms, 64 pieces 768 ms (2026-12-05; docs/distribute.md).
+_PIECE = 1 << 21
+
+
+def _pieces(width):
+    """[(start, stop)]: `width` elements in about equal pieces of at most _PIECE."""
+    k = max(1, -(-width // _PIECE))
+    step = -(-width // k)
+    return [(a, min(a + step, width)) for a in range(0, width, step)]
+
+
+def _instance(rid):
+    """The next collective instance key of replica `rid` (`_scatter_keys`)."""
+    return next(_scatter_keys[rid]) + 1
+
+
+def _timeout(strategy):
+    """The strategy's collective timeout (CommunicationOptions.timeout_seconds; 0: none)."""
+    return float(getattr(getattr(strategy.extended, "_communication_options", None), "timeout_seconds", None) or 0)
+
+
+def drop_scattered():
+    """Forgets a `reduce_scatter`'s norms that no `begin` took (a step that failed between)."""
+    _SCATTERED.norms = None
+
+
+_CHUNK = 1 << 16  # (csrc/core/chunk_plan.h's kChunkElems: a tensor's chunks, from its first element)
+
+
 Share = collections.namedtuple("Share", ["rid", "owner", "own", "use_norm", "pass_norms"])
 Share.__doc__ = """A replica's share of a sharded step: its id, the step's variables' owners, the
 positions it owns, and the norm pass over every gradient (global norm, each gradient's norm)."""
@@ -316,14 +451,21 @@ def begin(grads, owner, use_norm=None):
     """The replica's `Share` of a step over `grads` whose variables' owners are `owner` (None:
     not sharded, returns None): the norm of every gradient, the same bits on every replica; or,
     given `use_norm` (the same on every replica), that norm and no norm pass (each gradient's
-    norm NaN, as the op reports it with use_norm)."""
+    norm NaN, as the op reports it with use_norm); after `reduce_scatter` in this thread, its
+    norms (the same bits as the norm pass)."""
     if owner is None:
         return None
     rid = replica_id()
     if rid is None:
         raise ValueError("shard_state=True steps inside strategy.run (as model.fit does): in the "
                          "cross-replica context no replica owns a share")
-    if use_norm is None:
+    scattered = getattr(_SCATTERED, "norms", None)
+    if scattered is not None:  # (the norms of this step's `reduce_scatter`, in this thread)
+        _SCATTERED.norms = None
+        if scattered[0] != len(grads) or use_norm is not None:
+            raise RuntimeError("tfclip internal: a reduce-scattered step's norms met another step")
+        use_norm, pass_norms = scattered[1], scattered[2]
+    elif use_norm is None:
         use_norm, pass_norms = _step.norm_pass(grads)
     else:
         pass_norms = tf.fill([len(grads)], tf.constant(float("nan"), tf.float64))
@@ -389,23 +531,44 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
     replica, rid: this replica's id. extra: int32 vectors, one per variable (its entry on the
     owner kept, the others' ignored), gathered beside the variables (AGC's counts); returns them
     in the variables' order as one int32 tensor (None without), and the writes (ops; in a graph,
-    what a consumer must depend on). One all-gather of int32 words
-    (bit patterns: every bit kept, NaN payloads and -0.0 too), each replica sending its own
-    variables', in index order."""
+    what a consumer must depend on). An all-gather of int32 words (bit patterns: every bit
+    kept, NaN payloads and -0.0 too), each replica sending its own variables', in index order:
+    across worker processes on CPUs, TF's collective all-gather in pieces (`_pieces`) of equal
+    width, each replica's words zero-padded to the widest; else the replica context's."""
     ctx = tf.distribute.get_replica_context()
     n = ctx.num_replicas_in_sync
     mine = [i for i in range(len(handles)) if owner[i] == rid]
     parts = [_bits(tf.raw_ops.ReadVariableOp(resource=handles[i], dtype=dtypes[i])) for i in mine]
     if extra is not None:
         parts += [tf.reshape(tf.cast(extra[i], tf.int32), [1]) for i in mine]
-    sent = tf.concat(parts, 0) if parts else tf.zeros([0], tf.int32)
-    got = ctx.all_gather(sent, axis=0)
-    # Where each replica's words sit in `got`: replica by replica, its variables in index order.
     sizes = [_words(dtypes[i], shapes[i].num_elements()) for i in range(len(handles))]
+    lengths = [sum(sizes[i] for i in range(len(handles)) if owner[i] == r) + (0 if extra is None else owner.count(r))
+               for r in range(n)]
+    strategy = tf.distribute.get_strategy()
+    if _raw_collectives(strategy):
+        width = max(lengths)
+        if lengths[rid] < width:
+            parts.append(tf.zeros([width - lengths[rid]], tf.int32))
+        sent = tf.concat(parts, 0) if len(parts) > 1 else parts[0] if parts else tf.zeros([0], tf.int32)
+        pieces = [tf.raw_ops.CollectiveGatherV2(input=sent[a:b], group_size=n, group_key=_SCATTER_GROUP,
+                                                instance_key=_instance(rid), ordering_token=[],
+                                                timeout_seconds=_timeout(strategy))
+                  for a, b in _pieces(width)] if width else []
+        spans = _pieces(width)
+        got = tf.concat([pieces[p][r * (b - a):r * (b - a) + (b - a)] for r in range(n) for p, (a, b) in enumerate(spans)]
+                        + [tf.zeros([0], tf.int32)], 0)
+        # (replica r's words start at r * width in `got`; the padding after them is skipped below)
+        starts = [r * width for r in range(n)]
+    else:
+        sent = tf.concat(parts, 0) if parts else tf.zeros([0], tf.int32)
+        got = ctx.all_gather(sent, axis=0)
+        starts = [sum(lengths[:r]) for r in range(n)]
+    # Where each replica's words sit in `got`: replica by replica, its variables in index order.
     offsets, at = {}, 0
     extra_at = {}
     for r in range(n):
         theirs = [i for i in range(len(handles)) if owner[i] == r]
+        at = starts[r]
         for i in theirs:
             offsets[i] = at
             at += sizes[i]

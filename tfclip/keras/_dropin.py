@@ -292,8 +292,13 @@ class _FusedMixin(_dropin.Dropin):
         # Sum across replicas first (a no-op without a strategy), then clip the sum; with
         # reduce_dtype the float32 variables' gradients cross the link in 16 bits.
         grads = _reduce.cast(grads, tvars, self.reduce_dtype, type(self).__name__)
-        reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
-        grads = [g for g, _ in reduced]
+        # shard_state across worker processes: each replica receives only the sums of its own
+        # variables' gradients (a reduce-scatter, below: half the all-reduce's bytes) and the norms.
+        owners = self._tfclip_owners_of(trainable_variables)
+        scatter = _shard.scatters(grads, owners)
+        if not scatter:
+            reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
+            grads = [g for g, _ in reduced]
         # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); a step
         # they cannot take (IndexedSlices on a GPU; a build without them) runs stock ops, said once.
         why = _xla_fallback_reason(self, grads, tvars) if _xla.in_context() else None
@@ -311,6 +316,12 @@ class _FusedMixin(_dropin.Dropin):
                 raise RuntimeError(f"tfclip.keras.LossScaleOptimizer folded its unscale into a step that "
                                    f"runs stock ops: {why}")
             return self._stock_update_step(grads, trainable_variables, tvars, learning_rate, cannot=why)
+        if scatter:
+            grads = _shard.reduce_scatter(grads, owners)
+            try:
+                return self._fused_update_step(grads, trainable_variables, learning_rate)
+            finally:
+                _shard.drop_scattered()
         return self._fused_update_step(grads, trainable_variables, learning_rate)
 
     def _tfclip_stock_semantics(self, grads):

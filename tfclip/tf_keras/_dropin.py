@@ -276,6 +276,14 @@ class _FusedMixin(_dropin.Dropin):
         experimental_aggregate_gradients = kwargs.pop("experimental_aggregate_gradients", True)
         grads_and_vars = list(grads_and_vars)
         if not skip_gradients_aggregation and experimental_aggregate_gradients:
+            # shard_state across worker processes: a reduce-scatter (each replica receives only
+            # its own variables' sums, and the norms: tfclip/_engine/shard.py) instead.
+            scattered = self._tfclip_reduce_scatter(grads_and_vars)
+            if scattered is not None:
+                try:
+                    return self._tfclip_apply_gradients(scattered, name, True, kwargs)
+                finally:
+                    _shard.drop_scattered()
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         # ... then _BaseOptimizer.apply_gradients, with the clip, the sparse de-duplication, the
         # weight decay and the per-variable updates made one fused step.
@@ -299,6 +307,22 @@ class _FusedMixin(_dropin.Dropin):
                 if variable.constraint is not None:
                     variable.assign(variable.constraint(variable))
             return iteration
+
+    def _tfclip_reduce_scatter(self, grads_and_vars):
+        """The (gradient, variable) pairs with this replica's variables' gradients summed by a
+        reduce-scatter, where shard_state steps across worker processes; else None."""
+        if not self.shard_state or not grads_and_vars or any(g is None for g, _ in grads_and_vars):
+            return None
+        if _shard.replicas() <= 1 or _shard.replica_id() is None:
+            return None
+        variables = [v for _, v in grads_and_vars]
+        with tf.init_scope():
+            self.build(variables)
+        owners = self._tfclip_owners_of(variables)
+        grads = _reduce.cast([g for g, _ in grads_and_vars], variables, self.reduce_dtype, type(self).__name__)
+        if not _shard.scatters(grads, owners):
+            return None
+        return list(zip(_shard.reduce_scatter(grads, owners), variables))
 
     def _tfclip_finish(self, distribution, var_list):
         """The tail of stock `_distributed_apply_gradients_fn`: EMA, then `iterations += 1`."""
