@@ -43,6 +43,13 @@ absl::Status ViewList(const tf::OpInputList& list, const char* what, std::vector
   return absl::OkStatus();
 }
 
+// The op's input list "t" as the core's tensor views (the norm ops' one input list).
+absl::Status InputViews(OpKernelContext* ctx, std::vector<TensorView>* out) {
+  tf::OpInputList t;
+  TF_RETURN_IF_ERROR(ctx->input_list("t", &t));
+  return ViewList(t, "t_list", out);
+}
+
 #if TFCLIP_WITH_CUDA
 template <typename Tnorm>
 DType NormDType() {
@@ -56,10 +63,8 @@ class GlobalNormOp : public OpKernel {
  public:
   explicit GlobalNormOp(OpKernelConstruction* c) : OpKernel(c) {}
   void Compute(OpKernelContext* ctx) override {
-    tf::OpInputList t;
-    OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
     std::vector<TensorView> views;
-    OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &views));
+    OP_REQUIRES_OK(ctx, InputViews(ctx, &views));
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
     const int n = static_cast<int>(views.size());
@@ -84,10 +89,8 @@ class NormPartialsOp : public OpKernel {
  public:
   explicit NormPartialsOp(OpKernelConstruction* c) : OpKernel(c) {}
   void Compute(OpKernelContext* ctx) override {
-    tf::OpInputList t;
-    OP_REQUIRES_OK(ctx, ctx->input_list("t", &t));
     std::vector<TensorView> views;
-    OP_REQUIRES_OK(ctx, ViewList(t, "t_list", &views));
+    OP_REQUIRES_OK(ctx, InputViews(ctx, &views));
     ChunkPlan plan;
     PlanList(views.data(), static_cast<int>(views.size()), &plan);
     Tensor* out;
