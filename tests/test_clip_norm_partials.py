@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tfclip import _loader
+from tfclip._engine import shard as _shard
 
 CHUNK = 1 << 16  # (csrc/core/chunk_plan.h's kChunkElems)
 SIZES = [(300, 500), (7,), (0,), (CHUNK,), (2 * CHUNK + 1,), (), (17, 5)]
@@ -36,15 +37,12 @@ def _split_and_combine(grads, owner, owners):
     put back in list order and added: what the sharded step does across replicas."""
     ops = _loader.ops()
     sizes = [int(np.prod(g.shape)) for g in grads]
-    got, first, at = [], {}, 0
+    got = []
     for r in range(owners):
         mine = [i for i in range(len(grads)) if owner[i] == r]
         if mine:
             got.append(ops.tfclip_norm_partials(t=[grads[i] for i in mine]))
-        for i in mine:
-            first[i] = at
-            at += _chunks(sizes[i])
-    order = [first[i] + c for i in range(len(grads)) for c in range(_chunks(sizes[i]))]
+    order = _shard.partials_order(sizes, owner, owners)
     return ops.tfclip_norm_from_partials(partials=tf.gather(tf.concat(got, 0), order), sizes=sizes)
 
 
@@ -58,6 +56,15 @@ def test_owners_partials_give_the_norm_pass_bits(owner):
     ref = [np.sqrt(np.sum(np.asarray(g.numpy(), np.float64) ** 2)) for g in grads]
     np.testing.assert_allclose(norms.numpy(), ref, rtol=1e-12)
     np.testing.assert_allclose(norm.numpy(), np.sqrt(np.sum(np.square(ref))), rtol=1e-12)
+
+
+def test_the_partials_order_by_hand():
+    # sizes 70000 (2 chunks), 5 (1), 0 (none), 65536 (1); owners 1, 0, 0, 1: replica 0 sends
+    # tensor 1's chunk, replica 1 tensor 0's two and tensor 3's one
+    assert _shard.partials_order([70000, 5, 0, CHUNK], [1, 0, 0, 1], 2) == [1, 2, 0, 3]
+    assert _shard.partials_order([], [], 2) == []
+    assert _shard._pieces(0) == [] and _shard._pieces(5) == [(0, 5)]
+    assert _shard._pieces(2 * _shard._PIECE + 1) == [(0, 1398102), (1398102, 2796204), (2796204, 4194305)]
 
 
 def test_a_partial_is_a_chunks_sum_of_squares():

@@ -83,6 +83,8 @@ REGISTER_OP("TfclipNormFromPartials")
     .Output("tensor_norms: double")
     .Attr("sizes: list(int) >= 1")
     .SetShapeFn([](InferenceContext* c) {
+      ::tensorflow::shape_inference::ShapeHandle partials;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &partials));
       std::vector<int64_t> sizes;
       TF_RETURN_IF_ERROR(c->GetAttr("sizes", &sizes));
       c->set_output(0, c->Scalar());

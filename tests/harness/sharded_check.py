@@ -446,7 +446,7 @@ def worker(path):
                                                              shard_state=shard))
         _record(out, f"bf16_reduce_{run}", vs, opt)
     out["scatters"] = tfclip._engine.shard.scatter_count - scatters
-    # The collectives in many pieces (BERT-base's sizes here; 777 elements a piece: uneven, and
+    # The collectives in many pieces (777 elements a piece: uneven, and
     # the all-gather's shorter replica padded), AGC's counts gathered beside the variables.
     piece, tfclip._engine.shard._PIECE = tfclip._engine.shard._PIECE, 777
     try:

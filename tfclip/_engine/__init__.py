@@ -9,8 +9,10 @@ Keras 3, tf_keras and TF1 optimizers) drives, and no user imports. Its modules, 
   folded into a step; `tf_clip`: the op's clip in TF ops, for gradients no op takes; `xla`: the
   XLA questions the drop-ins ask;
 - `step`: THE fused step (`run`): the clip, the norm pass, one apply op per group of variables;
-- `shard`: shard_state (each replica's share of the state, the all-gather after the step);
-  `reduce`: reduce_dtype (the gradients cast to 16 bits before the all-reduce across replicas);
+- `shard`: shard_state (each replica's share of the state; across worker processes the
+  gradients' reduce-scatter, with the norms from exchanged partials; the all-gather after the
+  step); `reduce`: reduce_dtype (the gradients cast to 16 bits before they cross replicas);
+- `replicated`: `tfclip.fused_clip_apply` under tf.distribute (every copy alike, or sharded);
 - `dropin`: what the Keras 3 and tf_keras drop-ins share (their fused step, tfclip's own state);
   `mixup`: a drop-in handed to the other Keras library names the class to use.
 

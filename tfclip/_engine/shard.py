@@ -21,9 +21,9 @@ each slot made on its owner's device (`on_device`; tf_keras: `making_slots`) or 
 `begin` / `finish` around the fused step of the replica's share; `trackable_children` for
 checkpoints. `tfclip.rules` (`fused_clip_apply`): `Rule.state_owners` (`owners`, as variables are
 first seen), `on_device` or a `RemoteSlot` per slot, and `rule.variables` listing each slot's proxy
-where an exchange exists, in tfclip/rules/_base.py; `begin` / `finish` in tfclip/ops.py's `_sharded_step`.
+where an exchange exists, in tfclip/rules/_base.py; `begin` / `finish` in tfclip/_engine/replicated.py's `_sharded_step`.
 
-Imports flow one way: the drop-ins, tfclip/rules/_base.py and tfclip/ops.py import this module; it imports
+Imports flow one way: the drop-ins, tfclip/rules/_base.py and tfclip/_engine/replicated.py import this module; it imports
 tfclip/_engine/step.py.
 """
 import collections
@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import numpy_dataset
 
+from tfclip import _loader
 from tfclip._engine import opcall as _opcall
 from tfclip._engine import step as _step
 
@@ -340,7 +341,7 @@ def scatters(grads, owner):
     from tfclip._engine import xla as _xla
     if _xla.in_context():
         return False
-    return all(isinstance(g, tf.Tensor) for g in grads)
+    return all(isinstance(g, tf.Tensor) and g.shape.num_elements() is not None for g in grads)
 
 
 def reduce_scatter(grads, owner):
@@ -353,8 +354,6 @@ def reduce_scatter(grads, owner):
     (a few KB) and added in the unsharded pass's order (`TfclipNormFromPartials`): every replica
     gets the unsharded step's global norm and each gradient's norm, bit for bit. Those wait in this
     thread for the step's `begin`."""
-    from tfclip import _loader
-
     global scatter_count
     scatter_count += 1
     strategy = tf.distribute.get_strategy()
@@ -363,8 +362,6 @@ def reduce_scatter(grads, owner):
     timeout = _timeout(strategy)
     grads = list(grads)
     sizes = [g.shape.num_elements() for g in grads]
-    if any(s is None for s in sizes):
-        raise ValueError("shard_state=True: every gradient needs a static shape to be reduce-scattered")
     out = list(grads)
     for dtype in sorted({g.dtype for g in grads}, key=lambda d: d.name):
         parts = [[i for i in range(len(grads)) if owner[i] == r and grads[i].dtype == dtype] for r in range(n)]
@@ -396,18 +393,23 @@ def reduce_scatter(grads, owner):
     ops = _loader.ops()
     sent = ops.tfclip_norm_partials(t=[out[i] for i in mine]) if mine else tf.zeros([0], tf.float64)
     got = ctx.all_gather(sent, axis=0)
-    # The gathered partials: replica by replica, its gradients in index order, each one's chunks.
+    norm, norms = ops.tfclip_norm_from_partials(partials=tf.gather(got, partials_order(sizes, owner, n)), sizes=sizes)
+    _SCATTERED.norms = (tuple(owner), tuple(sizes), norm, norms)
+    return out
+
+
+def partials_order(sizes, owner, n):
+    """Where each chunk's partial of tensors of `sizes` elements sits in the owners' partials
+    all-gathered (replica by replica, its tensors in index order, each one's chunks), in the norm
+    pass's order (tensor by tensor): `TfclipNormFromPartials`'s input is the gathered ones at these."""
     chunks = [-(-s // _CHUNK) for s in sizes]
     first, at = {}, 0
     for r in range(n):
-        for i in range(len(grads)):
+        for i in range(len(sizes)):
             if owner[i] == r:
                 first[i] = at
                 at += chunks[i]
-    order = [first[i] + c for i in range(len(grads)) for c in range(chunks[i])]
-    norm, norms = ops.tfclip_norm_from_partials(partials=tf.gather(got, order), sizes=sizes)
-    _SCATTERED.norms = (len(grads), norm, norms)
-    return out
+    return [first[i] + c for i in range(len(sizes)) for c in range(chunks[i])]
 
 
 # Across processes a collective moves its bytes in pieces of at most this many elements: TF's CPU
@@ -419,7 +421,9 @@ _PIECE = 1 << 21
 
 def _pieces(width):
     """[(start, stop)]: `width` elements in about equal pieces of at most _PIECE."""
-    k = max(1, -(-width // _PIECE))
+    if width <= 0:
+        return []
+    k = -(-width // _PIECE)
     step = -(-width // k)
     return [(a, min(a + step, width)) for a in range(0, width, step)]
 
@@ -462,9 +466,9 @@ def begin(grads, owner, use_norm=None):
     scattered = getattr(_SCATTERED, "norms", None)
     if scattered is not None:  # (the norms of this step's `reduce_scatter`, in this thread)
         _SCATTERED.norms = None
-        if scattered[0] != len(grads) or use_norm is not None:
+        if scattered[:2] != (tuple(owner), tuple(g.shape.num_elements() for g in grads)) or use_norm is not None:
             raise RuntimeError("tfclip internal: a reduce-scattered step's norms met another step")
-        use_norm, pass_norms = scattered[1], scattered[2]
+        use_norm, pass_norms = scattered[2], scattered[3]
     elif use_norm is None:
         use_norm, pass_norms = _step.norm_pass(grads)
     else:

@@ -278,7 +278,7 @@ class _FusedMixin(_dropin.Dropin):
         if not skip_gradients_aggregation and experimental_aggregate_gradients:
             # shard_state across worker processes: a reduce-scatter (each replica receives only
             # its own variables' sums, and the norms: tfclip/_engine/shard.py) instead.
-            scattered = self._tfclip_reduce_scatter(grads_and_vars)
+            scattered = self._tfclip_reduce_scatter(grads_and_vars, name)
             if scattered is not None:
                 try:
                     return self._tfclip_apply_gradients(scattered, name, True, kwargs)
@@ -308,15 +308,20 @@ class _FusedMixin(_dropin.Dropin):
                     variable.assign(variable.constraint(variable))
             return iteration
 
-    def _tfclip_reduce_scatter(self, grads_and_vars):
-        """The (gradient, variable) pairs with this replica's variables' gradients summed by a
-        reduce-scatter, where shard_state steps across worker processes; else None."""
-        if not self.shard_state or not grads_and_vars or any(g is None for g, _ in grads_and_vars):
+    def _tfclip_reduce_scatter(self, grads_and_vars, name):
+        """The (gradient, variable) pairs (those with a gradient) with this replica's variables'
+        gradients summed by a reduce-scatter, where shard_state steps across worker processes
+        (tfclip/_engine/shard.py); else None. (Its wrapper's step, tfclip.tf_keras's loss scale,
+        comes summed: the all-reduce.)"""
+        if not self.shard_state or _shard.replicas() <= 1 or _shard.replica_id() is None:
             return None
-        if _shard.replicas() <= 1 or _shard.replica_id() is None:
+        if not _shard._raw_collectives(tf.distribute.get_strategy()):
+            return None
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not grads_and_vars:
             return None
         variables = [v for _, v in grads_and_vars]
-        with tf.init_scope():
+        with tf.name_scope(name or self.name or "optimizer"), tf.init_scope():
             self.build(variables)
         owners = self._tfclip_owners_of(variables)
         grads = _reduce.cast([g for g, _ in grads_and_vars], variables, self.reduce_dtype, type(self).__name__)
