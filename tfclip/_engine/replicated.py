@@ -74,11 +74,8 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
         cast = _reduce.cast(grads, variables, rule.reduce_dtype, rule.name)
         owners = owners if _shard.scatters(cast, owners) else None
     if owners is not None:
-        grads = _shard.reduce_scatter(cast, owners)
-        try:
-            return _sharded_apply(grads, variables, rule, step, None, scope)
-        finally:
-            _shard.drop_scattered()
+        return _shard.scattered_step(cast, owners, lambda summed: _sharded_apply(summed, variables, rule, step,
+                                                                                 None, scope))
     grads, use_norm = replica.merge_call(merge, args=(_replica_contributions(replica, grads, variables, rule),
                                                       use_norm))
     return _sharded_apply(grads, variables, rule, step, use_norm, scope)

@@ -228,7 +228,7 @@ class SlotExchange:
         # The strategy's collective timeout (CommunicationOptions.timeout_seconds; 0: none), as its
         # own all-reduces have it: a worker that hangs while a checkpoint is saved then fails the
         # others' broadcasts with TF's DeadlineExceededError instead of holding them forever.
-        self.timeout = float(getattr(getattr(ext, "_communication_options", None), "timeout_seconds", None) or 0)
+        self.timeout = _timeout(strategy)
         self.slots = []  # (slot: a variable or a RemoteSlot, owner replica)
         self.proxies = {}  # id(slot) -> _SlotProxy
         self.lists = {}  # (child name, its elements' ids) -> the list with proxies
@@ -318,6 +318,7 @@ _SCATTER_GROUP = 0x7F7D0000
 # (every replica builds the same steps in the same order, as the strategy's own keys assume).
 _scatter_keys = collections.defaultdict(itertools.count)
 _SCATTERED = threading.local()
+_CHUNK = 1 << 16  # (csrc/core/chunk_plan.h's kChunkElems: a tensor's chunks, from its first element)
 scatter_count = 0  # reduce_scatter's calls in this process (tests/harness/sharded_check.py reads it)
 
 
@@ -353,7 +354,7 @@ def reduce_scatter(grads, owner):
     order, the same every run). Then the norm pass's chunk partials of the owned sums, all-gathered
     (a few KB) and added in the unsharded pass's order (`TfclipNormFromPartials`): every replica
     gets the unsharded step's global norm and each gradient's norm, bit for bit. Those wait in this
-    thread for the step's `begin`."""
+    thread for the step's `begin` (called through `scattered_step`)."""
     global scatter_count
     scatter_count += 1
     strategy = tf.distribute.get_strategy()
@@ -438,12 +439,14 @@ def _timeout(strategy):
     return float(getattr(getattr(strategy.extended, "_communication_options", None), "timeout_seconds", None) or 0)
 
 
-def drop_scattered():
-    """Forgets a `reduce_scatter`'s norms that no `begin` took (a step that failed between)."""
-    _SCATTERED.norms = None
-
-
-_CHUNK = 1 << 16  # (csrc/core/chunk_plan.h's kChunkElems: a tensor's chunks, from its first element)
+def scattered_step(grads, owner, step):
+    """`step(gradients)` given `reduce_scatter(grads, owner)`, whose norms wait in this thread for
+    the step's `begin`; forgotten after it, so a step that failed before `begin` leaves none behind
+    for the next. (Every front door's reduce-scattered step goes through here.)"""
+    try:
+        return step(reduce_scatter(grads, owner))
+    finally:
+        _SCATTERED.norms = None
 
 
 Share = collections.namedtuple("Share", ["rid", "owner", "own", "use_norm", "pass_norms"])
@@ -554,11 +557,11 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
         if lengths[rid] < width:
             parts.append(tf.zeros([width - lengths[rid]], tf.int32))
         sent = tf.concat(parts, 0) if len(parts) > 1 else parts[0] if parts else tf.zeros([0], tf.int32)
+        spans = _pieces(width)
         pieces = [tf.raw_ops.CollectiveGatherV2(input=sent[a:b], group_size=n, group_key=_SCATTER_GROUP,
                                                 instance_key=_instance(rid), ordering_token=[],
                                                 timeout_seconds=_timeout(strategy))
-                  for a, b in _pieces(width)] if width else []
-        spans = _pieces(width)
+                  for a, b in spans]
         got = tf.concat([pieces[p][r * (b - a):r * (b - a) + (b - a)] for r in range(n) for p, (a, b) in enumerate(spans)]
                         + [tf.zeros([0], tf.int32)], 0)
         # (replica r's words start at r * width in `got`; the padding after them is skipped below)
@@ -568,8 +571,7 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
         got = ctx.all_gather(sent, axis=0)
         starts = [sum(lengths[:r]) for r in range(n)]
     # Where each replica's words sit in `got`: replica by replica, its variables in index order.
-    offsets, at = {}, 0
-    extra_at = {}
+    offsets, extra_at = {}, {}
     for r in range(n):
         theirs = [i for i in range(len(handles)) if owner[i] == r]
         at = starts[r]

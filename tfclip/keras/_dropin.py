@@ -317,11 +317,8 @@ class _FusedMixin(_dropin.Dropin):
                                    f"runs stock ops: {why}")
             return self._stock_update_step(grads, trainable_variables, tvars, learning_rate, cannot=why)
         if scatter:
-            grads = _shard.reduce_scatter(grads, owners)
-            try:
-                return self._fused_update_step(grads, trainable_variables, learning_rate)
-            finally:
-                _shard.drop_scattered()
+            return _shard.scattered_step(grads, owners, lambda summed: self._fused_update_step(
+                summed, trainable_variables, learning_rate))
         return self._fused_update_step(grads, trainable_variables, learning_rate)
 
     def _tfclip_stock_semantics(self, grads):

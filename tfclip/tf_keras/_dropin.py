@@ -278,12 +278,11 @@ class _FusedMixin(_dropin.Dropin):
         if not skip_gradients_aggregation and experimental_aggregate_gradients:
             # shard_state across worker processes: a reduce-scatter (each replica receives only
             # its own variables' sums, and the norms: tfclip/_engine/shard.py) instead.
-            scattered = self._tfclip_reduce_scatter(grads_and_vars, name)
-            if scattered is not None:
-                try:
-                    return self._tfclip_apply_gradients(scattered, name, True, kwargs)
-                finally:
-                    _shard.drop_scattered()
+            plan = self._tfclip_scatter_plan(grads_and_vars, name)
+            if plan is not None:
+                grads, variables, owners = plan
+                return _shard.scattered_step(grads, owners, lambda summed: self._tfclip_apply_gradients(
+                    list(zip(summed, variables)), name, True, kwargs))
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         # ... then _BaseOptimizer.apply_gradients, with the clip, the sparse de-duplication, the
         # weight decay and the per-variable updates made one fused step.
@@ -308,11 +307,10 @@ class _FusedMixin(_dropin.Dropin):
                     variable.assign(variable.constraint(variable))
             return iteration
 
-    def _tfclip_reduce_scatter(self, grads_and_vars, name):
-        """The (gradient, variable) pairs (those with a gradient) with this replica's variables'
-        gradients summed by a reduce-scatter, where shard_state steps across worker processes
-        (tfclip/_engine/shard.py); else None. (Its wrapper's step, tfclip.tf_keras's loss scale,
-        comes summed: the all-reduce.)"""
+    def _tfclip_scatter_plan(self, grads_and_vars, name):
+        """(gradients to reduce-scatter, their variables, their owners): the pairs with a gradient,
+        where shard_state steps across worker processes (tfclip/_engine/shard.py); else None. (Its
+        wrapper's step, tfclip.tf_keras's loss scale, comes summed: the all-reduce.)"""
         if not self.shard_state or _shard.replicas() <= 1 or _shard.replica_id() is None:
             return None
         if not _shard._raw_collectives(tf.distribute.get_strategy()):
@@ -327,7 +325,7 @@ class _FusedMixin(_dropin.Dropin):
         grads = _reduce.cast([g for g, _ in grads_and_vars], variables, self.reduce_dtype, type(self).__name__)
         if not _shard.scatters(grads, owners):
             return None
-        return list(zip(_shard.reduce_scatter(grads, owners), variables))
+        return grads, variables, owners
 
     def _tfclip_finish(self, distribution, var_list):
         """The tail of stock `_distributed_apply_gradients_fn`: EMA, then `iterations += 1`."""
