@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tfclip import _loader
+from tfclip._engine import collectives
 from tfclip._engine import shard as _shard
 
 CHUNK = 1 << 16  # (csrc/core/chunk_plan.h's kChunkElems)
@@ -63,8 +64,8 @@ def test_the_partials_order_by_hand():
     # tensor 1's chunk, replica 1 tensor 0's two and tensor 3's one
     assert _shard.partials_order([70000, 5, 0, CHUNK], [1, 0, 0, 1], 2) == [1, 2, 0, 3]
     assert _shard.partials_order([], [], 2) == []
-    assert _shard._pieces(0) == [] and _shard._pieces(5) == [(0, 5)]
-    assert _shard._pieces(2 * _shard._PIECE + 1) == [(0, 1398102), (1398102, 2796204), (2796204, 4194305)]
+    assert collectives.pieces(0) == [] and collectives.pieces(5) == [(0, 5)]
+    assert collectives.pieces(2 * collectives.PIECE + 1) == [(0, 1398102), (1398102, 2796204), (2796204, 4194305)]
 
 
 def test_a_partial_is_a_chunks_sum_of_squares():
@@ -91,3 +92,20 @@ def test_partials_that_do_not_fit_the_sizes_are_refused():
         ops.tfclip_norm_from_partials(partials=tf.zeros([3], tf.float64), sizes=[5, 1])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"sizes\[1\] is -4, below 0"):
         ops.tfclip_norm_from_partials(partials=tf.zeros([1], tf.float64), sizes=[5, -4])
+
+
+def test_a_flat_vector_and_its_received_pieces_give_every_span():
+    # (tfclip/_engine/collectives.py: a collective's pieces made from the tensors, its results cut
+    # from the pieces; every span of both against NumPy's concatenation, zero-padded)
+    tensors = [np.arange(6, dtype=np.float32).reshape(2, 3) + 1, np.zeros([0], np.float32),
+               np.arange(5, dtype=np.float32) + 10, np.array([7.5], np.float32)]
+    whole = np.concatenate([t.ravel() for t in tensors] + [np.zeros(4, np.float32)])
+    flat = collectives.Flat([tf.constant(t) for t in tensors], whole.size, tf.float32)
+    cuts = [(0, 3), (3, 5), (5, 9), (9, whole.size)]
+    received = collectives.Received([(a, b, tf.constant(whole[a:b])) for a, b in cuts], tf.float32)
+    for a in range(whole.size + 1):
+        for b in range(a, whole.size + 1):
+            assert flat.span(a, b).numpy().tolist() == whole[a:b].tolist(), (a, b)
+            assert received.span(a, b).numpy().tolist() == whole[a:b].tolist(), (a, b)
+    with pytest.raises(ValueError, match="16 elements in a flat vector of 15"):
+        collectives.Flat([tf.zeros([16])], 15, tf.float32)

@@ -228,6 +228,31 @@ def test_two_worker_processes_reduce_scatter_skip_and_sum_in_bfloat16_as_unshard
             assert _bits(w[f"{case}_pieces_vars"]) == _bits(w[f"{case}_one_vars"])
             assert _bits(w[f"{case}_pieces_tnorms"]) == _bits(w[f"{case}_one_tnorms"])
         np.testing.assert_array_equal(w["agc_pieces_units"], w["agc_one_units"])
+        for case in ("adam", "tfk_adam"):
+            assert _bits(w[f"{case}_pieces_unsharded_vars"]) == _bits(w[f"{case}_one_vars"])
+            assert _bits(w[f"{case}_pieces_unsharded_slots"]) == _bits(w[f"{case}_mirrored_slots"])
+
+
+def test_two_worker_processes_unsharded_sum_in_pieces_as_tfs_all_reduce(workers):
+    """Unsharded across processes every Keras 3 and tf_keras optimizer and tfclip.rules sum the gradients with
+    tfclip's all-reduce in pieces (tfclip/_engine/collectives.py: an all-to-all, a sum in replica
+    order, an all-gather), once per traced step, the sharded step never; on 2 replicas its sums
+    are TF's own ring all-reduce's bits, in float32, bfloat16 and float16, in one piece or many."""
+    for w in workers:
+        for case in ("adam", "adafactor", "agc", "muon", "tfk_adam", "tfk_adafactor"):
+            assert int(w[f"{case}_mirrored_reduces"]) == 4, case
+            assert int(w[f"{case}_sharded_reduces"]) == 0, case
+            assert int(w[f"{case}_one_reduces"]) == 0, case
+        # (tfclip.rules: one per traced step, 5, as its sharded step's reduce-scatters)
+        assert int(w["rules_adam_mirrored_reduces"]) == 5 and int(w["rules_adam_sharded_reduces"]) == 0
+        for dtype in ("float32", "bfloat16", "float16"):
+            for piece in (1 << 21, 7):
+                key = f"ring_{dtype}_{piece}"
+                assert w[key + "_shapes"].all(), key
+                assert w[key + "_tf"].size == 3 * 5 + 1 + 0 + 1000 + 8
+                assert np.any(w[key + "_tf"] != 0)
+                assert _bits(w[key + "_ours"]) == _bits(w[key + "_tf"]), key
+    assert _bits(workers[0]["ring_float32_7_ours"]) == _bits(workers[1]["ring_float32_7_ours"])
 
 
 @pytest.mark.parametrize("case", ["int8", "bf16_state", "tfk_int8"])

@@ -419,6 +419,40 @@ def _scatters():
     return tfclip._engine.shard.scatter_count
 
 
+def _reduces():
+    return tfclip._engine.collectives.reduce_count
+
+
+def _against_the_ring(out, ms):
+    """tfclip's all-reduce in pieces (tfclip/_engine/collectives.py) against TF's own (the
+    strategy's ring all-reduce) on the same per-replica tensors: float32, bfloat16 and float16,
+    sizes that split unevenly, one piece and many (PIECE 7), a tensor of no elements."""
+    from tfclip._engine import collectives
+
+    shapes = [(3, 5), (1,), (0,), (1000,), (2, 2, 2)]
+    for dtype in (tf.float32, tf.bfloat16, tf.float16):
+        def values(t):
+            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+            return [tf.cast(tf.sin(tf.reshape(tf.range(float(np.prod(s))), s) * (1.7 + r) + t) * (3.0 + r), dtype)
+                    for s in shapes]
+
+        for piece in (collectives.PIECE, 7):
+            saved, collectives.PIECE = collectives.PIECE, piece
+            try:
+                ours = tf.function(lambda: ms.run(lambda: collectives.all_reduce(values(0.25))))()
+                ring = tf.function(lambda: ms.run(lambda: tf.distribute.get_replica_context().all_reduce(
+                    "SUM", values(0.25))))()
+            finally:
+                collectives.PIECE = saved
+            key = f"ring_{dtype.name}_{piece}"
+            out[key + "_ours"] = np.concatenate([np.asarray(tf.cast(ms.experimental_local_results(t)[0], tf.float64))
+                                                 .ravel() for t in ours])
+            out[key + "_tf"] = np.concatenate([np.asarray(tf.cast(ms.experimental_local_results(t)[0], tf.float64))
+                                               .ravel() for t in ring])
+            out[key + "_shapes"] = np.array([list(ms.experimental_local_results(t)[0].shape) == list(s)
+                                             for t, s in zip(ours, shapes)])
+
+
 def worker(path):
     """One of 2 MultiWorkerMirroredStrategy processes (TF_CONFIG): sharded across the processes,
     each keeps the slots of its share; the weights against the unsharded run's and one device's,
@@ -431,10 +465,12 @@ def worker(path):
     out = {"task": task, "replicas": ms.num_replicas_in_sync}
     for case in ("adam", "adafactor", "agc", "muon", "tfk_adam", "tfk_adafactor"):
         for run, strategy, shard in (("sharded", ms, True), ("mirrored", ms, False), ("one", None, False)):
-            before = _scatters()
+            before, reduces = _scatters(), _reduces()
             vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=case.startswith("tfk_"))
             _record(out, f"{case}_{run}", vs, opt)
             out[f"{case}_{run}_scatters"] = _scatters() - before
+            out[f"{case}_{run}_reduces"] = _reduces() - reduces
+    _against_the_ring(out, ms)
     # Across processes the sharded step reduce-scatters (tfclip/_engine/shard.py): a non-finite
     # step is skipped on every replica, and with gradients summed in bfloat16 the sharded step is
     # the unsharded one's bits too (TF's bfloat16 ring sum, a + b rounded, as the all-to-all's).
@@ -448,13 +484,16 @@ def worker(path):
     out["scatters"] = tfclip._engine.shard.scatter_count - scatters
     # The collectives in many pieces (777 elements a piece: uneven, and
     # the all-gather's shorter replica padded), AGC's counts gathered beside the variables.
-    piece, tfclip._engine.shard._PIECE = tfclip._engine.shard._PIECE, 777
+    piece, tfclip._engine.collectives.PIECE = tfclip._engine.collectives.PIECE, 777
     try:
         for case in ("adam", "agc"):
             vs, opt = _train(ms, lambda: CASES[case](True))
             _record(out, f"{case}_pieces", vs, opt)
+        for case in ("adam", "tfk_adam"):  # (unsharded: the all-reduce in pieces)
+            vs, opt = _train(ms, lambda: CASES[case](False), tf_keras=case.startswith("tfk_"))
+            _record(out, f"{case}_pieces_unsharded", vs, opt)
     finally:
-        tfclip._engine.shard._PIECE = piece
+        tfclip._engine.collectives.PIECE = piece
     # int8 and bfloat16 state: sharded across the processes against one device; mirrored across
     # processes TF cannot make them (no uint8 / bfloat16 collective broadcast), refused naming why
     refusals = []
@@ -483,10 +522,11 @@ def worker(path):
     for case in ("rules_adam", "rules_int8"):
         runs = (("sharded", ms, True), ("one", None, False)) + ((("mirrored", ms, False),) if case == "rules_adam" else ())
         for run, strategy, shard in runs:
-            before = _scatters()
+            before, reduces = _scatters(), _reduces()
             vs, opt = _train(strategy, lambda: CASES[case](shard), tf_keras=True)
             _record(out, f"{case}_{run}", vs, opt)
             out[f"{case}_{run}_scatters"] = _scatters() - before
+            out[f"{case}_{run}_reduces"] = _reduces() - reduces
     # ... and its checkpoint: every worker saves `rule.variables`; the chief's file holds every
     # slot (stock layout): an unsharded rule on one device restores it whole and matches the
     # unsharded run's slots, and a fresh sharded rule (built first) carries on to the

@@ -9,6 +9,8 @@ Keras 3, tf_keras and TF1 optimizers) drives, and no user imports. Its modules, 
   folded into a step; `tf_clip`: the op's clip in TF ops, for gradients no op takes; `xla`: the
   XLA questions the drop-ins ask;
 - `step`: THE fused step (`run`): the clip, the norm pass, one apply op per group of variables;
+- `collectives`: TF's raw collectives across worker processes on CPUs, in pieces (the
+  reduce-scatter, the all-gather, and the unsharded step's all-reduce built from the two);
 - `shard`: shard_state (each replica's share of the state; across worker processes the
   gradients' reduce-scatter, with the norms from exchanged partials; the all-gather after the
   step); `reduce`: reduce_dtype (the gradients cast to 16 bits before they cross replicas);

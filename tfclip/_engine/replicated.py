@@ -6,6 +6,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as _dist_values
 
 from tfclip import clipping
+from tfclip._engine import collectives as _coll
 from tfclip._engine import reduce as _reduce
 from tfclip._engine import shard as _shard
 from tfclip._engine.opcall import ClipApplyResult
@@ -67,7 +68,7 @@ def _sharded_step(replica, grads, variables, rule, step, use_norm, scope):
     # variable) and the norm is the step's own: a reduce-scatter (each replica receives only its
     # own variables' sums, and the norms: tfclip/_engine/shard.py) instead of the all-reduce.
     owners = None
-    if use_norm is None and _shard._raw_collectives(tf.distribute.get_strategy()) and all(
+    if use_norm is None and _coll.available(tf.distribute.get_strategy()) and all(
             v.aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.SUM) for v in variables):
         replica.merge_call(lambda strategy: merge(strategy, [], None))  # (builds the rule: its owners)
         owners = rule.state_owners(variables)
@@ -120,8 +121,13 @@ def _replica_contributions(replica, grads, variables, rule):
     fresh tensor per replica (merge_call sees one value per replica, never a shared object), and
     for an ONLY_FIRST_REPLICA variable the first replica's gradient alone (the others send zeros,
     so a sum across every worker is the first replica's, exactly). With the rule's reduce_dtype,
-    a float32 variable's dense gradient in 16 bits (tfclip/_engine/reduce.py)."""
+    a float32 variable's dense gradient in 16 bits (tfclip/_engine/reduce.py). Across worker
+    processes on CPUs, where every gradient is dense and summed: the sums themselves (reduction
+    None), by tfclip's all-reduce in pieces (tfclip/_engine/collectives.py)."""
     grads = _reduce.cast(grads, variables, rule.reduce_dtype, rule.name)
+    if all(v.aggregation in (tf.VariableAggregation.NONE, tf.VariableAggregation.SUM) for v in variables) \
+            and _coll.in_step(grads):
+        return [(g, None) for g in _coll.all_reduce(grads)]
     first = tf.equal(replica.replica_id_in_sync_group, 0)
     out = []
     for g, v in zip(grads, variables):

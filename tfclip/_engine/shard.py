@@ -36,6 +36,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import numpy_dataset
 
 from tfclip import _loader
+from tfclip._engine import collectives as _coll
 from tfclip._engine import opcall as _opcall
 from tfclip._engine import step as _step
 
@@ -228,7 +229,7 @@ class SlotExchange:
         # The strategy's collective timeout (CommunicationOptions.timeout_seconds; 0: none), as its
         # own all-reduces have it: a worker that hangs while a checkpoint is saved then fails the
         # others' broadcasts with TF's DeadlineExceededError instead of holding them forever.
-        self.timeout = _timeout(strategy)
+        self.timeout = _coll.timeout(strategy)
         self.slots = []  # (slot: a variable or a RemoteSlot, owner replica)
         self.proxies = {}  # id(slot) -> _SlotProxy
         self.lists = {}  # (child name, its elements' ids) -> the list with proxies
@@ -311,22 +312,9 @@ class _SlotProxy(tf.__internal__.tracking.Trackable):
 
 # -- the reduce-scatter (across worker processes) ------------------------------------------
 
-# The collective group of every replica for the reduce-scatter's all-to-alls (apart from the
-# strategy's own group keys and SlotExchange's, whose group is one device per worker).
-_SCATTER_GROUP = 0x7F7D0000
-# Each replica's count of all-to-alls built: the k-th of every replica is one collective instance
-# (every replica builds the same steps in the same order, as the strategy's own keys assume).
-_scatter_keys = collections.defaultdict(itertools.count)
 _SCATTERED = threading.local()
 _CHUNK = 1 << 16  # (csrc/core/chunk_plan.h's kChunkElems: a tensor's chunks, from its first element)
 scatter_count = 0  # reduce_scatter's calls in this process (tests/harness/sharded_check.py reads it)
-
-
-def _raw_collectives(strategy):
-    """Whether the sharded step's collectives are TF's raw ones in `_SCATTER_GROUP`: across worker
-    processes, on CPUs (CollectiveAllToAllV2's only implementation; on GPUs NCCL's ops stay)."""
-    return across_processes(strategy) and all(
-        tf.DeviceSpec.from_string(d).device_type == "CPU" for d in strategy.extended.worker_devices)
 
 
 def scatters(grads, owner):
@@ -335,14 +323,7 @@ def scatters(grads, owner):
     (MultiWorkerMirroredStrategy; within one process the all-reduce crosses no link), on CPUs
     (CollectiveAllToAllV2's implementation; on GPUs NCCL's all-reduce stays), every gradient a
     dense tensor (IndexedSlices are all-gathered by TF, not summed), outside XLA."""
-    if owner is None or not tf.distribute.has_strategy() or replica_id() is None:
-        return False
-    if not _raw_collectives(tf.distribute.get_strategy()):
-        return False
-    from tfclip._engine import xla as _xla
-    if _xla.in_context():
-        return False
-    return all(isinstance(g, tf.Tensor) and g.shape.num_elements() is not None for g in grads)
+    return owner is not None and _coll.in_step(grads)
 
 
 def reduce_scatter(grads, owner):
@@ -357,10 +338,8 @@ def reduce_scatter(grads, owner):
     thread for the step's `begin` (called through `scattered_step`)."""
     global scatter_count
     scatter_count += 1
-    strategy = tf.distribute.get_strategy()
     ctx = tf.distribute.get_replica_context()
     n, rid = ctx.num_replicas_in_sync, replica_id()
-    timeout = _timeout(strategy)
     grads = list(grads)
     sizes = [g.shape.num_elements() for g in grads]
     out = list(grads)
@@ -370,25 +349,10 @@ def reduce_scatter(grads, owner):
         width = max(lengths)
         if width == 0:
             continue
-        flat = []
-        for part, length in zip(parts, lengths):
-            flat += [tf.reshape(grads[i], [-1]) for i in part]
-            if length < width:
-                flat.append(tf.zeros([width - length], dtype))
-        rows = tf.reshape(tf.concat(flat, 0), [n, width])
-        sums = []
-        for a, b in _pieces(width):
-            got = tf.raw_ops.CollectiveAllToAllV2(
-                input=rows[:, a:b], group_size=n, group_key=_SCATTER_GROUP, instance_key=_instance(rid),
-                ordering_token=[], timeout_seconds=timeout)
-            piece = got[0]
-            for s in range(1, n):  # (in replica order)
-                piece = piece + got[s]
-            sums.append(piece)
-        total = tf.concat(sums, 0) if len(sums) > 1 else sums[0]
+        mine = _coll.sum_parts(lambda r: _coll.Flat([grads[i] for i in parts[r]], width, dtype), width, dtype)
         at = 0
         for i in parts[rid]:
-            out[i] = tf.reshape(total[at:at + sizes[i]], grads[i].shape)
+            out[i] = tf.reshape(mine.span(at, at + sizes[i]), grads[i].shape)
             at += sizes[i]
     mine = [i for i in range(len(grads)) if owner[i] == rid]
     ops = _loader.ops()
@@ -411,32 +375,6 @@ def partials_order(sizes, owner, n):
                 first[i] = at
                 at += chunks[i]
     return [first[i] + c for i in range(len(sizes)) for c in range(chunks[i])]
-
-
-# Across processes a collective moves its bytes in pieces of at most this many elements: TF's CPU
-# collectives over gRPC send one message per op, and on the 2-core EPYC (BERT-base's 219 MB a
-# replica) one all-to-all took 1,770 ms, 16 pieces 796 ms, 64 pieces 611 ms; one all-gather
-# 1,936 ms, 16 pieces 675 ms, 64 pieces 768 ms (2026-12-05; docs/distribute.md).
-_PIECE = 1 << 21
-
-
-def _pieces(width):
-    """[(start, stop)]: `width` elements in about equal pieces of at most _PIECE."""
-    if width <= 0:
-        return []
-    k = -(-width // _PIECE)
-    step = -(-width // k)
-    return [(a, min(a + step, width)) for a in range(0, width, step)]
-
-
-def _instance(rid):
-    """The next collective instance key of replica `rid` (`_scatter_keys`)."""
-    return next(_scatter_keys[rid]) + 1
-
-
-def _timeout(strategy):
-    """The strategy's collective timeout (CommunicationOptions.timeout_seconds; 0: none)."""
-    return float(getattr(getattr(strategy.extended, "_communication_options", None), "timeout_seconds", None) or 0)
 
 
 def scattered_step(grads, owner, step):
@@ -540,8 +478,8 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
     in the variables' order as one int32 tensor (None without), and the writes (ops; in a graph,
     what a consumer must depend on). An all-gather of int32 words (bit patterns: every bit
     kept, NaN payloads and -0.0 too), each replica sending its own variables', in index order:
-    across worker processes on CPUs, TF's collective all-gather in pieces (`_pieces`) of equal
-    width, each replica's words zero-padded to the widest; else the replica context's."""
+    across worker processes on CPUs, TF's raw all-gather in pieces (tfclip/_engine/collectives.py)
+    of equal width, each replica's words zero-padded to the widest; else the replica context's."""
     ctx = tf.distribute.get_replica_context()
     n = ctx.num_replicas_in_sync
     mine = [i for i in range(len(handles)) if owner[i] == rid]
@@ -551,30 +489,23 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
     sizes = [_words(dtypes[i], shapes[i].num_elements()) for i in range(len(handles))]
     lengths = [sum(sizes[i] for i in range(len(handles)) if owner[i] == r) + (0 if extra is None else owner.count(r))
                for r in range(n)]
-    strategy = tf.distribute.get_strategy()
-    if _raw_collectives(strategy):
-        width = max(lengths)
-        if lengths[rid] < width:
-            parts.append(tf.zeros([width - lengths[rid]], tf.int32))
-        sent = tf.concat(parts, 0) if len(parts) > 1 else parts[0] if parts else tf.zeros([0], tf.int32)
-        spans = _pieces(width)
-        pieces = [tf.raw_ops.CollectiveGatherV2(input=sent[a:b], group_size=n, group_key=_SCATTER_GROUP,
-                                                instance_key=_instance(rid), ordering_token=[],
-                                                timeout_seconds=_timeout(strategy))
-                  for a, b in spans]
-        got = tf.concat([pieces[p][r * (b - a):r * (b - a) + (b - a)] for r in range(n) for p, (a, b) in enumerate(spans)]
-                        + [tf.zeros([0], tf.int32)], 0)
-        # (replica r's words start at r * width in `got`; the padding after them is skipped below)
-        starts = [r * width for r in range(n)]
+    if _coll.available(tf.distribute.get_strategy()):
+        width = max(lengths)  # (each replica's words zero-padded to the widest)
+        every = _coll.gather(_coll.Flat(parts, width, tf.int32), width)
+
+        def words(r, a, b):
+            return every[r].span(a, b)
     else:
-        sent = tf.concat(parts, 0) if parts else tf.zeros([0], tf.int32)
-        got = ctx.all_gather(sent, axis=0)
-        starts = [sum(lengths[:r]) for r in range(n)]
-    # Where each replica's words sit in `got`: replica by replica, its variables in index order.
+        got = ctx.all_gather(tf.concat(parts, 0) if parts else tf.zeros([0], tf.int32), axis=0)
+
+        def words(r, a, b):
+            start = sum(lengths[:r])
+            return got[start + a:start + b]
+    # Where each variable's words sit among its owner's: its variables in index order, then the extras.
     offsets, extra_at = {}, {}
     for r in range(n):
         theirs = [i for i in range(len(handles)) if owner[i] == r]
-        at = starts[r]
+        at = 0
         for i in theirs:
             offsets[i] = at
             at += sizes[i]
@@ -585,9 +516,10 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
     writes = []
     for i in range(len(handles)):
         if owner[i] != rid:
-            value = _from_bits(got[offsets[i]:offsets[i] + sizes[i]], dtypes[i], shapes[i])
+            value = _from_bits(words(owner[i], offsets[i], offsets[i] + sizes[i]), dtypes[i], shapes[i])
             writes.append(tf.raw_ops.AssignVariableOp(resource=handles[i], value=value))
     counts = None
     if extra is not None:
-        counts = tf.stack([got[extra_at[i]] for i in range(len(handles))]) if handles else tf.zeros([0], tf.int32)
+        counts = tf.concat([words(owner[i], extra_at[i], extra_at[i] + 1) for i in range(len(handles))], 0) \
+            if handles else tf.zeros([0], tf.int32)
     return counts, [w for w in writes if w is not None]

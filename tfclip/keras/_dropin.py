@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfclip import clipping as _clipping
 from tfclip._engine import checks as _checks
+from tfclip._engine import collectives as _coll
 from tfclip._engine import dropin as _dropin
 from tfclip._engine import loss_scale as _loss_scale
 from tfclip._engine import mixup as _mixup
@@ -296,7 +297,9 @@ class _FusedMixin(_dropin.Dropin):
         # variables' gradients (a reduce-scatter, below: half the all-reduce's bytes) and the norms.
         owners = self._tfclip_owners_of(trainable_variables)
         scatter = _shard.scatters(grads, owners)
-        if not scatter:
+        if not scatter and _coll.in_step(grads):  # (across worker processes on CPUs: in pieces, the ring's
+            grads = _coll.all_reduce(grads)        # bytes; tfclip/_engine/collectives.py)
+        elif not scatter:
             reduced = self._all_reduce_sum_gradients(list(zip(grads, tvars)))
             grads = [g for g, _ in reduced]
         # Under jit_compile=True the fused op compiles to tfclip's custom calls (csrc/xla); a step

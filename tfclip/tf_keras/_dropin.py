@@ -19,6 +19,7 @@ from tf_keras.src.optimizers import utils as _optimizer_utils
 
 from tfclip import clipping as _clipping
 from tfclip._engine import checks as _checks
+from tfclip._engine import collectives as _coll
 from tfclip._engine import dropin as _dropin
 from tfclip._engine import narrow_state as _narrow
 from tfclip._engine import opcall as _opcall
@@ -269,6 +270,10 @@ class _FusedMixin(_dropin.Dropin):
             variables = [v for _, v in grads_and_vars]
             grads = _reduce.cast([g for g, _ in grads_and_vars], variables, self.reduce_dtype, type(self).__name__)
             grads_and_vars = list(zip(grads, variables))
+        present = [g for g, _ in grads_and_vars if g is not None]
+        if present and _coll.in_step(present):  # (across worker processes on CPUs: in pieces, the ring's
+            summed = iter(_coll.all_reduce(present))  # bytes; tfclip/_engine/collectives.py)
+            return [(None if g is None else next(summed), v) for g, v in grads_and_vars]
         return super().aggregate_gradients(grads_and_vars)
 
     def _tfclip_apply_gradients(self, grads_and_vars, name, skip_gradients_aggregation, kwargs):
@@ -313,7 +318,7 @@ class _FusedMixin(_dropin.Dropin):
         wrapper's step, tfclip.tf_keras's loss scale, comes summed: the all-reduce.)"""
         if not self.shard_state or _shard.replicas() <= 1 or _shard.replica_id() is None:
             return None
-        if not _shard._raw_collectives(tf.distribute.get_strategy()):
+        if not _coll.available(tf.distribute.get_strategy()):
             return None
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         if not grads_and_vars:
