@@ -1,5 +1,5 @@
 """How TF's CPU collectives across worker processes (gRPC on localhost) take one large message
-against the same bytes in pieces: the figures behind tfclip/_engine/shard.py's `_PIECE`.
+against the same bytes in pieces: the figures behind tfclip/_engine/collectives.py's `PIECE`.
 
     python benchmarks/collective_pieces.py [--params 109482240] [--pieces 1,4,16,64] [--repeats 3]
 

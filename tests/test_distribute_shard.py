@@ -243,6 +243,10 @@ def test_two_worker_processes_unsharded_sum_in_pieces_as_tfs_all_reduce(workers)
             assert int(w[f"{case}_mirrored_reduces"]) == 4, case
             assert int(w[f"{case}_sharded_reduces"]) == 0, case
             assert int(w[f"{case}_one_reduces"]) == 0, case
+        # (tf_keras with a variable given no gradient: the others summed, it left alone)
+        assert int(w["tfk_none_mirrored_reduces"]) == 4 and int(w["tfk_none_one_reduces"]) == 0
+        assert _bits(w["tfk_none_mirrored_vars"]) == _bits(w["tfk_none_one_vars"])
+        assert _bits(w["tfk_none_mirrored_vars"]) != _bits(w["tfk_adam_one_vars"])
         # (tfclip.rules: one per traced step, 5, as its sharded step's reduce-scatters)
         assert int(w["rules_adam_mirrored_reduces"]) == 5 and int(w["rules_adam_sharded_reduces"]) == 0
         for dtype in ("float32", "bfloat16", "float16"):

@@ -96,8 +96,9 @@ def _slot_bytes_by_device(opt):
 
 
 def _train(strategy, make_opt, *, steps=STEPS, nan_at=None, fn=True, vs=None, opt=None, start=0, dtype="float32",
-           tf_keras=False):
-    """Steps of `make_opt()` on the variables; strategy None: one device, the summed gradient."""
+           tf_keras=False, drop=None):
+    """Steps of `make_opt()` on the variables; strategy None: one device, the summed gradient.
+    drop: the position of a variable given no gradient (None)."""
     scope = strategy.scope() if strategy is not None else tf.device("/cpu:0")
     with scope:
         vs = vs or _variables(dtype, tf_keras)
@@ -107,11 +108,15 @@ def _train(strategy, make_opt, *, steps=STEPS, nan_at=None, fn=True, vs=None, op
     def replica_step(t):
         r = tf.distribute.get_replica_context().replica_id_in_sync_group
         grads = [tf.cast(tf.constant(b) * tf.cast(r + 1, tf.float32), v.dtype) for b, v in zip(_base(t, nan_at), vs)]
+        if drop is not None:
+            grads[drop] = None
         opt.apply_gradients(zip(grads, vs))
 
     def one_step(t):
         grads = [tf.cast(tf.constant(b) * 1.0, v.dtype) + tf.cast(tf.constant(b) * 2.0, v.dtype)
                  for b, v in zip(_base(t, nan_at), vs)]
+        if drop is not None:
+            grads[drop] = None
         opt.apply_gradients(zip(grads, vs))
 
     for t in range(start, start + steps):
@@ -471,6 +476,12 @@ def worker(path):
             out[f"{case}_{run}_scatters"] = _scatters() - before
             out[f"{case}_{run}_reduces"] = _reduces() - reduces
     _against_the_ring(out, ms)
+    # tf_keras with a variable given no gradient: the others summed in pieces, None kept in its place
+    for run, strategy in (("mirrored", ms), ("one", None)):
+        reduces = _reduces()
+        vs, opt = _train(strategy, lambda: CASES["tfk_adam"](False), tf_keras=True, drop=1)
+        _record(out, f"tfk_none_{run}", vs, opt)
+        out[f"tfk_none_{run}_reduces"] = _reduces() - reduces
     # Across processes the sharded step reduce-scatters (tfclip/_engine/shard.py): a non-finite
     # step is skipped on every replica, and with gradients summed in bfloat16 the sharded step is
     # the unsharded one's bits too (TF's bfloat16 ring sum, a + b rounded, as the all-to-all's).

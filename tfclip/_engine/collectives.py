@@ -5,8 +5,9 @@ all-reduce.
 
 Why: under MultiWorkerMirroredStrategy on CPUs TF's collectives go over gRPC, one message per op,
 and one message of BERT-base's 219 MB a replica is slow: on the 2-core EPYC Keras's packed
-all-reduce of the gradients took 2,278 ms; the same bytes as an all-to-all in 64 pieces 510 ms
-and an all-gather in 64 pieces 659 ms (`benchmarks/collective_pieces.py`, docs/distribute.md).
+all-reduce of the gradients took 2,278 ms; an all-to-all of half of them in 64 pieces 510 ms and
+an all-gather of half in 64 pieces 659 ms (`python benchmarks/collective_pieces.py --pieces
+1,16,64`, 2026-12-05, benchmarks/results/shard-2026-12-05-scatter.txt; docs/distribute.md).
 A ring all-reduce is a reduce-scatter and an all-gather; here the reduce-scatter is
 `CollectiveAllToAllV2` (TF's `CollectiveReduceScatterV2` has only NCCL's implementation) and a
 local sum of the N received parts in replica order: with 2 replicas `a + b`, the ring's bits
@@ -23,9 +24,10 @@ import itertools
 import tensorflow as tf
 
 GROUP = 0x7F7D0000
-# A collective moves its bytes in pieces of at most this many elements (the 2-core EPYC,
-# BERT-base's 219 MB a replica, 2026-12-05: one all-to-all 1,770 ms, 16 pieces 796 ms, 64
-# pieces 611 ms; one all-gather 1,936 ms, 16 pieces 675 ms, 64 pieces 768 ms).
+# A collective moves its bytes in pieces of at most this many elements (BERT-base's half, 54.7M
+# elements, in 27): in two runs on the 2-core EPYC (2026-12-05, benchmarks/results/
+# shard-2026-12-05-scatter.txt) 16 and 64 pieces took 0.31-0.45x one piece's time, each within
+# 20% of the other, the all-to-all and the all-gather alike.
 PIECE = 1 << 21
 _keys = collections.defaultdict(itertools.count)
 reduce_count = 0  # all_reduce's calls in this process (tests/harness/sharded_check.py reads it)
@@ -89,12 +91,13 @@ class Flat:
     never made whole: `span(a, b)` makes elements [a, b) only, so a collective's pieces are made
     from the tensors directly (one copy) and a tensor within one piece is a slice of it."""
 
-    def __init__(self, tensors, length, dtype):
-        self.parts, at = [], 0  # (start, the tensor flat)
-        for t in tensors:
-            size = t.shape.num_elements()
+    def __init__(self, tensors, length, dtype, sizes=None):
+        # sizes: each tensor's elements where its static shape may not say (else read from it)
+        self.parts, at = [], 0  # (start, the tensor flat, its size)
+        for k, t in enumerate(tensors):
+            size = t.shape.num_elements() if sizes is None else sizes[k]
             if size:
-                self.parts.append((at, tf.reshape(t, [-1])))
+                self.parts.append((at, tf.reshape(t, [-1]), size))
             at += size
         if at > length:
             raise ValueError(f"tfclip internal: {at} elements in a flat vector of {length}")
@@ -102,8 +105,8 @@ class Flat:
 
     def span(self, a, b):
         out, at = [], a
-        for start, t in self.parts:
-            stop = start + int(t.shape[0])
+        for start, t, size in self.parts:
+            stop = start + size
             if stop <= a or start >= b:
                 continue
             lo, hi = max(a, start), min(b, stop)

@@ -161,8 +161,8 @@ def _check_mirrored(variables, strategy, in_replica):
 
 def _aggregate(strategy, contributions, variables):
     """The replicas' gradients reduced as `_replica_contributions` said (in one batched all-reduce
-    per reduction), placed with the variables' copies. In the cross-replica context (reduction
-    None) the one value given is the gradient."""
+    per reduction), placed with the variables' copies. Reduction None: the value given is the
+    gradient (the cross-replica context's one value, or sums tfclip's all-reduce made already)."""
     out = [g for g, _ in contributions]
     groups = {}
     for i, (_, op) in enumerate(contributions):

@@ -24,7 +24,7 @@ first seen), `on_device` or a `RemoteSlot` per slot, and `rule.variables` listin
 where an exchange exists, in tfclip/rules/_base.py; `begin` / `finish` in tfclip/_engine/replicated.py's `_sharded_step`.
 
 Imports flow one way: the drop-ins, tfclip/rules/_base.py and tfclip/_engine/replicated.py import this module; it imports
-tfclip/_engine/step.py.
+tfclip/_engine/step.py, opcall.py and collectives.py (the raw collectives across worker processes).
 """
 import collections
 import contextlib
@@ -491,7 +491,8 @@ def gather(handles, dtypes, shapes, owner, rid, extra=None):
                for r in range(n)]
     if _coll.available(tf.distribute.get_strategy()):
         width = max(lengths)  # (each replica's words zero-padded to the widest)
-        every = _coll.gather(_coll.Flat(parts, width, tf.int32), width)
+        own = [sizes[i] for i in mine] + ([1] * len(mine) if extra is not None else [])
+        every = _coll.gather(_coll.Flat(parts, width, tf.int32, sizes=own), width)
 
         def words(r, a, b):
             return every[r].span(a, b)
