@@ -36,6 +36,7 @@ COMMON_INPUTS_AFTER_HPARAMS = ["indices", "clip", "use_norm", "iterations"]
 RESOURCE_INPUTS = ["absmax"]  # the resource op's, last: int8 state (a ref op's slots stay as they are)
 TAIL_ATTRS = [("Ngrad_scale", 0), ("Nrounding", 0)]  # both ops', after those: the loss-scale unscale's
 # count, stochastic rounding's (0 or 2)
+LAST_ATTRS = [("var_offsets", [])]  # the resource op's, last: a range of each variable (-1 whole)
 TAIL_INPUTS = ["grad_scale", "rounding"]  # both ops', last: [] or [the loss-scale unscale], [] or
 # [seed, step]
 
@@ -89,7 +90,7 @@ def test_attrs_in_order_with_defaults(rule, row, ref_op, op_def):
     for s in row["slots"]:
         want += ["N_" + s] + (["T" + s + "_ref"] if ref_op else [])
     want += list(row["flags"])
-    common = COMMON_ATTRS + (REF_ATTRS if ref_op else RESOURCE_ATTRS) + TAIL_ATTRS
+    common = COMMON_ATTRS + (REF_ATTRS if ref_op else RESOURCE_ATTRS) + TAIL_ATTRS + ([] if ref_op else LAST_ATTRS)
     want += [n for n, _ in common]
     assert [a.name for a in op_def.attr] == want
     attrs = {a.name: a for a in op_def.attr}
@@ -122,7 +123,7 @@ def _description():
 
 def test_description_lists_what_the_ops_have():
     attrs, outputs, inputs = _description()
-    assert attrs == [n for n, _ in COMMON_ATTRS + REF_ATTRS + RESOURCE_ATTRS + TAIL_ATTRS]
+    assert attrs == [n for n, _ in COMMON_ATTRS + REF_ATTRS + RESOURCE_ATTRS + TAIL_ATTRS + LAST_ATTRS]
     assert outputs == list(_opcall.ClipApplyResult._fields)
     assert inputs == ["var", "var_ref", "grad"] + COMMON_INPUTS_AFTER_HPARAMS + RESOURCE_INPUTS + TAIL_INPUTS
 

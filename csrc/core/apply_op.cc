@@ -41,6 +41,24 @@ std::string ApplyOpAttrs::Check() const {
   }
   std::string e = CheckPositions("sparse", sparse, num_grads);
   if (e.empty()) e = CheckPositions("ref", ref, num_grads);
+  if (e.empty() && !var_offsets.empty()) {
+    if (static_cast<int>(var_offsets.size()) != num_grads) {
+      return "var_offsets has " + std::to_string(var_offsets.size()) + " entries for " +
+             std::to_string(num_grads) + " variables (one each, or none)";
+    }
+    for (size_t i = 0; i < var_offsets.size(); ++i) {
+      if (var_offsets[i] < -1) {
+        return "var_offsets[" + std::to_string(i) + "] is " + std::to_string(var_offsets[i]) +
+               "; -1 (the whole variable) or the element its range starts at";
+      }
+      for (const int32_t k : sparse) {
+        if (k == static_cast<int32_t>(i) && var_offsets[i] >= 0) {
+          return "var_offsets[" + std::to_string(i) + "]: a range of a variable takes a dense gradient, "
+                 "and grads[" + std::to_string(i) + "] is sparse";
+        }
+      }
+    }
+  }
   return e;
 }
 

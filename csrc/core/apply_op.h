@@ -39,6 +39,10 @@ struct ApplyOpAttrs {
   int num_absmax = 0;           // Nabsmax (resource op only): int8 state's absmax variables
   int num_grad_scale = 0;       // Ngrad_scale: 0, or 1 grad_scale (ClipConfig::grad_scale)
   int num_rounding = 0;         // Nrounding: 0, or 2 (stochastic rounding's seed and step)
+  // var_offsets (resource op only): [] (every variable whole), or one entry per variable: -1 whole,
+  // else the element where its gradient and slots start, a range of the variable flat (a replica's
+  // share of a variable split across replicas, tfclip/_engine/shard.py).
+  std::vector<int32_t> var_offsets;
 
   // The rule's bool attrs (its flags, from the rule table; not rows of kApplyAttrs): the
   // FlagBit mask of those set.
@@ -156,6 +160,7 @@ inline constexpr ApplyAttrDef kApplyAttrs[] = {
     IntAttr("Nabsmax", "int >= 0", "0", &ApplyOpAttrs::num_absmax, ApplyOps::kResourceOnly),
     IntAttr("Ngrad_scale", "int >= 0", "0", &ApplyOpAttrs::num_grad_scale),
     IntAttr("Nrounding", "int >= 0", "0", &ApplyOpAttrs::num_rounding),
+    IntListAttr("var_offsets", "[]", &ApplyOpAttrs::var_offsets, ApplyOps::kResourceOnly),
 };
 
 // The inputs, in order. A row of kind kRuleSlots or kRuleHParams stands for the rule's own.

@@ -115,6 +115,22 @@ class ClipApplyOp : public OpKernel {
     for (const int32_t i : attrs.ref) is_ref_[i] = true;
     num_ref_ = static_cast<int>(attrs.ref.size());
     nslots_ = NumSlots(rule_.kind, hp_);
+    // A range of a variable (var_offsets, a share of a variable split across replicas): only
+    // where each element's update needs nothing beyond its own range.
+    var_offsets_ = attrs.var_offsets;
+    bool ranges = false;
+    for (const int32_t o : var_offsets_) ranges = ranges || o >= 0;
+    if (ranges) {
+      const char* why = RuleFactored(rule_.kind) ? "its factored second moments are a whole matrix's"
+                        : RuleTrustRatio(rule_.kind) ? "its trust ratio is a whole variable's"
+                        : cfg_.mode == ClipMode::kNorm ? "clip_mode 'norm' clips by a whole gradient's norm"
+                        : cfg_.mode == ClipMode::kAgc ? "clip_mode 'agc' clips by a whole variable's units"
+                        : has_rounding_ ? "stochastic rounding draws by an element's place in its variable"
+                        : nullptr;
+      OP_REQUIRES(c, why == nullptr,
+                  tf::errors::InvalidArgument("var_offsets: rule '", rule_.name, "' cannot step a range of a "
+                                              "variable: ", why));
+    }
   }
 
   // Check, look up and lock, allocate, one core step.
@@ -367,6 +383,9 @@ class ClipApplyOp : public OpKernel {
       const VarRef& vr = refs[i];
       if (!vr.initialized()) return tf::errors::FailedPrecondition(vr.name(), " is not initialized");
       const Tensor& vt = *vr.tensor();
+      const int64_t offset = var_offsets_.empty() ? -1 : var_offsets_[static_cast<size_t>(i)];
+      // The shape the slots and the step see: the variable's, or its range's (the gradient's).
+      const tf::TensorShape& shape = offset >= 0 ? grads[i].shape() : vt.shape();
       if (!ToCoreDType(vt.dtype(), &ts[i].var_dtype)) {
         return tf::errors::InvalidArgument(vr.name(), " has dtype ", tf::DataTypeString(vt.dtype()),
                                            "; only half, bfloat16, float and double variables");
@@ -377,6 +396,11 @@ class ClipApplyOp : public OpKernel {
       if (sparse_of_[i] >= 0) {
         TF_RETURN_IF_ERROR(CheckSparse(i, vt, grads[i], indices[sparse_of_[i]],
                                        &(*sparse_rows)[sparse_of_[i]], &ts[i]));
+      } else if (offset >= 0) {  // a range of the variable, flat: the gradient's elements from `offset`
+        if (offset + grads[i].NumElements() > vt.NumElements()) {
+          return tf::errors::InvalidArgument("grads[", i, "] has ", grads[i].NumElements(), " elements from var_offsets[",
+                                             i, "] = ", offset, " but ", vr.name(), " has ", vt.NumElements());
+        }
       } else if (vt.shape() != grads[i].shape()) {
         if (vt.NumElements() != grads[i].NumElements()) {
           return tf::errors::InvalidArgument(
@@ -387,12 +411,13 @@ class ClipApplyOp : public OpKernel {
         return tf::errors::InvalidArgument("grads[", i, "] has shape ", grads[i].shape().DebugString(),
                                            " but ", vr.name(), " has shape ", vt.shape().DebugString());
       }
-      ts[i].size = vt.NumElements();
+      ts[i].size = shape.num_elements();
       ts[i].units = vt.dims() >= 2 ? vt.dim_size(vt.dims() - 1) : 1;  // AGC's (csrc/core/agc.h)
       const bool factored = RuleFactored(rule_.kind);
       if (factored) SetFactoredDims(ShapeDims(vt.shape()), &ts[i]);
       if (vr.var != nullptr) TF_RETURN_IF_ERROR(EnsureExclusive(ctx, vr.var, gpu_stream));
-      ts[i].var = const_cast<char*>(vr.tensor()->tensor_data().data());
+      ts[i].var = const_cast<char*>(vr.tensor()->tensor_data().data()) +
+                  (offset >= 0 ? offset * static_cast<int64_t>(tf::DataTypeSize(vt.dtype())) : 0);
       ts[i].grad = grads[i].tensor_data().data();
       ts[i].slot_storage = SlotStorage::kVariable;
       for (int k = 0; k < nslots_; ++k) {
@@ -400,7 +425,7 @@ class ClipApplyOp : public OpKernel {
         if (!s.initialized()) return tf::errors::FailedPrecondition(s.name(), " is not initialized");
         const Tensor& st = *s.tensor();
         if (st.dtype() == tf::DT_UINT8 || (k > 0 && ts[i].slot_storage == SlotStorage::kInt8)) {
-          TF_RETURN_IF_ERROR(Int8Slot(ctx, refs, vr, s, i, k, q8, nq, absmax_base, gpu_stream, &ts[i]));
+          TF_RETURN_IF_ERROR(Int8Slot(ctx, refs, vr, shape, s, i, k, q8, nq, absmax_base, gpu_stream, &ts[i]));
           continue;
         }
         DType sdt = DType::kFloat;
@@ -413,10 +438,12 @@ class ClipApplyOp : public OpKernel {
           if (placeholder) continue;  // neither read nor written: any dtype (keras's are float32)
         }
         if (!ToCoreDType(st.dtype(), &sdt) || !SlotStorageOf(ts[i].var_dtype, sdt, &storage) ||
-            (!factored && st.shape() != vt.shape())) {
+            (!factored && st.shape() != shape)) {
           return tf::errors::InvalidArgument(
               s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ",
               vr.name(), " is ", tf::DataTypeString(vt.dtype()), vt.shape().DebugString(),
+              offset >= 0 ? tf::strings::StrCat(" (its range from var_offsets[", i, "] = ", offset, ": ",
+                                                 shape.DebugString(), ")") : std::string(),
               "; a slot must match its variable (its shape, and its dtype or bfloat16 for a float "
               "variable's state)");
         }
@@ -457,11 +484,11 @@ class ClipApplyOp : public OpKernel {
   // variable, its absmax variable a float32 vector of one value per kQuantBlock elements. q8:
   // the count of variables with int8 state before this one (advanced after its last slot).
   absl::Status Int8Slot(OpKernelContext* ctx, const std::vector<VarRef>& refs, const VarRef& vr,
-                        const VarRef& s, int i, int k, int& q8, int nq, size_t absmax_base,
-                        void* gpu_stream, ApplyTensor* t) {
+                        const tf::TensorShape& shape, const VarRef& s, int i, int k, int& q8, int nq,
+                        size_t absmax_base, void* gpu_stream, ApplyTensor* t) {
     const Tensor& vt = *vr.tensor();
     const Tensor& st = *s.tensor();
-    if (st.dtype() != tf::DT_UINT8 || st.shape() != vt.shape() || vt.dtype() != tf::DT_FLOAT ||
+    if (st.dtype() != tf::DT_UINT8 || st.shape() != shape || vt.dtype() != tf::DT_FLOAT ||
         (k > 0 && t->slot_storage != SlotStorage::kInt8)) {
       return tf::errors::InvalidArgument(
           s.name(), " is ", tf::DataTypeString(st.dtype()), st.shape().DebugString(), " but ", vr.name(),
@@ -475,7 +502,7 @@ class ClipApplyOp : public OpKernel {
     const VarRef& a = refs[absmax_base + static_cast<size_t>(k) * nq + q8];
     if (!a.initialized()) return tf::errors::FailedPrecondition(a.name(), " is not initialized");
     const Tensor& at = *a.tensor();
-    const int64_t blocks = QuantBlocks(vt.NumElements());
+    const int64_t blocks = QuantBlocks(shape.num_elements());
     if (at.dtype() != tf::DT_FLOAT || at.dims() != 1 || at.dim_size(0) != blocks) {
       return tf::errors::InvalidArgument(a.name(), " is ", tf::DataTypeString(at.dtype()), at.shape().DebugString(),
                                          "; the absmax of ", s.name(), " must be float32[", blocks, "] (one per ",
@@ -515,6 +542,7 @@ class ClipApplyOp : public OpKernel {
   int num_absmax_ = 0;           // the `absmax` input's count (int8 state): see apply_op.h
   bool has_grad_scale_ = false;  // the `grad_scale` input (ClipConfig::grad_scale)
   bool has_rounding_ = false;    // the `rounding` input (stochastic rounding's seed and step)
+  std::vector<int32_t> var_offsets_;  // [] or per variable: -1 whole, else its range's first element
   std::vector<int> sparse_of_;  // per gradient: its position in `indices`, or -1 (dense)
   int num_sparse_ = 0;
   bool with_refs_ = false;  // TfclipClipApplyRef<Op>

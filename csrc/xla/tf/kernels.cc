@@ -210,6 +210,11 @@ class ClipApplyXla : public XlaOpKernel {
     num_absmax_ = attrs.num_absmax;
     has_grad_scale_ = attrs.num_grad_scale > 0;
     has_rounding_ = attrs.num_rounding > 0;
+    for (const int32_t o : attrs.var_offsets) {
+      OP_REQUIRES(c, o < 0, tf::errors::Unimplemented(
+                                "var_offsets (a range of a variable: a share of a variable split across replicas) "
+                                "is not compiled by XLA; step outside jit_compile=True"));
+    }
     const std::vector<int32_t>& sparse = attrs.sparse;
     sparse_of_.assign(static_cast<size_t>(n_), -1);
     for (size_t k = 0; k < sparse.size(); ++k) sparse_of_[sparse[k]] = static_cast<int>(k);
