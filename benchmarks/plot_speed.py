@@ -5,7 +5,8 @@ its memory floor (1.0 = moving the step's bytes at copy speed; lower is faster).
         [--gpu benchmarks/results/gpu-<date>-<kind>.txt] --out docs/speed.png
 
 --cpu: a `cpu_bench.py` run (its main table: tfclip against the TF paths, "x floor" from the net
-time). --gpu: a `gpu_bench.py` run (tfclip's "% of copy", so x floor = 100 / %, and PyTorch's
+time; with `--extras state_dtype`, a second panel: BERT-base's Adam step with bfloat16 and int8
+optimizer state as a multiple of the float32-state step, its "x fp32"). --gpu: a `gpu_bench.py` run (tfclip's "% of copy", so x floor = 100 / %, and PyTorch's
 fused clip_grad_norm_ + Adam as torch/tfclip times that). Needs matplotlib (`pip install
 ".[plot]"`).
 """
@@ -27,6 +28,23 @@ def read_cpu(path):
         m = re.match(r"^\s{20,}(\S.+?)\s{2,}([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", line)
         if m and current and not m.group(1).startswith(("harness", "floor")):
             out[current].append((m.group(1), float(m.group(4))))
+    return out
+
+
+def read_state(path):
+    """{step: [(state dtype, x fp32)]} from cpu_bench's state_dtype table (Adam rows), or {}."""
+    out, inside = {}, False
+    for line in open(path):
+        if "optimizer state in float32 against" in line:
+            inside = True
+            continue
+        if inside and not line.strip():
+            break
+        m = re.match(r"^(fused_clip_apply Adam|tfclip\.keras\.Adam apply_gradients)\s+(float32|bfloat16|int8)\s.*?"
+                     r"([\d.]+)\s*$", line) if inside else None
+        if m:
+            step = "fused_clip_apply" if m.group(1).startswith("fused") else "tfclip.keras.Adam"
+            out.setdefault(step, []).append((m.group(2) + " state", float(m.group(3))))
     return out
 
 
@@ -53,11 +71,16 @@ def main(argv=None):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    panels = [("CPU (TensorFlow, fp32 Adam, global clip)", read_cpu(args.cpu))]
+    panels = [("CPU (TensorFlow, fp32 Adam, global clip)", read_cpu(args.cpu),
+               "step time / memory floor (lower is faster)")]
+    state = read_state(args.cpu)
+    if state:
+        panels.append(("CPU, BERT-base Adam: optimizer state dtype", state,
+                       "step time / float32 state's step (lower is faster)"))
     if args.gpu:
-        panels.append(("GPU (fp32 Adam, global clip)", read_gpu(args.gpu)))
+        panels.append(("GPU (fp32 Adam, global clip)", read_gpu(args.gpu), "step time / memory floor (lower is faster)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 4.5), squeeze=False)
-    for ax, (title, data) in zip(axes[0], panels):
+    for ax, (title, data, ylabel) in zip(axes[0], panels):
         sets = list(data)
         methods = list(dict.fromkeys(m for rows in data.values() for m, _ in rows))
         width = 0.8 / len(methods)
@@ -67,7 +90,7 @@ def main(argv=None):
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(np.arange(len(sets)) + 0.4 - width / 2, sets)
-        ax.set_ylabel("step time / memory floor (lower is faster)")
+        ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize="small")
     fig.tight_layout()
