@@ -249,14 +249,13 @@ def test_two_worker_processes_unsharded_sum_in_pieces_as_tfs_all_reduce(workers)
         assert _bits(w["tfk_none_mirrored_vars"]) != _bits(w["tfk_adam_one_vars"])
         # (tfclip.rules: one per traced step, 5, as its sharded step's reduce-scatters)
         assert int(w["rules_adam_mirrored_reduces"]) == 5 and int(w["rules_adam_sharded_reduces"]) == 0
-        for dtype in ("float32", "bfloat16", "float16"):
-            for piece in (1 << 21, 7):
-                key = f"ring_{dtype}_{piece}"
-                assert w[key + "_shapes"].all(), key
-                assert w[key + "_tf"].size == 3 * 5 + 1 + 0 + 1000 + 8
-                assert np.any(w[key + "_tf"] != 0)
-                assert _bits(w[key + "_ours"]) == _bits(w[key + "_tf"]), key
-    assert _bits(workers[0]["ring_float32_7_ours"]) == _bits(workers[1]["ring_float32_7_ours"])
+        for piece in (1 << 21, 7):  # (float32, bfloat16 and float16 in one call)
+            key = f"ring_{piece}"
+            assert w[key + "_kinds"].all() and w[key + "_kinds"].size == 15, key
+            assert w[key + "_tf"].size == 3 * (3 * 5 + 1 + 0 + 1000 + 8)
+            assert np.all(w[key + "_tf"][:1024] != w[key + "_tf"][1024:2048])  # (bfloat16 rounds: apart)
+            assert _bits(w[key + "_ours"]) == _bits(w[key + "_tf"]), key
+    assert _bits(workers[0]["ring_7_ours"]) == _bits(workers[1]["ring_7_ours"])
 
 
 @pytest.mark.parametrize("case", ["int8", "bf16_state", "tfk_int8"])

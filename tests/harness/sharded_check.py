@@ -430,32 +430,38 @@ def _reduces():
 
 def _against_the_ring(out, ms):
     """tfclip's all-reduce in pieces (tfclip/_engine/collectives.py) against TF's own (the
-    strategy's ring all-reduce) on the same per-replica tensors: float32, bfloat16 and float16,
-    sizes that split unevenly, one piece and many (PIECE 7), a tensor of no elements."""
+    strategy's ring all-reduce) on the same per-replica tensors: float32, bfloat16 and float16 in
+    one call (each dtype its own parts), sizes that split unevenly, one piece and many (PIECE 7),
+    a tensor of no elements. (TF's packing takes one dtype per call: one call each.)"""
     from tfclip._engine import collectives
 
     shapes = [(3, 5), (1,), (0,), (1000,), (2, 2, 2)]
-    for dtype in (tf.float32, tf.bfloat16, tf.float16):
-        def values(t):
-            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
-            return [tf.cast(tf.sin(tf.reshape(tf.range(float(np.prod(s))), s) * (1.7 + r) + t) * (3.0 + r), dtype)
-                    for s in shapes]
+    dtypes = (tf.float32, tf.bfloat16, tf.float16)
 
-        for piece in (collectives.PIECE, 7):
-            saved, collectives.PIECE = collectives.PIECE, piece
-            try:
-                ours = tf.function(lambda: ms.run(lambda: collectives.all_reduce(values(0.25))))()
-                ring = tf.function(lambda: ms.run(lambda: tf.distribute.get_replica_context().all_reduce(
-                    "SUM", values(0.25))))()
-            finally:
-                collectives.PIECE = saved
-            key = f"ring_{dtype.name}_{piece}"
-            out[key + "_ours"] = np.concatenate([np.asarray(tf.cast(ms.experimental_local_results(t)[0], tf.float64))
-                                                 .ravel() for t in ours])
-            out[key + "_tf"] = np.concatenate([np.asarray(tf.cast(ms.experimental_local_results(t)[0], tf.float64))
-                                               .ravel() for t in ring])
-            out[key + "_shapes"] = np.array([list(ms.experimental_local_results(t)[0].shape) == list(s)
-                                             for t, s in zip(ours, shapes)])
+    def values(dtype):
+        r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        return [tf.cast(tf.sin(tf.reshape(tf.range(float(np.prod(s))), s) * (1.7 + r) + 0.25) * (3.0 + r), dtype)
+                for s in shapes]
+
+    def ring():
+        ctx = tf.distribute.get_replica_context()
+        return [t for d in dtypes for t in ctx.all_reduce("SUM", values(d))]
+
+    for piece in (collectives.PIECE, 7):
+        saved, collectives.PIECE = collectives.PIECE, piece
+        try:
+            ours = tf.function(lambda: ms.run(lambda: collectives.all_reduce([t for d in dtypes for t in values(d)])))()
+            theirs = tf.function(lambda: ms.run(ring))()
+        finally:
+            collectives.PIECE = saved
+
+        def flat(ts):
+            return np.concatenate([np.asarray(tf.cast(ms.experimental_local_results(t)[0], tf.float64)).ravel()
+                                   for t in ts])
+        out[f"ring_{piece}_ours"], out[f"ring_{piece}_tf"] = flat(ours), flat(theirs)
+        out[f"ring_{piece}_kinds"] = np.array([list(ms.experimental_local_results(t)[0].shape) == list(s)
+                                               and ms.experimental_local_results(t)[0].dtype == d
+                                               for t, (d, s) in zip(ours, [(d, s) for d in dtypes for s in shapes])])
 
 
 def worker(path):
