@@ -256,3 +256,25 @@ class Frozen:
     def __init__(self, a):
         self.__cuda_array_interface__ = dict(a.__cuda_array_interface__)
         self._keep = a
+
+
+def assert_same_bits(got, want, what=""):
+    """`got` and `want` hold the same bytes, bit for bit (NaN payloads and -0.0 too). On failure:
+    how many elements differ and the first few, never the bytes themselves: pytest explains a
+    failed `a.tobytes() == b.tobytes()` through difflib, quadratic in the bytes, and under CI=true
+    in full, which once ran a planted fault's first failing check past CI's time limit."""
+    a, b = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    ab, bb = a.tobytes(), b.tobytes()
+    if ab == bb:
+        return
+    label = f"{what}: " if what != "" else ""
+    if len(ab) != len(bb):
+        raise AssertionError(f"{label}{a.dtype}{list(a.shape)} against {b.dtype}{list(b.shape)}: "
+                             f"{len(ab)} bytes against {len(bb)}")
+    if a.dtype.itemsize != b.dtype.itemsize:  # (then the bytes themselves)
+        a, b = np.frombuffer(ab, np.uint8), np.frombuffer(bb, np.uint8)
+    k = max(a.dtype.itemsize, 1)
+    bad = np.unique(np.flatnonzero(np.frombuffer(ab, np.uint8) != np.frombuffer(bb, np.uint8)) // k)
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    first = ", ".join(f"[{i}] {fa[i]!r} vs {fb[i]!r}" for i in bad[:6])
+    raise AssertionError(f"{label}{bad.size} of {fa.size} elements differ in their bits: {first}")

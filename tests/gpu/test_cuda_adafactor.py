@@ -8,7 +8,7 @@ count."""
 import numpy as np
 import pytest
 
-from gpu_arrays import BF16, core, to_dev, to_host
+from gpu_arrays import BF16, assert_same_bits, core, to_dev, to_host
 
 HP = {"lr": 0.05, "beta_2_decay": -0.8, "epsilon_1": 1e-30, "epsilon_2": 1e-3, "clip_threshold": 1.0,
       "step": 3.0, "weight_decay": 0.01}
@@ -55,7 +55,7 @@ def _both(vars0, slots0, grads, hp=HP, **kw):
 def _same(cpu, cuda):
     (_, cv, cs), (_, gv, gs) = cpu, cuda
     for k, (a, b) in enumerate(zip(cv + sum(cs, []), gv + sum(gs, []))):
-        assert _bits(a).tobytes() == _bits(b).tobytes(), (k, np.flatnonzero(_bits(a).ravel() != _bits(b).ravel())[:8])
+        assert_same_bits(_bits(a), _bits(b), k)
 
 
 @pytest.mark.parametrize("dtype,gdtype", [(np.float32, np.float32), (np.float64, np.float64),
@@ -98,7 +98,7 @@ def test_adafactor_cuda_skip_writes_nothing_and_launches_four_kernels(rng):
     cpu, cuda = _both(vars0, slots0, grads, clip_mode="global_norm", clip=1.0)
     assert not cuda[0][1] and not cpu[0][1]
     for a, b in zip(vars0 + sum(slots0, []), cuda[1] + sum(cuda[2], [])):
-        assert _bits(a).tobytes() == _bits(b).tobytes()
+        assert_same_bits(_bits(a), _bits(b))
     # the same count of launches for 40 tensors as for 7
     shapes = [(6, 4)] * 40
     v40, s40 = _state(rng, np.float32, shapes)

@@ -9,7 +9,7 @@ tests/test_clip_agc.py's; here the CPU is the reference.
 import numpy as np
 import pytest
 
-from gpu_arrays import BF16, core, full, to_dev, to_host
+from gpu_arrays import BF16, assert_same_bits, core, full, to_dev, to_host
 
 SHAPES = [(), (37,), (13, 6), (4, 5, 7), (3, 3, 4, 8), (3, 3000), (70_001, 2), (40_000,)]
 PAIRS = {"float32": (np.float32, np.float32), "float64": (np.float64, np.float64),
@@ -35,7 +35,7 @@ def mixed_grads(rng, shape, dtype, w, clip=0.05):
 
 
 def same_bits(got, want):
-    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
+    assert_same_bits(got, want)
 
 
 @pytest.fixture

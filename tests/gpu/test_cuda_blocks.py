@@ -10,7 +10,7 @@ No TensorFlow. In CI on the emulated build (scripts/cuda_emulation.sh), on a GPU
 import numpy as np
 import pytest
 
-from gpu_arrays import core, full, to_dev, to_host
+from gpu_arrays import assert_same_bits, core, full, to_dev, to_host
 
 CHUNK = core.cuda_chunk_elems
 WARP = core.cuda_warp_chunk_elems
@@ -111,7 +111,7 @@ def test_boundary_sizes_apply(rng, rule, nslots, hp, mode, clip):
     for got, want in zip([*dv, *[s for sl in ds for s in sl]], [*vs, *[s for sl in slots for s in sl]]):
         g = to_host(got, np.float32)
         if exact:
-            assert g.tobytes() == want.tobytes()
+            assert_same_bits(g, want)
         else:
             np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
 

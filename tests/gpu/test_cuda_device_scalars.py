@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from gpu_arrays import EMULATED, core, to_dev, to_host
+from gpu_arrays import EMULATED, assert_same_bits, core, to_dev, to_host
 
 SHAPES = [(5000,), (7, 3), (1,)]
 # rule: (slot count, hyper-parameters by their rule-table names, flags)
@@ -48,7 +48,7 @@ def match(got, want, rule):
     for g, w in zip(got, want):
         if EMULATED or rule != "adam":
             # The step constants are the same casts (and, emulated, the same pow) either way.
-            assert g.tobytes() == w.tobytes()
+            assert_same_bits(g, w)
         else:
             # On a GPU Adam's beta^t is the device's pow: within an ulp of the host's.
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
@@ -104,7 +104,7 @@ def test_device_step_counter_counts_applied_steps_only(rng):
     assert not applied and math.isinf(norm)
     assert to_host(counter, np.int64)[0] == 5
     for g, w in zip(host(b_vars, b_slots), before):
-        assert g.tobytes() == w.tobytes()
+        assert_same_bits(g, w)
 
 
 @pytest.mark.parametrize("what,value,pattern", [
@@ -135,7 +135,7 @@ def test_bad_device_value_writes_nothing(rng, what, value, pattern):
     with pytest.raises(ValueError, match=pattern + r".*\(read on the device\); no variable was updated"):
         core.cuda_clip_apply("adam", vd, gd, sd, hps, "global_norm", kw["clip"], kw["use_norm"], "raise")
     for g, w in zip(host(vd, sd), before):
-        assert g.tobytes() == w.tobytes()
+        assert_same_bits(g, w)
 
 
 def test_device_scalar_must_be_one_float64(rng):
@@ -176,7 +176,7 @@ def test_failed_launch_releases_the_workspace_and_writes_nothing(rng, monkeypatc
     core.cuda_synchronize()
     if kernel in ("NormKernel", "FinalizeKernel"):  # nothing after the failed launch ran
         for g, w in zip(host(vd, sd), before):
-            assert g.tobytes() == w.tobytes()
+            assert_same_bits(g, w)
     # The next step runs normally.
     norm, applied = core.cuda_clip_apply("adam", vd, grads, sd, {**hp, **flags}, "global_norm", 1.0,
                                          None, "skip", indices)
@@ -197,7 +197,7 @@ def test_clip_op_reads_clip_norm_and_use_norm_on_the_device(rng, dtype):
                                            None if use_norm is None else scalar(use_norm, dtype))
         assert na == nb
         for x, y in zip(a, b):
-            assert to_host(x, np.float32).tobytes() == to_host(y, np.float32).tobytes()
+            assert_same_bits(to_host(x, np.float32), to_host(y, np.float32))
     core.cuda_clip_by_global_norm(ins, b, scalar(-1.0, dtype))
     assert all(np.isnan(to_host(y, np.float32)).all() for y in b)
     with pytest.raises(ValueError, match="clip_norm and use_norm on the device must have one dtype"):

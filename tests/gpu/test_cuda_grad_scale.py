@@ -6,7 +6,7 @@ to the norms' 1e-12."""
 import numpy as np
 import pytest
 
-from gpu_arrays import BF16, core, to_dev, to_host
+from gpu_arrays import BF16, assert_same_bits, core, to_dev, to_host
 
 CHUNK = core.cuda_chunk_elems
 SHAPES = [(7,), (300,), (33, 17), (2 * CHUNK + 300,), ()]
@@ -25,7 +25,7 @@ def rng():
 
 def _same_bits(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert a.tobytes() == b.tobytes(), np.flatnonzero(a.ravel() != b.ravel())[:10]
+    assert_same_bits(a, b)
 
 
 # (Lamb takes no int8 state: its trust ratio reads the slots back; tests/test_state_int8.py.)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import reference
-from gpu_arrays import BF16, core, to_dev, to_host
+from gpu_arrays import BF16, assert_same_bits, core, to_dev, to_host
 
 CHUNK = core.cuda_chunk_elems
 # A warp's chunk (<= cuda_warp_chunk_elems), a short last block, a block crew's chunks, a tail.
@@ -55,7 +55,7 @@ def _state(rng, unsigned, centered=False):
 
 def _same_bits(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert a.tobytes() == b.tobytes(), np.flatnonzero(a.ravel() != b.ravel())[:10]
+    assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import reference
-from gpu_arrays import BF16, DEVICE, EMULATED, core, dev, full, to_dev, to_host
+from gpu_arrays import BF16, DEVICE, EMULATED, assert_same_bits, core, dev, full, to_dev, to_host
 
 DTYPES = {"float16": np.float16, "bfloat16": BF16, "float32": np.float32, "float64": np.float64}
 CHUNK = core.cuda_chunk_elems
@@ -53,7 +53,7 @@ def assert_unwritten(after, before):
 
 
 def same_bits(got, want):
-    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
+    assert_same_bits(got, want)
 
 
 @pytest.fixture
@@ -569,7 +569,7 @@ def test_host_memory_and_misaligned_pointers_are_rejected_by_name():
     odd = _raw({"shape": (8,), "typestr": "<f4", "data": (ptr + 1, False), "version": 3, "strides": None}, buf)
     with pytest.raises(ValueError, match=r"grads\[0\] is not aligned"):
         core.cuda_clip_apply("sgd", [good], [odd], [], {"learning_rate": 0.1})
-    assert host.tobytes() == np.zeros(8, np.float32).tobytes()
+    assert_same_bits(host, np.zeros(8, np.float32))
     same_bits(to_host(good, np.float32), np.ones(8, np.float32))
 
 
@@ -736,7 +736,7 @@ def test_norm_bits_depend_on_values_not_on_alignment(rng, dtype):
     for k in range(1, 8):
         bases = [np.concatenate([rand(rng, (k,), dt), v]) for v in vals]
         got = core.cuda_global_norm([to_dev(b)[k:] for b in bases])
-        assert np.float64(got).tobytes() == np.float64(want).tobytes(), k
+        assert_same_bits(np.float64(got), np.float64(want), k)
 
 
 def test_lamb_bits_depend_on_values_not_on_alignment(rng):

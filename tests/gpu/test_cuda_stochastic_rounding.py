@@ -7,7 +7,7 @@ on a given norm: the norm pass sums in another order on the device)."""
 import numpy as np
 import pytest
 
-from gpu_arrays import BF16, core, to_dev, to_host
+from gpu_arrays import BF16, assert_same_bits, core, to_dev, to_host
 
 CHUNK = core.cuda_chunk_elems
 # Sizes for every path: a tail shorter than a vector, odd sizes, several chunks.
@@ -54,7 +54,7 @@ def _cuda(rule, vars0, slots0, grads, hp, rounding, **kw):
 def _same(cpu, cuda):
     (_, cv, cs), (_, gv, gs) = cpu, cuda
     for k, (a, b) in enumerate(zip(cv + sum(cs, []), gv + sum(gs, []))):
-        assert _bits(a).tobytes() == _bits(b).tobytes(), (k, np.flatnonzero(_bits(a).ravel() != _bits(b).ravel())[:8])
+        assert_same_bits(_bits(a), _bits(b), k)
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -119,7 +119,7 @@ def test_cuda_rounding_read_on_the_device(rng):
     bad = _cuda("adam", vars0, slots0, grads, hp, (to_dev(np.array([float(SEED)])), to_dev(np.array([1.5]))))
     assert not bad[0][1]
     for a, b in zip(bad[1], vars0):
-        assert _bits(a).tobytes() == _bits(b).tobytes()
+        assert_same_bits(_bits(a), _bits(b))
     with pytest.raises(ValueError, match="stochastic rounding's seed must be an integer in"):
         _cuda("adam", vars0, slots0, grads, hp, (to_dev(np.array([-1.0])), to_dev(np.array([1.0]))),
               nonfinite="raise")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import reference
-from gpu_arrays import BF16, EMULATED, core, to_dev, to_host
+from gpu_arrays import BF16, EMULATED, assert_same_bits, core, to_dev, to_host
 
 pytestmark = pytest.mark.emulation_only
 
@@ -113,7 +113,7 @@ def _same_bits(got, want):
     want = np.asarray(want)
     got = np.asarray(got).reshape(want.shape)  # (a 0-d array travels as one element)
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert got.tobytes() == want.tobytes(), np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))
+    assert_same_bits(got, want)
 
 
 RULES = list(core.rule_table())
