@@ -102,7 +102,7 @@ def test_a_flat_vector_and_its_received_pieces_give_every_span():
     whole = np.concatenate([t.ravel() for t in tensors] + [np.zeros(4, np.float32)])
     flat = collectives.Flat([tf.constant(t) for t in tensors], whole.size, tf.float32)
     cuts = [(0, 3), (3, 5), (5, 9), (9, whole.size)]
-    received = collectives.Received([(a, b, tf.constant(whole[a:b])) for a, b in cuts], tf.float32)
+    received = collectives.received([(a, b, tf.constant(whole[a:b])) for a, b in cuts], tf.float32)
     for a in range(whole.size + 1):
         for b in range(a, whole.size + 1):
             assert flat.span(a, b).numpy().tolist() == whole[a:b].tolist(), (a, b)

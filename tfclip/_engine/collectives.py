@@ -119,27 +119,17 @@ class Flat:
         return out[0] if len(out) == 1 else tf.concat(out, 0) if out else tf.zeros([0], self.dtype)
 
 
-class Received:
-    """A flat vector as a collective's pieces brought it: [(start, stop, tensor)] end to end.
-    `span(a, b)`: elements [a, b) (a piece itself where they are one, else slices joined)."""
-
-    def __init__(self, pieces, dtype):
-        self.pieces, self.dtype = pieces, dtype
-
-    def span(self, a, b):
-        out = []
-        for start, stop, t in self.pieces:
-            if stop <= a or start >= b:
-                continue
-            lo, hi = max(a, start), min(b, stop)
-            out.append(t if (lo, hi) == (start, stop) else t[lo - start:hi - start])
-        return out[0] if len(out) == 1 else tf.concat(out, 0) if out else tf.zeros([0], self.dtype)
+def received(pieces, dtype):
+    """A flat vector as a collective's pieces brought it ([(start, stop, tensor)], end to end from
+    0): a `Flat` of the pieces, whose `span` is a piece itself where they are one."""
+    return Flat([t for _, _, t in pieces], pieces[-1][1] if pieces else 0, dtype,
+                sizes=[stop - start for start, stop, _ in pieces])
 
 
 def sum_parts(part, width, dtype):
     """`part(r)`: a source of `width` elements (a `Flat`: this replica's contribution to replica
-    r's sum); returns the `Received` sum of every replica's part for this one, the N parts added
-    in replica order. An all-to-all per piece."""
+    r's sum); returns the sum (a `received` `Flat`) of every replica's part for this one, the N
+    parts added in replica order. An all-to-all per piece."""
     n, rid, wait = _context()
     parts = [part(r) for r in range(n)]
     out = []
@@ -151,12 +141,12 @@ def sum_parts(part, width, dtype):
         for s in range(1, n):  # (in replica order)
             piece = piece + got[s]
         out.append((a, b, piece))
-    return Received(out, dtype)
+    return received(out, dtype)
 
 
 def gather(sent, width):
-    """sent: a source of `width` elements (`Flat` or `Received`), as wide on every replica;
-    returns each replica's, a `Received` per replica in replica order. An all-gather per piece."""
+    """sent: a source of `width` elements (a `Flat`), as wide on every replica;
+    returns each replica's, a `received` `Flat` per replica in replica order. An all-gather per piece."""
     n, rid, wait = _context()
     dtype = sent.dtype
     out = [[] for _ in range(n)]
@@ -170,7 +160,7 @@ def gather(sent, width):
             got = tf.bitcast(got, tf.bfloat16)
         for r in range(n):
             out[r].append((a, b, got[r * (b - a):(r + 1) * (b - a)]))
-    return [Received(pieces_r, dtype) for pieces_r in out]
+    return [received(pieces_r, dtype) for pieces_r in out]
 
 
 def all_reduce(grads):
